@@ -1,0 +1,175 @@
+"""The PyTorch reference: the specification of the MoE layer as code, and the oracle of every fast path.
+
+Data flow, one step per line, fp32 throughout:
+  x [T, H] -> (FP8 act quant round trip, if the spec says so) -> for each local expert hit:
+  gather its tokens -> (router weight on the input, K = 1) -> h = x @ w13^T + b13 -> split gate/up by
+  layout -> activation (alpha, clamp) -> (FP8 act quant of h) -> y = h @ w2^T + b2 -> times router
+  weight -> added into out[token]. Experts mapped to -1 by the expert map contribute nothing.
+
+Weights are dequantized one expert at a time, and only for experts that some token hits, so the
+reference stays usable at real sizes on a CPU for small T.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moekit.errors import DeviceError, DTypeError, ShapeError, SpecError
+from moekit.formats import dequantize_fp8_activation, quantize_fp8_activation
+from moekit.routing import RoutingResult, check_expert_map
+from moekit.spec import Activation, ActivationQuant, ActivationSpec, GateLayout, MoESpec, RouterWeightPlacement
+from moekit.weights import ExpertWeights
+
+
+def split_gate_up(h: torch.Tensor, layout: GateLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the w13 output `[n, 2I]` into gate and up halves `[n, I]` per the layout."""
+    if layout is GateLayout.INTERLEAVED:
+        return h[:, 0::2], h[:, 1::2]
+    half = h.shape[1] // 2
+    return h[:, :half], h[:, half:]
+
+
+def apply_activation(gate: torch.Tensor, up: torch.Tensor, act: ActivationSpec) -> torch.Tensor:
+    """The gated activation of the guide, §2, in fp32."""
+    limit = act.limit
+    if limit is not None:  # same rule for every activation: gate clamped from above, up on both sides
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    if act.kind is Activation.SWIGLU_OAI:
+        return gate * torch.sigmoid(act.alpha * gate) * (up + 1.0)
+    if act.kind is Activation.SILU:
+        return torch.nn.functional.silu(gate) * up
+    if act.kind is Activation.GELU:
+        return torch.nn.functional.gelu(gate, approximate="none") * up
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def _fake_quant_activation(a: torch.Tensor, quant: ActivationQuant) -> torch.Tensor:
+    """Round-trip activations through FP8 exactly as a W8A8 kernel sees them."""
+    if quant is ActivationQuant.NONE:
+        return a
+    return dequantize_fp8_activation(quantize_fp8_activation(a, quant=quant), dtype=torch.float32)
+
+
+def check_inputs(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    expert_map: torch.Tensor | None,
+) -> None:
+    """Every check a fast path needs before launching anything (shapes, dtypes, devices, ids)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != spec.H:
+        raise ShapeError(f"x must be [T, H={spec.H}], got {getattr(x, 'shape', x)!r}")
+    if x.dtype != spec.act_dtype:
+        raise DTypeError(f"x has dtype {x.dtype} but spec.act_dtype is {spec.act_dtype}")
+    weights.validate(spec)
+    if routing.num_tokens != x.shape[0] or routing.top_k != spec.K:
+        raise ShapeError(
+            f"routing is [T={routing.num_tokens}, K={routing.top_k}] but x has T={x.shape[0]} and spec K={spec.K}"
+        )
+    for name, t in (("weights", weights.w13), ("routing", routing.ids)):
+        if t.device != x.device:
+            raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
+    routing.check_ids(spec.E)
+    if spec.uses_expert_map != (expert_map is not None):
+        raise SpecError(
+            f"spec.num_local_experts={spec.num_local_experts} "
+            f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
+        )
+    if expert_map is not None:
+        if expert_map.device != x.device:
+            raise DeviceError(f"expert_map is on {expert_map.device} but x is on {x.device}")
+        check_expert_map(expert_map, num_experts=spec.E, num_local_experts=spec.E_local)
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * (act(x[t] @ w13[e]^T + b13[e]) @ w2[e]^T + b2[e]), e = ids[t,k]; fp32 inside."""
+    check_inputs(x, weights, routing, spec=spec, expert_map=expert_map)
+    num_tokens = x.shape[0]
+    out = torch.zeros(num_tokens, spec.H, dtype=torch.float32, device=x.device)
+    x32 = _fake_quant_activation(x.float(), spec.act_quant)
+    local_ids = routing.ids.long()
+    if expert_map is not None:
+        local_ids = expert_map.long()[local_ids]  # -1 where another rank owns the expert
+    for expert in local_ids.unique().tolist():
+        if expert < 0:
+            continue  # owned by another rank: contributes zero here
+        token_idx, k_idx = (local_ids == expert).nonzero(as_tuple=True)
+        route_w = routing.weights[token_idx, k_idx].unsqueeze(1)
+        xe = x32[token_idx]
+        if spec.router_weight_placement is RouterWeightPlacement.INPUT:
+            xe = _fake_quant_activation(x.float()[token_idx] * route_w, spec.act_quant)
+        h = xe @ weights.dequantize_w13(expert).T
+        if weights.b13 is not None:
+            h = h + weights.b13[expert].float()
+        gate, up = split_gate_up(h, spec.gate_layout)
+        a = apply_activation(gate, up, spec.activation)
+        a = _fake_quant_activation(a, spec.act_quant)
+        y = a @ weights.dequantize_w2(expert).T
+        if weights.b2 is not None:
+            y = y + weights.b2[expert].float()
+        if spec.router_weight_placement is RouterWeightPlacement.OUTPUT:
+            y = y * route_w
+        out.index_add_(0, token_idx, y)
+    return out.to(spec.act_dtype)
+
+
+def fused_moe_per_token_loop(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A second, independent spelling of the math: one token and one k at a time, in float64.
+
+    Tests use it to cross-check `fused_moe_reference`; it is far too slow for anything else.
+    """
+    check_inputs(x, weights, routing, spec=spec, expert_map=expert_map)
+    out = torch.zeros(x.shape[0], spec.H, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(spec.K):
+            expert = int(routing.ids[t, k])
+            if expert_map is not None:
+                expert = int(expert_map[expert])
+                if expert < 0:
+                    continue
+            w = float(routing.weights[t, k])
+            xt = _fake_quant_activation(x[t : t + 1].float(), spec.act_quant).double()[0]
+            if spec.router_weight_placement is RouterWeightPlacement.INPUT:
+                xt = _fake_quant_activation(x[t : t + 1].float() * w, spec.act_quant).double()[0]
+            w13 = weights.dequantize_w13(expert).double()
+            w2 = weights.dequantize_w2(expert).double()
+            h = torch.mv(w13, xt)
+            if weights.b13 is not None:
+                h = h + weights.b13[expert].double()
+            gate, up = split_gate_up(h.unsqueeze(0), spec.gate_layout)
+            a = _fake_quant_activation(apply_activation(gate, up, spec.activation).float(), spec.act_quant).double()
+            y = torch.mv(w2, a[0])
+            if weights.b2 is not None:
+                y = y + weights.b2[expert].double()
+            scale = w if spec.router_weight_placement is RouterWeightPlacement.OUTPUT else 1.0
+            out[t] += scale * y
+    return out
+
+
+def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives inf."""
+    a, e = actual.double(), expected.double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    denom = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff / denom if denom > 0 else diff

@@ -1,0 +1,285 @@
+"""The MoE specification: what math a layer computes.
+
+Data flow: a user (or a preset, or a checkpoint loader) builds a `MoESpec`; `__post_init__` validates
+every field; the spec then travels unchanged to the weights' validation, the router, the planner and
+the kernels. It is the single source of truth for every parameter of the math: nothing downstream
+re-derives or overrides a field.
+
+Letters follow the guide: T tokens, K experts per token, E experts (global), H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from moekit.errors import SpecError
+
+
+class WeightFormat(enum.Enum):
+    """How expert weights are stored."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"  # exact-comparison tests and CPU reference runs
+    FP8_E4M3 = "fp8_e4m3"
+    MXFP4 = "mxfp4"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self in (WeightFormat.FP8_E4M3, WeightFormat.MXFP4)
+
+    @property
+    def float_dtype(self) -> torch.dtype | None:
+        """The storage dtype of an unquantized format, else None."""
+        return _UNQUANTIZED_DTYPES.get(self)
+
+
+_UNQUANTIZED_DTYPES = {
+    WeightFormat.BF16: torch.bfloat16,
+    WeightFormat.FP16: torch.float16,
+    WeightFormat.FP32: torch.float32,
+}
+
+
+class Fp8Scale(enum.Enum):
+    """Granularity of FP8 weight scales (multiply to dequantize)."""
+
+    PER_TENSOR = "per_tensor"  # one scale per expert matrix: shape [E]
+    PER_CHANNEL = "per_channel"  # one per output row: [E, N]
+    BLOCK_128 = "block_128x128"  # DeepSeek-V3: [E, ceil(N/128), ceil(K/128)]
+
+
+class ActivationQuant(enum.Enum):
+    """Dynamic quantization of activations before a GEMM (W8A8 paths)."""
+
+    NONE = "none"
+    FP8_PER_TOKEN = "fp8_per_token"
+    FP8_PER_GROUP_128 = "fp8_per_1x128_group"
+
+
+class Activation(enum.Enum):
+    """Gated activations; `g` is the gate half and `u` the up half of the w13 output (after b13)."""
+
+    SILU = "silu"  # silu(g) * u
+    GELU = "gelu"  # gelu_erf(g) * u
+    GELU_TANH = "gelu_tanh"  # gelu_tanh(g) * u
+    SWIGLU_OAI = "swiglu_oai"  # GPT-OSS: g'=min(g,L); u'=clamp(u,-L,L); g'*sigmoid(alpha*g')*(u'+1)
+
+
+class GateLayout(enum.Enum):
+    """Where the gate and up rows sit in w13 `[E, 2I, H]`."""
+
+    CONCAT = "concat"  # rows [0, I) gate, rows [I, 2I) up (Mixtral, Qwen, DeepSeek)
+    INTERLEAVED = "interleaved"  # row 2j gate j, row 2j+1 up j (GPT-OSS checkpoints)
+
+
+class RouterWeightPlacement(enum.Enum):
+    """Where the router weight multiplies."""
+
+    OUTPUT = "output"  # out = sum_k w_k * expert_k(x)
+    INPUT = "input"  # out = expert(w * x); valid for K = 1 only
+
+
+class RoutingMethod(enum.Enum):
+    TOPK_SOFTMAX = "topk_softmax"  # GPT-OSS: top-k on logits, softmax over the K selected
+    SOFTMAX_TOPK = "softmax_topk"  # Mixtral/Qwen: softmax over E, top-k, optional renormalize
+    SIGMOID_GROUPED = "sigmoid_grouped"  # DeepSeek-V3: sigmoid, group-limited, correction bias
+
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """A gated activation with its parameters.
+
+    `alpha` is used by SWIGLU_OAI only (and must be None otherwise); `limit` is an optional clamp
+    limit L for any activation: None means no clamp, never a default value. With a limit, every
+    activation clamps as GPT-OSS does: the gate from above (g' = min(g, L)) and the up half on both
+    sides (u' = clamp(u, -L, L)), before the nonlinearity.
+    """
+
+    kind: Activation
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Activation):
+            raise SpecError(f"ActivationSpec.kind must be an Activation, got {self.kind!r}")
+        if self.kind is Activation.SWIGLU_OAI:
+            if self.alpha is None or not math.isfinite(self.alpha) or self.alpha <= 0:
+                raise SpecError(
+                    f"SWIGLU_OAI needs a finite alpha > 0 (GPT-OSS uses 1.702), got alpha={self.alpha!r}"
+                )
+        elif self.alpha is not None:
+            raise SpecError(
+                f"alpha={self.alpha!r} is only meaningful for SWIGLU_OAI, not {self.kind.name}; pass None"
+            )
+        if self.limit is not None and (not math.isfinite(self.limit) or self.limit <= 0):
+            raise SpecError(f"clamp limit must be None (no clamp) or finite and > 0, got {self.limit!r}")
+
+    @classmethod
+    def gpt_oss(cls) -> ActivationSpec:
+        return cls(Activation.SWIGLU_OAI, alpha=1.702, limit=7.0)
+
+    def describe(self) -> str:
+        parts = [self.kind.name]
+        if self.alpha is not None:
+            parts.append(f"alpha={self.alpha:g}")
+        parts.append(f"limit={self.limit:g}" if self.limit is not None else "no clamp")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How router logits `[T, E]` become weights `[T, K]` (fp32) and ids `[T, K]` (int32).
+
+    `routed_scaling_factor` multiplies the final weights of every method; it lives here, once, and
+    the router applies it, so kernels never apply it a second time.
+    """
+
+    method: RoutingMethod = RoutingMethod.TOPK_SOFTMAX
+    renormalize: bool = True  # SOFTMAX_TOPK only (SIGMOID_GROUPED always renormalizes)
+    n_group: int | None = None  # SIGMOID_GROUPED only
+    topk_group: int | None = None  # SIGMOID_GROUPED only
+    has_correction_bias: bool = False  # SIGMOID_GROUPED only (e_score_correction_bias [E])
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, RoutingMethod):
+            raise SpecError(f"RoutingSpec.method must be a RoutingMethod, got {self.method!r}")
+        if not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
+            raise SpecError(f"routed_scaling_factor must be finite and > 0, got {self.routed_scaling_factor!r}")
+        grouped = self.method is RoutingMethod.SIGMOID_GROUPED
+        if not grouped and (self.n_group is not None or self.topk_group is not None or self.has_correction_bias):
+            raise SpecError(
+                f"n_group={self.n_group}, topk_group={self.topk_group}, "
+                f"has_correction_bias={self.has_correction_bias} only apply to SIGMOID_GROUPED, "
+                f"not {self.method.name}"
+            )
+        if self.method is RoutingMethod.TOPK_SOFTMAX and not self.renormalize:
+            raise SpecError("TOPK_SOFTMAX always normalizes over the K selected; renormalize=False is not defined")
+        if grouped:
+            if (self.n_group is None) != (self.topk_group is None):
+                raise SpecError(
+                    f"give both n_group and topk_group or neither, got n_group={self.n_group}, "
+                    f"topk_group={self.topk_group}"
+                )
+            if self.n_group is not None and not (1 <= self.topk_group <= self.n_group):
+                raise SpecError(f"need 1 <= topk_group <= n_group, got {self.topk_group} and {self.n_group}")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Everything that defines an MoE layer's math. Immutable and validated at construction."""
+
+    num_experts: int  # E (global)
+    top_k: int  # K
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    weight_format: WeightFormat = WeightFormat.BF16
+    fp8_scale: Fp8Scale | None = None  # required iff weight_format is FP8_E4M3
+    act_dtype: torch.dtype = torch.bfloat16
+    act_quant: ActivationQuant = ActivationQuant.NONE
+    activation: ActivationSpec = field(default_factory=lambda: ActivationSpec(Activation.SILU))
+    gate_layout: GateLayout = GateLayout.CONCAT
+    has_bias: bool = False  # b13 [E, 2I] and b2 [E, H] both present
+    router_weight_placement: RouterWeightPlacement = RouterWeightPlacement.OUTPUT
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
+    num_local_experts: int | None = None  # E_local with expert parallelism; None means E
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"MoESpec.{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise SpecError(f"top_k K={self.top_k} cannot exceed num_experts E={self.num_experts}")
+        self._check_enum("weight_format", WeightFormat)
+        self._check_enum("act_quant", ActivationQuant)
+        self._check_enum("gate_layout", GateLayout)
+        self._check_enum("router_weight_placement", RouterWeightPlacement)
+        if not isinstance(self.activation, ActivationSpec):
+            raise SpecError(f"MoESpec.activation must be an ActivationSpec, got {self.activation!r}")
+        if not isinstance(self.routing, RoutingSpec):
+            raise SpecError(f"MoESpec.routing must be a RoutingSpec, got {self.routing!r}")
+        if self.act_dtype not in _ACT_DTYPES:
+            raise SpecError(f"act_dtype must be one of {_ACT_DTYPES}, got {self.act_dtype!r}")
+        is_fp8 = self.weight_format is WeightFormat.FP8_E4M3
+        if is_fp8 and not isinstance(self.fp8_scale, Fp8Scale):
+            raise SpecError(
+                f"FP8_E4M3 weights need fp8_scale (one of {[s.name for s in Fp8Scale]}), got {self.fp8_scale!r}"
+            )
+        if not is_fp8 and self.fp8_scale is not None:
+            raise SpecError(f"fp8_scale={self.fp8_scale.name} only applies to FP8_E4M3, not {self.weight_format.name}")
+        if self.act_quant is not ActivationQuant.NONE and not is_fp8:
+            raise SpecError(
+                f"act_quant={self.act_quant.name} (W8A8) needs FP8_E4M3 weights, got {self.weight_format.name}; "
+                "use act_quant=NONE"
+            )
+        if self.act_quant is ActivationQuant.FP8_PER_GROUP_128 and self.fp8_scale is not Fp8Scale.BLOCK_128:
+            raise SpecError(
+                f"per-1x128-group activation quantization pairs with BLOCK_128 weight scales, got {self.fp8_scale}"
+            )
+        if self.router_weight_placement is RouterWeightPlacement.INPUT and self.top_k != 1:
+            raise SpecError(
+                f"router weights on the input are only defined for K=1, got K={self.top_k}; use OUTPUT placement"
+            )
+        e_local = self.num_local_experts
+        if e_local is not None and (
+            not isinstance(e_local, int) or isinstance(e_local, bool) or not 1 <= e_local <= self.num_experts
+        ):
+            raise SpecError(f"num_local_experts must be None or in [1, E={self.num_experts}], got {e_local!r}")
+        if self.routing.method is RoutingMethod.SIGMOID_GROUPED and self.routing.n_group is not None:
+            n_group = self.routing.n_group
+            if self.num_experts % n_group:
+                raise SpecError(f"E={self.num_experts} is not divisible by n_group={n_group}")
+            if self.top_k > self.routing.topk_group * (self.num_experts // n_group):
+                raise SpecError(
+                    f"K={self.top_k} exceeds the experts in the {self.routing.topk_group} groups kept "
+                    f"({self.routing.topk_group} x {self.num_experts // n_group})"
+                )
+
+    def _check_enum(self, name: str, enum_type: type[enum.Enum]) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, enum_type):
+            raise SpecError(f"MoESpec.{name} must be a {enum_type.__name__}, got {value!r}")
+
+    # Short names used throughout the code base.
+    @property
+    def E(self) -> int:  # noqa: N802
+        return self.num_experts
+
+    @property
+    def E_local(self) -> int:  # noqa: N802
+        return self.num_experts if self.num_local_experts is None else self.num_local_experts
+
+    @property
+    def K(self) -> int:  # noqa: N802
+        return self.top_k
+
+    @property
+    def H(self) -> int:  # noqa: N802
+        return self.hidden_size
+
+    @property
+    def I(self) -> int:  # noqa: N802, E743
+        return self.intermediate_size
+
+    @property
+    def uses_expert_map(self) -> bool:
+        return self.num_local_experts is not None
+
+    def describe(self) -> str:
+        fmt = self.weight_format.name + (f"/{self.fp8_scale.name}" if self.fp8_scale else "")
+        return (
+            f"E={self.E} K={self.K} H={self.H} I={self.I} {fmt} act={str(self.act_dtype).removeprefix('torch.')}"
+            f" act_quant={self.act_quant.name} {self.activation.describe()} {self.gate_layout.name}"
+            f" bias={'yes' if self.has_bias else 'no'} router_on={self.router_weight_placement.name}"
+            f" routing={self.routing.method.name}"
+            + (f" E_local={self.E_local}" if self.uses_expert_map else "")
+        )

@@ -1,0 +1,269 @@
+"""Expert weights: a typed container that records format, gate layout and packing.
+
+Data flow: checkpoint tensors or float tensors -> `ExpertWeights` (validated against a `MoESpec`)
+-> optional load-time conversions that return a *new* container with a new type (`to_layout`,
+kernel repacking later) -> kernels and the reference read the fields.
+
+Storage per format (matrices are `[out, in]`, leading dim E experts on this rank):
+- BF16 / FP16 / FP32: `w13 [E, 2I, H]`, `w2 [E, H, I]`, no scales.
+- FP8_E4M3: `w13`/`w2` float8_e4m3fn with the same shapes, scales fp32 per `Fp8Scale`
+  (per-tensor `[E]`, per-channel `[E, N]`, 128x128 blocks `[E, ceil(N/128), ceil(K/128)]`).
+- MXFP4: `w13` uint8 blocks `[E, 2I, ceil(H/32), 16]`, `w13_scale` uint8 `[E, 2I, ceil(H/32)]`;
+  `w2` `[E, H, ceil(I/32), 16]`, `w2_scale` `[E, H, ceil(I/32)]` (GPT-OSS checkpoint layout).
+Biases, when present: `b13 [E, 2I]`, `b2 [E, H]`, any float dtype (fp32 accumulate).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+import torch
+
+from moekit.errors import DeviceError, DTypeError, FormatError, LayoutMismatchError, ShapeError
+from moekit.formats import (
+    MXFP4_BLOCK,
+    check_mxfp4_scales,
+    dequantize_fp8_weight,
+    dequantize_mxfp4,
+    fp8_weight_scale_shape,
+    mxfp4_groups,
+    quantize_fp8_weight,
+    quantize_mxfp4,
+)
+from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
+from moekit.spec import Fp8Scale, GateLayout, MoESpec, WeightFormat
+
+
+class WeightPacking(enum.Enum):
+    """The physical arrangement of the stored tensors. Kernels declare which packings they read."""
+
+    CHECKPOINT = "checkpoint"  # the layouts in the module docstring, as checkpoints store them
+
+
+def gate_layout_permutation(intermediate_size: int, *, source: GateLayout, target: GateLayout) -> torch.Tensor:
+    """Row index `perm` with `target_rows = source_rows[perm]` for a w13 of 2I rows."""
+    i = intermediate_size
+    if source is target:
+        return torch.arange(2 * i)
+    gate_rows = torch.arange(i) * 2  # in INTERLEAVED, gate j is row 2j and up j is row 2j+1
+    interleaved_to_concat = torch.cat([gate_rows, gate_rows + 1])
+    if source is GateLayout.INTERLEAVED:
+        return interleaved_to_concat
+    return torch.argsort(interleaved_to_concat)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """w13 / w2 of E_local experts, with scales and biases, typed by format, layout and packing."""
+
+    format: WeightFormat
+    gate_layout: GateLayout
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    fp8_scale: Fp8Scale | None = None
+    packing: WeightPacking = WeightPacking.CHECKPOINT
+    hidden_size: int | None = None  # H; only MXFP4 needs it (blocks hide ragged tails), else derived
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, WeightFormat):
+            raise DTypeError(f"ExpertWeights.format must be a WeightFormat, got {self.format!r}")
+        if not isinstance(self.gate_layout, GateLayout):
+            raise LayoutMismatchError(f"ExpertWeights.gate_layout must be a GateLayout, got {self.gate_layout!r}")
+        self._check_structure()
+
+    # ----- derived sizes -------------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def H(self) -> int:  # noqa: N802
+        return self.w2.shape[1]
+
+    @property
+    def I(self) -> int:  # noqa: N802, E743
+        return self.w13.shape[1] // 2
+
+    @property
+    def has_bias(self) -> bool:
+        return self.b13 is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        names = ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    # ----- structure checks (spec-independent) -----------------------------------------------------
+    def _check_structure(self) -> None:
+        fmt = self.format
+        for name in ("w13", "w2"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise DTypeError(f"ExpertWeights.{name} must be a torch.Tensor, got {type(t).__name__}")
+        rank = 4 if fmt is WeightFormat.MXFP4 else 3
+        for name in ("w13", "w2"):
+            t = getattr(self, name)
+            if t.dim() != rank:
+                raise ShapeError(f"{fmt.name} {name} must have {rank} dims, got shape {tuple(t.shape)}")
+        if self.w13.shape[1] % 2:
+            raise ShapeError(f"w13 must have 2I rows (gate and up), got {self.w13.shape[1]} rows")
+        if self.w13.shape[0] != self.w2.shape[0]:
+            raise ShapeError(f"w13 has {self.w13.shape[0]} experts but w2 has {self.w2.shape[0]}")
+        if (self.b13 is None) != (self.b2 is None):
+            raise ShapeError("give both biases b13 and b2, or neither")
+        if fmt is WeightFormat.FP8_E4M3:
+            if not isinstance(self.fp8_scale, Fp8Scale):
+                raise DTypeError(f"FP8 weights need fp8_scale (an Fp8Scale), got {self.fp8_scale!r}")
+        elif self.fp8_scale is not None:
+            raise DTypeError(f"fp8_scale={self.fp8_scale} given for {fmt.name} weights; it is only for FP8_E4M3")
+        if fmt is WeightFormat.MXFP4:
+            if self.hidden_size is None:
+                raise ShapeError("MXFP4 weights need hidden_size (H): blocks of 32 cannot tell a ragged tail")
+            if mxfp4_groups(self.hidden_size) != self.w13.shape[2]:
+                raise ShapeError(
+                    f"hidden_size={self.hidden_size} needs {mxfp4_groups(self.hidden_size)} groups of "
+                    f"{MXFP4_BLOCK} in w13, got {self.w13.shape[2]}"
+                )
+        elif self.hidden_size is not None and self.hidden_size != self.w13.shape[2]:
+            raise ShapeError(f"hidden_size={self.hidden_size} but w13 has {self.w13.shape[2]} columns")
+        if not fmt.is_quantized and (self.w13_scale is not None or self.w2_scale is not None):
+            raise FormatError(f"{fmt.name} weights take no scales; got w13_scale/w2_scale")
+        if fmt.is_quantized and (self.w13_scale is None or self.w2_scale is None):
+            raise FormatError(f"{fmt.name} weights need both w13_scale and w2_scale")
+
+    # ----- validation against a spec ---------------------------------------------------------------
+    def validate(self, spec: MoESpec, *, check_nan_scales: bool = False) -> None:
+        """Check every tensor against `spec`; raise a moekit error naming the tensor that is wrong."""
+        if self.format is not spec.weight_format:
+            raise DTypeError(f"weights are {self.format.name} but the spec says {spec.weight_format.name}")
+        if self.gate_layout is not spec.gate_layout:
+            raise LayoutMismatchError(
+                f"weights are in {self.gate_layout.name} gate layout but the spec says {spec.gate_layout.name}; "
+                f"convert once at load time with weights.to_layout(GateLayout.{spec.gate_layout.name})"
+            )
+        if self.fp8_scale is not spec.fp8_scale:
+            raise DTypeError(f"weights have fp8_scale={self.fp8_scale} but the spec says {spec.fp8_scale}")
+        if self.has_bias != spec.has_bias:
+            raise ShapeError(f"spec.has_bias={spec.has_bias} but weights {'have' if self.has_bias else 'lack'} biases")
+        e, h, i = spec.E_local, spec.H, spec.I
+        for name, shape in self.expected_shapes(num_experts=e, hidden=h, intermediate=i).items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape:
+                raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected {shape} for spec ({spec.describe()})")
+        for name, t in self.tensors().items():
+            expected = self._expected_dtype(name)
+            if expected is not None and t.dtype not in expected:
+                raise DTypeError(f"{name} has dtype {t.dtype}, expected one of {expected} for {self.format.name}")
+            if t.device != self.device:
+                raise DeviceError(f"{name} is on {t.device} but w13 is on {self.device}; move all weights together")
+        if check_nan_scales and self.format is WeightFormat.MXFP4:
+            check_mxfp4_scales(self.w13_scale, name="w13_scale")
+            check_mxfp4_scales(self.w2_scale, name="w2_scale")
+
+    def expected_shapes(self, *, num_experts: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+        e, h, i = num_experts, hidden, intermediate
+        shapes: dict[str, tuple[int, ...]]
+        if self.format is WeightFormat.MXFP4:
+            gh, gi = mxfp4_groups(h), mxfp4_groups(i)
+            shapes = {"w13": (e, 2 * i, gh, 16), "w2": (e, h, gi, 16), "w13_scale": (e, 2 * i, gh),
+                      "w2_scale": (e, h, gi)}
+        else:
+            shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+            if self.format is WeightFormat.FP8_E4M3:
+                shapes["w13_scale"] = fp8_weight_scale_shape((e,), 2 * i, h, self.fp8_scale)
+                shapes["w2_scale"] = fp8_weight_scale_shape((e,), h, i, self.fp8_scale)
+        if self.has_bias:
+            shapes["b13"] = (e, 2 * i)
+            shapes["b2"] = (e, h)
+        return shapes
+
+    def _expected_dtype(self, name: str) -> tuple[torch.dtype, ...] | None:
+        floats = (torch.float32, torch.bfloat16, torch.float16)
+        if name in ("b13", "b2"):
+            return floats
+        if self.format is WeightFormat.MXFP4:
+            return (torch.uint8,)
+        if self.format is WeightFormat.FP8_E4M3:
+            return (torch.float8_e4m3fn,) if name in ("w13", "w2") else (torch.float32,)
+        return (self.format.float_dtype,)
+
+    # ----- load-time conversions -------------------------------------------------------------------
+    def to_layout(self, target: GateLayout) -> ExpertWeights:
+        """Return the same weights with w13's gate/up rows (and their scales and bias) reordered."""
+        if target is self.gate_layout:
+            return self
+        if self.format is WeightFormat.FP8_E4M3 and self.fp8_scale is Fp8Scale.BLOCK_128:
+            raise LayoutMismatchError(
+                "cannot reorder gate/up rows of FP8 weights with 128x128 block scales: a block would mix rows "
+                "of two scales; dequantize, reorder, and quantize again (ExpertWeights.from_float)"
+            )
+        perm = gate_layout_permutation(self.I, source=self.gate_layout, target=target).to(self.device)
+        w13_scale = self.w13_scale
+        if w13_scale is not None and w13_scale.dim() >= 2:  # per-tensor scales [E] have no rows
+            w13_scale = w13_scale.index_select(1, perm)
+        b13 = None if self.b13 is None else self.b13.index_select(1, perm)
+        return replace(self, gate_layout=target, w13=self.w13.index_select(1, perm), w13_scale=w13_scale, b13=b13)
+
+    def to(self, device: torch.device | str) -> ExpertWeights:
+        moved = {n: t.to(device) for n, t in self.tensors().items()}
+        return replace(self, **moved)
+
+    # ----- dequantization (reference path) ---------------------------------------------------------
+    def dequantize_w13(self, expert: int) -> torch.Tensor:
+        """fp32 `[2I, H]` of one local expert."""
+        return self._dequantize("w13", expert, in_dim=self.hidden_size or self.w13.shape[-1])
+
+    def dequantize_w2(self, expert: int) -> torch.Tensor:
+        """fp32 `[H, I]` of one local expert."""
+        return self._dequantize("w2", expert, in_dim=self.I)
+
+    def _dequantize(self, name: str, expert: int, *, in_dim: int) -> torch.Tensor:
+        data = getattr(self, name)[expert]
+        scale = getattr(self, f"{name}_scale")
+        if self.format is WeightFormat.MXFP4:
+            return dequantize_mxfp4(data, scale[expert], in_dim=in_dim, dtype=torch.float32)
+        if self.format is WeightFormat.FP8_E4M3:
+            return dequantize_fp8_weight(data, scale[expert], granularity=self.fp8_scale, dtype=torch.float32)
+        return data.float()
+
+    # ----- construction from float tensors ----------------------------------------------------------
+    @classmethod
+    def from_float(
+        cls,
+        *,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        format: WeightFormat,  # noqa: A002 - the field's name
+        gate_layout: GateLayout,
+        fp8_scale: Fp8Scale | None = None,
+        mxfp4_rule: Mxfp4ScaleRule = DEFAULT_SCALE_RULE,
+    ) -> ExpertWeights:
+        """Quantize (or cast) float `w13 [E, 2I, H]` and `w2 [E, H, I]` into `format`."""
+        for name, t in (("w13", w13), ("w2", w2)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:
+                raise ShapeError(f"from_float needs a float 3-D {name}, got {getattr(t, 'shape', t)!r}")
+        common = dict(format=format, gate_layout=gate_layout, b13=b13, b2=b2)
+        if format is WeightFormat.MXFP4:
+            q13 = quantize_mxfp4(w13, rule=mxfp4_rule)
+            q2 = quantize_mxfp4(w2, rule=mxfp4_rule)
+            return cls(w13=q13.blocks, w13_scale=q13.scales, w2=q2.blocks, w2_scale=q2.scales,
+                       hidden_size=w13.shape[2], **common)
+        if format is WeightFormat.FP8_E4M3:
+            if fp8_scale is None:
+                raise FormatError("FP8_E4M3 needs fp8_scale (an Fp8Scale)")
+            q13 = quantize_fp8_weight(w13, granularity=fp8_scale)
+            q2 = quantize_fp8_weight(w2, granularity=fp8_scale)
+            return cls(w13=q13.data, w13_scale=q13.scale, w2=q2.data, w2_scale=q2.scale, fp8_scale=fp8_scale,
+                       **common)
+        dtype = format.float_dtype
+        return cls(w13=w13.to(dtype), w2=w2.to(dtype), **common)

@@ -1,0 +1,172 @@
+"""The reference: invariants that any correct MoE must satisfy, and early, specific errors."""
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moekit import (
+    DeviceError,
+    DTypeError,
+    ExpertIdError,
+    ExpertWeights,
+    FormatError,
+    GateLayout,
+    LayoutMismatchError,
+    MoESpec,
+    RouterWeightPlacement,
+    RoutingMethod,
+    RoutingResult,
+    RoutingSpec,
+    ShapeError,
+    SpecError,
+    WeightFormat,
+    fused_moe_reference,
+    preset,
+    route,
+)
+from moekit.reference import relative_l2_error
+from moekit.spec import Activation, ActivationSpec
+from moekit.synthetic import random_layer, random_tokens
+
+SMALL_OSS = MoESpec(num_experts=8, top_k=2, hidden_size=64, intermediate_size=48, weight_format=WeightFormat.MXFP4,
+                    activation=ActivationSpec.gpt_oss(), gate_layout=GateLayout.INTERLEAVED, has_bias=True,
+                    act_dtype=torch.float32)
+
+
+def _setup(spec, t=5, seed=0):
+    layer = random_layer(spec, seed=seed)
+    x = random_tokens(spec, t, seed=seed + 1)
+    routing = route(torch.randn(t, spec.E, generator=torch.Generator().manual_seed(seed)), top_k=spec.K,
+                    spec=spec.routing)
+    return layer.weights, x, routing
+
+
+def test_layout_conversion_preserves_the_function():
+    # Converting w13 between layouts (with the spec following) must not change the output at all.
+    for fmt in (WeightFormat.FP32, WeightFormat.MXFP4):
+        spec = replace(SMALL_OSS, weight_format=fmt)
+        weights, x, routing = _setup(spec)
+        out = fused_moe_reference(x, weights, routing, spec=spec)
+        concat = weights.to_layout(GateLayout.CONCAT)
+        assert concat.gate_layout is GateLayout.CONCAT
+        out2 = fused_moe_reference(x, concat, routing, spec=replace(spec, gate_layout=GateLayout.CONCAT))
+        torch.testing.assert_close(out, out2, rtol=0, atol=0)
+        back = concat.to_layout(GateLayout.INTERLEAVED)
+        assert torch.equal(back.w13, weights.w13) and torch.equal(back.b13, weights.b13)
+
+
+def test_concat_weights_where_spec_says_interleaved_is_refused():
+    weights, x, routing = _setup(SMALL_OSS)
+    with pytest.raises(LayoutMismatchError, match="CONCAT gate layout but the spec says INTERLEAVED.*to_layout"):
+        fused_moe_reference(x, weights.to_layout(GateLayout.CONCAT), routing, spec=SMALL_OSS)
+
+
+def test_gate_and_up_are_not_interchangeable():
+    # Reading INTERLEAVED weights as CONCAT must change the result (else layout tests prove nothing).
+    spec = replace(SMALL_OSS, weight_format=WeightFormat.FP32)
+    weights, x, routing = _setup(spec)
+    right = fused_moe_reference(x, weights, routing, spec=spec)
+    mislabeled = replace(weights, gate_layout=GateLayout.CONCAT)
+    wrong = fused_moe_reference(x, mislabeled, routing, spec=replace(spec, gate_layout=GateLayout.CONCAT))
+    assert relative_l2_error(wrong, right) > 0.1
+
+
+def test_expert_parallel_shards_sum_to_the_whole():
+    spec = replace(SMALL_OSS, weight_format=WeightFormat.FP32)
+    weights, x, routing = _setup(spec, t=9)
+    full = fused_moe_reference(x, weights, routing, spec=spec)
+    total = torch.zeros_like(full)
+    for rank, owned in enumerate(([0, 2, 4, 6], [1, 3, 5, 7])):
+        expert_map = torch.full((spec.E,), -1, dtype=torch.int32)
+        expert_map[owned] = torch.arange(4, dtype=torch.int32)
+        local = replace(weights, w13=weights.w13[owned], w2=weights.w2[owned], b13=weights.b13[owned],
+                        b2=weights.b2[owned])
+        part = fused_moe_reference(x, local, routing, spec=replace(spec, num_local_experts=4), expert_map=expert_map)
+        assert part.abs().sum() > 0, f"rank {rank} contributed nothing"
+        total += part
+    torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+
+
+def test_router_weight_on_input_for_k1():
+    spec = MoESpec(num_experts=4, top_k=1, hidden_size=32, intermediate_size=16, weight_format=WeightFormat.FP32,
+                   act_dtype=torch.float32, router_weight_placement=RouterWeightPlacement.INPUT,
+                   routing=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=False))  # weights != 1 at K=1
+    weights, x, routing = _setup(spec)
+    assert (routing.weights < 1).all()
+    out = fused_moe_reference(x, weights, routing, spec=spec)
+    # Silu is not homogeneous, so w on the input differs from w on the output:
+    out_spec = replace(spec, router_weight_placement=RouterWeightPlacement.OUTPUT)
+    assert relative_l2_error(fused_moe_reference(x, weights, routing, spec=out_spec), out) > 1e-3
+    # ...and equals running the expert on the pre-scaled input with unit weights.
+    ones = RoutingResult(weights=torch.ones_like(routing.weights), ids=routing.ids)
+    torch.testing.assert_close(fused_moe_reference(x * routing.weights, weights, ones, spec=out_spec), out)
+
+
+@pytest.mark.parametrize("kind", list(Activation))
+def test_clamp_limit_changes_large_inputs_only(kind):
+    alpha = 1.702 if kind is Activation.SWIGLU_OAI else None
+    spec = replace(SMALL_OSS, weight_format=WeightFormat.FP32, activation=ActivationSpec(kind, alpha=alpha))
+    weights, x, routing = _setup(spec)
+    unclamped = fused_moe_reference(x, weights, routing, spec=spec)
+    loose = replace(spec, activation=ActivationSpec(kind, alpha=alpha, limit=1e6))
+    # Same values up to fp32 rounding (clamping makes a contiguous copy; vectorized silu rounds differently).
+    torch.testing.assert_close(fused_moe_reference(x, weights, routing, spec=loose), unclamped)
+    tight = replace(spec, activation=ActivationSpec(kind, alpha=alpha, limit=0.01))
+    assert relative_l2_error(fused_moe_reference(x, weights, routing, spec=tight), unclamped) > 1e-2
+
+
+def test_bad_inputs_fail_before_compute():
+    weights, x, routing = _setup(SMALL_OSS)
+    with pytest.raises(ShapeError, match="x must be \\[T, H=64\\]"):
+        fused_moe_reference(x[:, :32], weights, routing, spec=SMALL_OSS)
+    with pytest.raises(DTypeError, match="spec.act_dtype is torch.float32"):
+        fused_moe_reference(x.half(), weights, routing, spec=SMALL_OSS)
+    with pytest.raises(ShapeError, match="routing is \\[T=5"):
+        fused_moe_reference(x[:3], weights, routing, spec=SMALL_OSS)
+    bad_ids = RoutingResult(weights=routing.weights, ids=routing.ids.clone().fill_(8))
+    with pytest.raises(ExpertIdError, match="E=8"):
+        fused_moe_reference(x, weights, bad_ids, spec=SMALL_OSS)
+    with pytest.raises(DeviceError, match="meta"):
+        fused_moe_reference(x.to("meta"), weights, routing, spec=SMALL_OSS)
+    with pytest.raises(ShapeError, match="w2 has shape"):
+        fused_moe_reference(x, replace(weights, w2=weights.w2[:, :32]), routing, spec=SMALL_OSS)
+    with pytest.raises(DTypeError, match="weights are MXFP4 but the spec says BF16"):
+        fused_moe_reference(x, weights, routing, spec=replace(SMALL_OSS, weight_format=WeightFormat.BF16))
+    with pytest.raises(SpecError, match="needs an expert_map"):
+        fused_moe_reference(x, weights, routing, spec=replace(SMALL_OSS, num_local_experts=8))
+
+
+def test_nan_scale_bytes_are_caught_on_request():
+    weights, _, _ = _setup(SMALL_OSS)
+    scales = weights.w2_scale.clone()
+    scales[3, 1, 0] = 0xFF
+    poisoned = replace(weights, w2_scale=scales)
+    poisoned.validate(SMALL_OSS)  # opt-in: the default validation does not scan scale bytes
+    with pytest.raises(FormatError, match="w2_scale"):
+        poisoned.validate(SMALL_OSS, check_nan_scales=True)
+
+
+def test_weight_container_refuses_inconsistent_parts():
+    w = torch.randn(2, 8, 16)
+    with pytest.raises(ShapeError, match="both biases"):
+        ExpertWeights(format=WeightFormat.FP32, gate_layout=GateLayout.CONCAT, w13=w, w2=torch.randn(2, 16, 4),
+                      b13=torch.zeros(2, 8))
+    with pytest.raises(FormatError, match="take no scales"):
+        ExpertWeights(format=WeightFormat.FP32, gate_layout=GateLayout.CONCAT, w13=w, w2=torch.randn(2, 16, 4),
+                      w13_scale=torch.ones(2))
+    with pytest.raises(ShapeError, match="2I rows"):
+        ExpertWeights(format=WeightFormat.FP32, gate_layout=GateLayout.CONCAT, w13=torch.randn(2, 7, 16),
+                      w2=torch.randn(2, 16, 4))
+
+
+def test_reference_is_fast_enough_at_gpt_oss_20b_size():
+    # Issue 2: usable at real sizes on a CPU for small T (seconds, not minutes).
+    spec = preset("gpt-oss-20b")
+    weights, x, routing = _setup(spec, t=4)
+    start = time.perf_counter()
+    out = fused_moe_reference(x, weights, routing, spec=spec)
+    elapsed = time.perf_counter() - start
+    assert torch.isfinite(out.float()).all() and out.float().abs().sum() > 0
+    assert elapsed < 30, f"reference took {elapsed:.1f} s for T=4 at gpt-oss-20b size"

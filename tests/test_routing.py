@@ -1,0 +1,133 @@
+"""Routing methods against hand-worked cases, independent spellings, and structural invariants."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moekit import DTypeError, ExpertIdError, RoutingMethod, RoutingResult, RoutingSpec, ShapeError, SpecError, route
+from moekit.routing import check_expert_map
+
+TOPK_SOFTMAX = RoutingSpec(RoutingMethod.TOPK_SOFTMAX)
+
+
+def test_topk_softmax_hand_worked():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    r = route(logits, top_k=2, spec=TOPK_SOFTMAX)
+    assert r.ids.tolist() == [[1, 2]]
+    e = torch.exp(torch.tensor([3.0, 2.0]))
+    torch.testing.assert_close(r.weights, (e / e.sum()).unsqueeze(0))
+    assert r.weights.dtype == torch.float32 and r.ids.dtype == torch.int32
+
+
+def test_ties_go_to_lower_index():
+    logits = torch.tensor([[0.5, 2.0, 2.0, 2.0, 1.0]])
+    for spec in (TOPK_SOFTMAX, RoutingSpec(RoutingMethod.SOFTMAX_TOPK),
+                 RoutingSpec(RoutingMethod.SIGMOID_GROUPED)):
+        assert route(logits, top_k=2, spec=spec).ids.tolist() == [[1, 2]], spec.method
+
+
+def test_softmax_topk_without_renormalize_keeps_full_softmax_mass():
+    logits = torch.randn(7, 16)
+    r = route(logits, top_k=3, spec=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=False))
+    probs = torch.softmax(logits, dim=-1)
+    torch.testing.assert_close(r.weights, torch.gather(probs, 1, r.ids.long()))
+    assert (r.weights.sum(-1) < 1).all()
+
+
+def test_softmax_topk_renormalized_equals_topk_softmax():
+    # Mathematically identical (guide §2); the ids must agree exactly, weights to fp32 rounding.
+    logits = torch.randn(33, 32)
+    a = route(logits, top_k=4, spec=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True))
+    b = route(logits, top_k=4, spec=TOPK_SOFTMAX)
+    assert torch.equal(a.ids, b.ids)
+    torch.testing.assert_close(a.weights, b.weights)
+
+
+def _deepseek_v3_loop(logits, bias, *, k, n_group, topk_group, factor):
+    """DeepSeek-V3's grouped routing spelled one token at a time in float64 (independent of route())."""
+    ids_out, w_out = [], []
+    for row in logits.double():
+        s = torch.sigmoid(row)
+        choice = s + bias.double()
+        per = len(row) // n_group
+        group_scores = [sorted(choice[g * per:(g + 1) * per].tolist(), reverse=True)[:2] for g in range(n_group)]
+        group_scores = [sum(v) for v in group_scores]
+        keep = sorted(range(n_group), key=lambda g: (-group_scores[g], g))[:topk_group]
+        cands = [e for e in range(len(row)) if e // per in keep]
+        chosen = sorted(cands, key=lambda e: (-choice[e].item(), e))[:k]
+        w = s[chosen]
+        ids_out.append(chosen)
+        w_out.append((w / w.sum() * factor).tolist())
+    return torch.tensor(ids_out), torch.tensor(w_out)
+
+
+def test_sigmoid_grouped_matches_deepseek_v3_loop():
+    torch.manual_seed(0)
+    logits, bias = torch.randn(9, 64), torch.randn(64) * 0.3
+    spec = RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=8, topk_group=3, has_correction_bias=True,
+                       routed_scaling_factor=2.5)
+    r = route(logits, top_k=6, spec=spec, correction_bias=bias)
+    ids, w = _deepseek_v3_loop(logits, bias, k=6, n_group=8, topk_group=3, factor=2.5)
+    assert torch.equal(r.ids.long(), ids)
+    torch.testing.assert_close(r.weights, w.float())
+    torch.testing.assert_close(r.weights.sum(-1), torch.full((9,), 2.5))  # scaling applied exactly once
+
+
+def test_sigmoid_grouped_weights_ignore_the_bias():
+    # The bias steers selection only; the weights are the unbiased sigmoid scores renormalized.
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    bias = torch.tensor([10.0, 0.0, 0.0, 0.0])
+    spec = RoutingSpec(RoutingMethod.SIGMOID_GROUPED, has_correction_bias=True)
+    r = route(logits, top_k=2, spec=spec, correction_bias=bias)
+    assert r.ids.tolist() == [[0, 3]]
+    s = torch.sigmoid(torch.tensor([0.0, 3.0]))
+    torch.testing.assert_close(r.weights[0], s / s.sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(0, 9), e=st.integers(1, 24), data=st.data())
+def test_routing_invariants(t, e, data):
+    k = data.draw(st.integers(1, e))
+    method = data.draw(st.sampled_from(list(RoutingMethod)))
+    spec = RoutingSpec(method)
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    r = route(logits, top_k=k, spec=spec)
+    assert r.ids.shape == (t, k) and r.weights.shape == (t, k)
+    if t:
+        assert int(r.ids.min()) >= 0 and int(r.ids.max()) < e
+        assert all(len(set(row)) == k for row in r.ids.tolist())  # no expert twice in a row
+        torch.testing.assert_close(r.weights.sum(-1), torch.ones(t))
+        assert (r.weights > 0).all()
+
+
+def test_route_refuses_bad_input():
+    with pytest.raises(ShapeError, match="float \\[T, E\\]"):
+        route(torch.zeros(3, 4, 5), top_k=1, spec=TOPK_SOFTMAX)
+    with pytest.raises(SpecError, match="top_k must be in \\[1, E=4\\], got 5"):
+        route(torch.zeros(3, 4), top_k=5, spec=TOPK_SOFTMAX)
+    grouped = RoutingSpec(RoutingMethod.SIGMOID_GROUPED, has_correction_bias=True)
+    with pytest.raises(SpecError, match="correction_bias was not given"):
+        route(torch.zeros(3, 4), top_k=1, spec=grouped)
+    with pytest.raises(ShapeError, match="correction_bias must be \\[E=4\\]"):
+        route(torch.zeros(3, 4), top_k=1, spec=grouped, correction_bias=torch.zeros(5))
+
+
+def test_routing_result_checks():
+    with pytest.raises(DTypeError, match="int32"):
+        RoutingResult(weights=torch.ones(2, 1), ids=torch.zeros(2, 1, dtype=torch.int64))
+    with pytest.raises(ShapeError):
+        RoutingResult(weights=torch.ones(2, 2), ids=torch.zeros(2, 1, dtype=torch.int32))
+    r = RoutingResult(weights=torch.ones(2, 1), ids=torch.tensor([[0], [7]], dtype=torch.int32))
+    with pytest.raises(ExpertIdError, match=r"max=7.*\[1, 0\]"):
+        r.check_ids(4)
+
+
+def test_expert_map_checks():
+    check_expert_map(torch.tensor([-1, 0, 1, -1], dtype=torch.int32), num_experts=4, num_local_experts=2)
+    with pytest.raises(ExpertIdError, match="same local expert"):
+        check_expert_map(torch.tensor([0, 0, 1, -1], dtype=torch.int32), num_experts=4, num_local_experts=2)
+    with pytest.raises(ExpertIdError, match="E_local=2"):
+        check_expert_map(torch.tensor([0, 2, 1, -1], dtype=torch.int32), num_experts=4, num_local_experts=2)
+    with pytest.raises(ExpertIdError, match="int32"):
+        check_expert_map(torch.tensor([0, 1]), num_experts=2, num_local_experts=2)
