@@ -46,7 +46,7 @@ def apply_activation(gate: torch.Tensor, up: torch.Tensor, act: ActivationSpec) 
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
-def _fake_quant_activation(a: torch.Tensor, quant: ActivationQuant) -> torch.Tensor:
+def fake_quant_activation(a: torch.Tensor, quant: ActivationQuant) -> torch.Tensor:
     """Round-trip activations through FP8 exactly as a W8A8 kernel sees them."""
     if quant is ActivationQuant.NONE:
         return a
@@ -98,7 +98,7 @@ def fused_moe_reference(
     check_inputs(x, weights, routing, spec=spec, expert_map=expert_map)
     num_tokens = x.shape[0]
     out = torch.zeros(num_tokens, spec.H, dtype=torch.float32, device=x.device)
-    x32 = _fake_quant_activation(x.float(), spec.act_quant)
+    x32 = fake_quant_activation(x.float(), spec.act_quant)
     local_ids = routing.ids.long()
     if expert_map is not None:
         local_ids = expert_map.long()[local_ids]  # -1 where another rank owns the expert
@@ -109,13 +109,13 @@ def fused_moe_reference(
         route_w = routing.weights[token_idx, k_idx].unsqueeze(1)
         xe = x32[token_idx]
         if spec.router_weight_placement is RouterWeightPlacement.INPUT:
-            xe = _fake_quant_activation(x.float()[token_idx] * route_w, spec.act_quant)
+            xe = fake_quant_activation(x.float()[token_idx] * route_w, spec.act_quant)
         h = xe @ weights.dequantize_w13(expert).T
         if weights.b13 is not None:
             h = h + weights.b13[expert].float()
         gate, up = split_gate_up(h, spec.gate_layout)
         a = apply_activation(gate, up, spec.activation)
-        a = _fake_quant_activation(a, spec.act_quant)
+        a = fake_quant_activation(a, spec.act_quant)
         y = a @ weights.dequantize_w2(expert).T
         if weights.b2 is not None:
             y = y + weights.b2[expert].float()
@@ -147,16 +147,16 @@ def fused_moe_per_token_loop(
                 if expert < 0:
                     continue
             w = float(routing.weights[t, k])
-            xt = _fake_quant_activation(x[t : t + 1].float(), spec.act_quant).double()[0]
+            xt = fake_quant_activation(x[t : t + 1].float(), spec.act_quant).double()[0]
             if spec.router_weight_placement is RouterWeightPlacement.INPUT:
-                xt = _fake_quant_activation(x[t : t + 1].float() * w, spec.act_quant).double()[0]
+                xt = fake_quant_activation(x[t : t + 1].float() * w, spec.act_quant).double()[0]
             w13 = weights.dequantize_w13(expert).double()
             w2 = weights.dequantize_w2(expert).double()
             h = torch.mv(w13, xt)
             if weights.b13 is not None:
                 h = h + weights.b13[expert].double()
             gate, up = split_gate_up(h.unsqueeze(0), spec.gate_layout)
-            a = _fake_quant_activation(apply_activation(gate, up, spec.activation).float(), spec.act_quant).double()
+            a = fake_quant_activation(apply_activation(gate, up, spec.activation).float(), spec.act_quant).double()
             y = torch.mv(w2, a[0])
             if weights.b2 is not None:
                 y = y + weights.b2[expert].double()

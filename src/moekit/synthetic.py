@@ -47,7 +47,7 @@ def _mxfp4_matrix(e: int, n: int, k: int, *, std: float, gen: torch.Generator) -
 
 def _fp8_matrix(e: int, n: int, k: int, spec: MoESpec, *, std: float, gen: torch.Generator):
     data = (torch.randn(e, n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    shape = fp8_weight_scale_shape((e,), n, k, spec.fp8_scale)
+    shape = fp8_weight_scale_shape(lead=(e,), n=n, k=k, granularity=spec.fp8_scale)
     scale = (std / 64) * (0.75 + 0.5 * torch.rand(shape, generator=gen))
     return data, scale.float()
 

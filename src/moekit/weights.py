@@ -39,6 +39,9 @@ class WeightPacking(enum.Enum):
     """The physical arrangement of the stored tensors. Kernels declare which packings they read."""
 
     CHECKPOINT = "checkpoint"  # the layouts in the module docstring, as checkpoints store them
+    # Quantized weights dequantized once at load into float [E, 2I, H] / [E, H, I] (no scales), for
+    # unfused paths; `format` still records the source format, so the spec check stays meaningful.
+    DEQUANTIZED = "dequantized"
 
 
 def gate_layout_permutation(intermediate_size: int, *, source: GateLayout, target: GateLayout) -> torch.Tensor:
@@ -102,13 +105,20 @@ class ExpertWeights:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     # ----- structure checks (spec-independent) -----------------------------------------------------
+    @property
+    def stores_floats(self) -> bool:
+        """True when w13/w2 hold plain floats (unquantized format, or dequantized packing)."""
+        return not self.format.is_quantized or self.packing is WeightPacking.DEQUANTIZED
+
     def _check_structure(self) -> None:
+        if not isinstance(self.packing, WeightPacking):
+            raise LayoutMismatchError(f"ExpertWeights.packing must be a WeightPacking, got {self.packing!r}")
         fmt = self.format
         for name in ("w13", "w2"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
                 raise DTypeError(f"ExpertWeights.{name} must be a torch.Tensor, got {type(t).__name__}")
-        rank = 4 if fmt is WeightFormat.MXFP4 else 3
+        rank = 3 if self.stores_floats else 4 if fmt is WeightFormat.MXFP4 else 3
         for name in ("w13", "w2"):
             t = getattr(self, name)
             if t.dim() != rank:
@@ -124,7 +134,7 @@ class ExpertWeights:
                 raise DTypeError(f"FP8 weights need fp8_scale (an Fp8Scale), got {self.fp8_scale!r}")
         elif self.fp8_scale is not None:
             raise DTypeError(f"fp8_scale={self.fp8_scale} given for {fmt.name} weights; it is only for FP8_E4M3")
-        if fmt is WeightFormat.MXFP4:
+        if fmt is WeightFormat.MXFP4 and not self.stores_floats:
             if self.hidden_size is None:
                 raise ShapeError("MXFP4 weights need hidden_size (H): blocks of 32 cannot tell a ragged tail")
             if mxfp4_groups(self.hidden_size) != self.w13.shape[2]:
@@ -134,9 +144,9 @@ class ExpertWeights:
                 )
         elif self.hidden_size is not None and self.hidden_size != self.w13.shape[2]:
             raise ShapeError(f"hidden_size={self.hidden_size} but w13 has {self.w13.shape[2]} columns")
-        if not fmt.is_quantized and (self.w13_scale is not None or self.w2_scale is not None):
-            raise FormatError(f"{fmt.name} weights take no scales; got w13_scale/w2_scale")
-        if fmt.is_quantized and (self.w13_scale is None or self.w2_scale is None):
+        if self.stores_floats and (self.w13_scale is not None or self.w2_scale is not None):
+            raise FormatError(f"{fmt.name} weights in {self.packing.name} packing take no scales; got w13_scale/w2_scale")
+        if not self.stores_floats and (self.w13_scale is None or self.w2_scale is None):
             raise FormatError(f"{fmt.name} weights need both w13_scale and w2_scale")
 
     # ----- validation against a spec ---------------------------------------------------------------
@@ -164,22 +174,24 @@ class ExpertWeights:
                 raise DTypeError(f"{name} has dtype {t.dtype}, expected one of {expected} for {self.format.name}")
             if t.device != self.device:
                 raise DeviceError(f"{name} is on {t.device} but w13 is on {self.device}; move all weights together")
-        if check_nan_scales and self.format is WeightFormat.MXFP4:
+        if check_nan_scales and self.format is WeightFormat.MXFP4 and not self.stores_floats:
             check_mxfp4_scales(self.w13_scale, name="w13_scale")
             check_mxfp4_scales(self.w2_scale, name="w2_scale")
 
     def expected_shapes(self, *, num_experts: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
         e, h, i = num_experts, hidden, intermediate
         shapes: dict[str, tuple[int, ...]]
-        if self.format is WeightFormat.MXFP4:
+        if self.stores_floats:
+            shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+        elif self.format is WeightFormat.MXFP4:
             gh, gi = mxfp4_groups(h), mxfp4_groups(i)
             shapes = {"w13": (e, 2 * i, gh, 16), "w2": (e, h, gi, 16), "w13_scale": (e, 2 * i, gh),
                       "w2_scale": (e, h, gi)}
         else:
             shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
             if self.format is WeightFormat.FP8_E4M3:
-                shapes["w13_scale"] = fp8_weight_scale_shape((e,), 2 * i, h, self.fp8_scale)
-                shapes["w2_scale"] = fp8_weight_scale_shape((e,), h, i, self.fp8_scale)
+                shapes["w13_scale"] = fp8_weight_scale_shape(lead=(e,), n=2 * i, k=h, granularity=self.fp8_scale)
+                shapes["w2_scale"] = fp8_weight_scale_shape(lead=(e,), n=h, k=i, granularity=self.fp8_scale)
         if self.has_bias:
             shapes["b13"] = (e, 2 * i)
             shapes["b2"] = (e, h)
@@ -187,7 +199,7 @@ class ExpertWeights:
 
     def _expected_dtype(self, name: str) -> tuple[torch.dtype, ...] | None:
         floats = (torch.float32, torch.bfloat16, torch.float16)
-        if name in ("b13", "b2"):
+        if name in ("b13", "b2") or (self.packing is WeightPacking.DEQUANTIZED):
             return floats
         if self.format is WeightFormat.MXFP4:
             return (torch.uint8,)
@@ -212,6 +224,17 @@ class ExpertWeights:
         b13 = None if self.b13 is None else self.b13.index_select(1, perm)
         return replace(self, gate_layout=target, w13=self.w13.index_select(1, perm), w13_scale=w13_scale, b13=b13)
 
+    def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
+        """All experts as float `dtype` in DEQUANTIZED packing (a load-time step; memory E*3*H*I*2 bytes)."""
+        if not self.format.is_quantized:
+            return self  # already floats of the declared format
+        if self.packing is WeightPacking.DEQUANTIZED:
+            return replace(self, w13=self.w13.to(dtype), w2=self.w2.to(dtype))
+        w13 = torch.stack([self.dequantize_w13(e).to(dtype) for e in range(self.num_experts)])
+        w2 = torch.stack([self.dequantize_w2(e).to(dtype) for e in range(self.num_experts)])
+        return replace(self, w13=w13, w2=w2, w13_scale=None, w2_scale=None, packing=WeightPacking.DEQUANTIZED,
+                       hidden_size=None)
+
     def to(self, device: torch.device | str) -> ExpertWeights:
         moved = {n: t.to(device) for n, t in self.tensors().items()}
         return replace(self, **moved)
@@ -227,6 +250,8 @@ class ExpertWeights:
 
     def _dequantize(self, name: str, expert: int, *, in_dim: int) -> torch.Tensor:
         data = getattr(self, name)[expert]
+        if self.stores_floats:
+            return data.float()
         scale = getattr(self, f"{name}_scale")
         if self.format is WeightFormat.MXFP4:
             return dequantize_mxfp4(data, scale[expert], in_dim=in_dim, dtype=torch.float32)

@@ -1,0 +1,191 @@
+"""The kernel interface: capabilities as data, typed configs, one typed launch description.
+
+Data flow: the planner asks each registered `Kernel` `supports(spec, problem)` (capabilities data +
+a kernel-specific check) -> picks one and a config -> `prepare_weights` once at load -> `run(Launch)`
+per forward. A `Launch` is the only way arguments reach a kernel: every math parameter comes from the
+spec inside it, so nothing can be passed twice or travel in an untyped dict.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from moekit.errors import TunedTableError
+from moekit.routing import RoutingResult
+from moekit.spec import (
+    Activation,
+    ActivationQuant,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+    WeightFormat,
+)
+from moekit.weights import ExpertWeights, WeightPacking
+
+
+class DeviceKind(enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the planner needs to know of a device (read once, off the hot path)."""
+
+    kind: DeviceKind
+    name: str  # "cpu" or e.g. "NVIDIA H200"; tuned tables are keyed by it
+    compute_capability: tuple[int, int] | None = None  # CUDA only
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> DeviceInfo:
+        device = torch.device(device)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return cls(DeviceKind.CUDA, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+        if device.type == "cpu":
+            return cls(DeviceKind.CPU, "cpu")
+        raise ValueError(f"moekit runs on cpu or cuda devices, got {device}")
+
+    def describe(self) -> str:
+        cc = f" (sm_{self.compute_capability[0]}{self.compute_capability[1]})" if self.compute_capability else ""
+        return f"{self.name}{cc}"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The run-time side of a plan: how many tokens, on what device."""
+
+    num_tokens: int
+    device: DeviceInfo
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kernel can compute, as data. `check` gives the first reason it cannot, or None."""
+
+    weight_formats: frozenset[WeightFormat]
+    fp8_scales: frozenset[Fp8Scale]
+    act_quants: frozenset[ActivationQuant]
+    act_dtypes: frozenset[torch.dtype]
+    activations: frozenset[Activation]
+    honours_alpha: bool  # SWIGLU_OAI's alpha reaches the math (not a hard-coded 1.702)
+    honours_limit: bool  # an optional clamp limit is applied
+    gate_layouts: frozenset[GateLayout]
+    bias: bool
+    router_placements: frozenset[RouterWeightPlacement]
+    expert_map: bool
+    devices: frozenset[DeviceKind]
+    packings: frozenset[WeightPacking]  # what `run` reads after `prepare_weights`
+    min_compute_capability: tuple[int, int] | None = None  # CUDA only
+
+    def check(self, spec: MoESpec, device: DeviceInfo | None = None) -> str | None:
+        """The first reason this kernel cannot compute `spec` (on `device`, if given), or None."""
+        if spec.weight_format not in self.weight_formats:
+            return f"weight format {spec.weight_format.name} not in {_names(self.weight_formats)}"
+        if spec.fp8_scale is not None and spec.fp8_scale not in self.fp8_scales:
+            return f"FP8 scale granularity {spec.fp8_scale.name} not in {_names(self.fp8_scales)}"
+        if spec.act_quant not in self.act_quants:
+            return f"activation quantization {spec.act_quant.name} not in {_names(self.act_quants)}"
+        if spec.act_dtype not in self.act_dtypes:
+            return f"activation dtype {spec.act_dtype} not in {sorted(str(d) for d in self.act_dtypes)}"
+        if spec.activation.kind not in self.activations:
+            return f"activation {spec.activation.kind.name} not in {_names(self.activations)}"
+        if spec.activation.alpha is not None and not self.honours_alpha:
+            return f"cannot apply alpha={spec.activation.alpha:g}"
+        if spec.activation.limit is not None and not self.honours_limit:
+            return f"cannot apply clamp limit={spec.activation.limit:g}"
+        if spec.gate_layout not in self.gate_layouts:
+            return f"reads gate layout {_names(self.gate_layouts)}, not {spec.gate_layout.name}"
+        if spec.has_bias and not self.bias:
+            return "no bias support"
+        if spec.router_weight_placement not in self.router_placements:
+            return f"router weight on the {spec.router_weight_placement.name.lower()} not supported"
+        if spec.uses_expert_map and not self.expert_map:
+            return "no expert-map (expert parallel) support"
+        if device is not None:
+            if device.kind not in self.devices:
+                return f"runs on {_names(self.devices)}, not {device.kind.name}"
+            need = self.min_compute_capability
+            if device.kind is DeviceKind.CUDA and need and (device.compute_capability or (0, 0)) < need:
+                return f"needs compute capability >= {need[0]}.{need[1]}, device has {device.compute_capability}"
+        return None
+
+
+def _names(values: frozenset) -> str:
+    return "/".join(sorted(v.name for v in values))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Base of every kernel's config type; subclasses are frozen dataclasses validated in __post_init__."""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def config_from_dict(config_type: type[KernelConfig], data: object, *, kernel: str) -> KernelConfig:
+    """Build `config_type` from a tuned-table dict; any problem is a `TunedTableError` naming the kernel."""
+    if not isinstance(data, dict):
+        raise TunedTableError(f"config for kernel {kernel!r} must be an object, got {data!r}")
+    names = {f.name for f in dataclasses.fields(config_type)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise TunedTableError(f"config for kernel {kernel!r} has unknown fields {unknown}; known: {sorted(names)}")
+    try:
+        return config_type(**data)
+    except (TypeError, ValueError) as err:
+        raise TunedTableError(f"invalid config for kernel {kernel!r}: {err}") from err
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything one forward needs, typed. Built by `moekit.fused_moe` after all checks passed."""
+
+    spec: MoESpec
+    config: KernelConfig
+    x: torch.Tensor  # [T, H] spec.act_dtype
+    weights: ExpertWeights  # packing the kernel reads
+    routing: RoutingResult  # weights fp32 [T, K], ids int32 [T, K]
+    expert_map: torch.Tensor | None  # int32 [E], -1 = another rank
+
+
+class Kernel(abc.ABC):
+    """A way to compute the MoE layer. Subclasses are stateless; one instance lives in the registry."""
+
+    name: str
+    priority: int  # higher wins among capable kernels when no tuned row decides
+    capabilities: Capabilities
+    config_type: type[KernelConfig]
+
+    def supports(self, spec: MoESpec, problem: Problem) -> str | None:
+        """None if this kernel computes `spec` for `problem`, else the reason it cannot."""
+        reason = self.capabilities.check(spec, problem.device)
+        return reason if reason is not None else self.extra_check(spec, problem)
+
+    def extra_check(self, spec: MoESpec, problem: Problem) -> str | None:
+        """Kernel-specific limits beyond the capability data (alignment, sizes). Default: none."""
+        return None
+
+    @abc.abstractmethod
+    def default_config(self, spec: MoESpec, problem: Problem) -> KernelConfig:
+        """The config used when no tuned row applies."""
+
+    def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
+        """None if `config` is usable for `spec`, else why not (beyond the dataclass's own checks)."""
+        if not isinstance(config, self.config_type):
+            return f"config is a {type(config).__name__}, kernel {self.name} takes {self.config_type.__name__}"
+        return None
+
+    def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
+        """One-time load-time repacking into a packing this kernel reads. Default: none needed."""
+        return weights
+
+    @abc.abstractmethod
+    def run(self, launch: Launch) -> torch.Tensor:
+        """Compute the layer; returns `[T, H]` in spec.act_dtype."""

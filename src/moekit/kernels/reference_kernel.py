@@ -1,0 +1,55 @@
+"""The reference as a registered kernel: every spec, every device, slow. The planner's last resort."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.kernels.base import Capabilities, DeviceKind, Kernel, KernelConfig, Launch, Problem
+from moekit.reference import fused_moe_reference
+from moekit.spec import (
+    Activation,
+    ActivationQuant,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+    WeightFormat,
+)
+from moekit.weights import WeightPacking
+
+EVERY_ACT_DTYPE = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+@dataclass(frozen=True)
+class ReferenceConfig(KernelConfig):
+    """The reference has nothing to tune."""
+
+
+class ReferenceKernel(Kernel):
+    name = "reference"
+    priority = 0
+    config_type = ReferenceConfig
+    capabilities = Capabilities(
+        weight_formats=frozenset(WeightFormat),
+        fp8_scales=frozenset(Fp8Scale),
+        act_quants=frozenset(ActivationQuant),
+        act_dtypes=EVERY_ACT_DTYPE,
+        activations=frozenset(Activation),
+        honours_alpha=True,
+        honours_limit=True,
+        gate_layouts=frozenset(GateLayout),
+        bias=True,
+        router_placements=frozenset(RouterWeightPlacement),
+        expert_map=True,
+        devices=frozenset(DeviceKind),
+        packings=frozenset(WeightPacking),
+    )
+
+    def default_config(self, spec: MoESpec, problem: Problem) -> ReferenceConfig:
+        return ReferenceConfig()
+
+    def run(self, launch: Launch) -> torch.Tensor:
+        return fused_moe_reference(launch.x, launch.weights, launch.routing, spec=launch.spec,
+                                   expert_map=launch.expert_map)

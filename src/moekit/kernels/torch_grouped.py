@@ -1,0 +1,135 @@
+"""The unfused PyTorch path: sort by expert, two grouped GEMMs, activation in between, deterministic sum.
+
+Data flow: ids [T, K] -> (expert map) -> local expert per (token, k) pair -> stable sort by expert ->
+offsets (cumulative counts, on the device) -> gather x rows -> `torch._grouped_mm` with w13 (or a
+per-expert loop where grouped_mm cannot run) -> + b13 -> activation in fp32 -> grouped GEMM with w2 ->
++ b2 -> times router weight -> unsort into [T, K, H] -> sum over K in fixed order (no atomics).
+
+Quantized formats run on weights dequantized once at load (`prepare_weights`), so this is the
+"dequantize, then BF16" baseline the fused kernels are measured against. The grouped-GEMM variant
+keeps counts on the device (no host sync); the loop variant syncs and serves CPUs and odd shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.kernels.base import Capabilities, DeviceKind, Kernel, KernelConfig, Launch, Problem
+from moekit.kernels.reference_kernel import EVERY_ACT_DTYPE
+from moekit.reference import fake_quant_activation, apply_activation, split_gate_up
+from moekit.spec import (
+    Activation,
+    ActivationQuant,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+    WeightFormat,
+)
+from moekit.weights import ExpertWeights, WeightPacking
+
+
+@dataclass(frozen=True)
+class TorchGroupedConfig(KernelConfig):
+    use_grouped_mm: bool = False  # torch._grouped_mm (CUDA sm_90+, bf16, 16-byte aligned rows) or a loop
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_grouped_mm, bool):
+            raise ValueError(f"use_grouped_mm must be a bool, got {self.use_grouped_mm!r}")
+
+
+def grouped_mm_usable(spec: MoESpec, problem: Problem) -> str | None:
+    """Why torch._grouped_mm cannot serve this spec/problem, or None."""
+    if problem.device.kind is not DeviceKind.CUDA:
+        return "torch._grouped_mm runs on CUDA here"
+    if (problem.device.compute_capability or (0, 0)) < (9, 0):
+        return "torch._grouped_mm needs sm_90+"
+    if spec.act_dtype != torch.bfloat16:
+        return f"torch._grouped_mm takes bf16, spec has {spec.act_dtype}"
+    if spec.H % 8 or spec.I % 8:  # rows must be 16-byte aligned in bf16
+        return f"H={spec.H} and I={spec.I} must be multiples of 8 for torch._grouped_mm"
+    return None
+
+
+class TorchGroupedKernel(Kernel):
+    name = "torch_grouped"
+    priority = 10
+    config_type = TorchGroupedConfig
+    capabilities = Capabilities(
+        weight_formats=frozenset(WeightFormat),
+        fp8_scales=frozenset(Fp8Scale),
+        act_quants=frozenset(ActivationQuant),
+        act_dtypes=EVERY_ACT_DTYPE,
+        activations=frozenset(Activation),
+        honours_alpha=True,
+        honours_limit=True,
+        gate_layouts=frozenset(GateLayout),
+        bias=True,
+        router_placements=frozenset(RouterWeightPlacement),
+        expert_map=True,
+        devices=frozenset(DeviceKind),
+        packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.DEQUANTIZED}),
+    )
+
+    def default_config(self, spec: MoESpec, problem: Problem) -> TorchGroupedConfig:
+        return TorchGroupedConfig(use_grouped_mm=grouped_mm_usable(spec, problem) is None)
+
+    def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
+        return weights.dequantized(spec.act_dtype)
+
+    def run(self, launch: Launch) -> torch.Tensor:
+        spec, x, routing = launch.spec, launch.x, launch.routing
+        weights = launch.weights
+        num_tokens, k = routing.ids.shape
+        if num_tokens == 0:
+            return torch.zeros(0, spec.H, dtype=spec.act_dtype, device=x.device)
+        local = routing.ids.reshape(-1).long()
+        if launch.expert_map is not None:
+            local = launch.expert_map.long()[local]
+        valid = local >= 0  # pairs owned by another rank contribute zero
+        local = torch.where(valid, local, torch.zeros_like(local))
+        order = torch.sort(local, stable=True).indices
+        sorted_expert = local[order]
+        token = order // k
+        route_w = routing.weights.reshape(-1)[order].unsqueeze(1)
+        xs = x[token]
+        if spec.router_weight_placement is RouterWeightPlacement.INPUT:
+            xs = (xs.float() * route_w).to(spec.act_dtype)
+        xs = fake_quant_activation(xs.float(), spec.act_quant).to(spec.act_dtype)
+        w13 = weights.w13.to(spec.act_dtype)
+        w2 = weights.w2.to(spec.act_dtype)
+        counts = torch.bincount(sorted_expert, minlength=weights.num_experts)
+        gemm = _grouped_gemm if launch.config.use_grouped_mm else _looped_gemm
+        h = gemm(xs, w13, counts).float()
+        if weights.b13 is not None:
+            h = h + weights.b13.float()[sorted_expert]
+        gate, up = split_gate_up(h, spec.gate_layout)
+        a = fake_quant_activation(apply_activation(gate, up, spec.activation), spec.act_quant)
+        y = gemm(a.to(spec.act_dtype), w2, counts).float()
+        if weights.b2 is not None:
+            y = y + weights.b2.float()[sorted_expert]
+        if spec.router_weight_placement is RouterWeightPlacement.OUTPUT:
+            y = y * route_w
+        y = y * valid[order].unsqueeze(1)
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(num_tokens, k, spec.H).sum(dim=1).to(spec.act_dtype)
+
+
+def _grouped_gemm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """rows [N, in] sorted by expert @ weight[e]^T ([E, out, in]) with device-side offsets."""
+    offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+    return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+
+
+def _looped_gemm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Same as `_grouped_gemm`, one matmul per expert hit (reads counts on the host)."""
+    out = torch.empty(rows.shape[0], weight.shape[1], dtype=rows.dtype, device=rows.device)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            out[start : start + count] = rows[start : start + count] @ weight[expert].T
+            start += count
+    return out
