@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moekit.cli_spec import SIMULATED_DEVICES, add_spec_flags, plan_as_dict, resolve_device, spec_from_flags
 from moekit.errors import MoekitError
 from moekit.presets import DEFAULT_PRESET, PRESETS
 
@@ -24,6 +25,8 @@ against a pure-PyTorch reference.
   moekit run                      run the default layer (gpt-oss-20b shapes, random weights)
   moekit run --tokens 8 --preset qwen3-30b-a3b
   moekit run --checkpoint DIR --layer 3    run one layer of a GPT-OSS safetensors checkpoint
+  moekit explain --preset gpt-oss-120b --tokens 1 --device h200
+                                  which kernel and config the planner picks, and why
 """
 
 
@@ -43,6 +46,22 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tokens", type=int, default=4, help="tokens in the batch, T (default: 4)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    explain = sub.add_parser("explain", help="show which kernel and config a spec gets, and what was refused",
+                             description="Plan a layer the way moekit does when it is built, and print the "
+                                         "chosen kernel, where its config came from, every refused "
+                                         "candidate with its reason, and every rejected tuned row. Start "
+                                         "from a preset; any spec flag overrides that field.")
+    explain.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
+                         help=f"model spec to start from (default: {DEFAULT_PRESET})")
+    explain.add_argument("--tokens", type=int, default=1, help="tokens per forward, T (default: 1)")
+    explain.add_argument("--device", default=None,
+                         help="cpu, cuda, or a simulated GPU to plan for without one: "
+                              + ", ".join(sorted(SIMULATED_DEVICES)) + " (default: cuda if present, else cpu)")
+    explain.add_argument("--table", type=Path, default=None, help="a tuned table to merge over the shipped ones")
+    explain.add_argument("--strict", action="store_true", help="fail instead of falling back")
+    explain.add_argument("--json", action="store_true", help="print one JSON object")
+    add_spec_flags(explain)
     return parser
 
 
@@ -68,10 +87,23 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0 if report.check_passed else 1
 
 
+def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
+    from moekit.plan import plan
+
+    spec = spec_from_flags(args)
+    result = plan(spec, num_tokens=args.tokens, device=resolve_device(args.device), tuned=args.table,
+                  strict=args.strict)
+    if args.json:
+        print(json.dumps(plan_as_dict(result), indent=2))
+    else:
+        console.print(result.explain(), highlight=False, markup=False, soft_wrap=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     console = Console()
-    handlers = {"run": _cmd_run}
+    handlers = {"run": _cmd_run, "explain": _cmd_explain}
     try:
         return handlers[args.command](args, console)
     except MoekitError as err:

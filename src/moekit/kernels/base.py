@@ -186,6 +186,13 @@ class Kernel(abc.ABC):
         """One-time load-time repacking into a packing this kernel reads. Default: none needed."""
         return weights
 
+    def weights_reason(self, weights: ExpertWeights) -> str | None:
+        """None if `run` reads `weights` as they are, else why not (checked before every launch)."""
+        if weights.packing not in self.capabilities.packings:
+            return (f"kernel {self.name} reads packings {sorted(p.name for p in self.capabilities.packings)}, "
+                    f"weights are {weights.packing.name}")
+        return None
+
     @abc.abstractmethod
     def run(self, launch: Launch) -> torch.Tensor:
         """Compute the layer; returns `[T, H]` in spec.act_dtype."""

@@ -79,6 +79,11 @@ class TorchGroupedKernel(Kernel):
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
         return weights.dequantized(spec.act_dtype)
 
+    def weights_reason(self, weights: ExpertWeights) -> str | None:
+        if not weights.stores_floats:
+            return f"kernel {self.name} reads float weights, got {weights.format.name} codes"
+        return super().weights_reason(weights)
+
     def run(self, launch: Launch) -> torch.Tensor:
         spec, x, routing = launch.spec, launch.x, launch.routing
         weights = launch.weights

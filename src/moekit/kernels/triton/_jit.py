@@ -1,0 +1,344 @@
+"""Triton JIT code of the fused-MoE path; host code lives in `align.py` and `launch.py`.
+
+Data flow of one layer (P = T*K (token, k) pairs, pair p = t*K + k):
+  align.py (sort pairs by local expert, pad each expert to BLOCK_M)
+  -> [_quant_fp8_rows: x -> fp8 [T, H] + fp32 scales; W8A8 only]
+  -> _moe_gemm1: gathered x rows @ w13[e]^T (+ b13) -> gated activation -> h [P, I] (pair order)
+  -> [_quant_fp8_rows: h -> fp8 [P, I] + scales; W8A8 only]
+  -> _moe_gemm2: h rows @ w2[e]^T (+ b2) * router weight -> y [P, H] (pair order)
+  -> _moe_sum_k: out[t] = sum_k y[t*K + k] in a fixed k order (deterministic, no atomics).
+
+Every numeric switch is a constexpr whose code is defined below; launch.py maps the spec onto them.
+Offsets that scale with T*K (token rows, pair rows) and with the expert index are int64.
+"""
+
+import triton
+import triton.language as tl
+
+# Weight storage (W_FORMAT).
+WFMT_FLOAT = tl.constexpr(0)  # bf16 / fp16 / fp32 [E, N, K]
+WFMT_FP8 = tl.constexpr(1)  # float8_e4m3fn [E, N, K], fp32 scales per FP8_SCALE
+WFMT_MXFP4 = tl.constexpr(2)  # uint8 blocks [E, N, ceil(K/32)*16] + E8M0 scales [E, N, ceil(K/32)]
+# FP8 weight scale granularity (FP8_SCALE).
+FP8S_TENSOR = tl.constexpr(0)  # [E]
+FP8S_CHANNEL = tl.constexpr(1)  # [E, N]
+FP8S_BLOCK = tl.constexpr(2)  # [E, ceil(N/128), ceil(K/128)]
+# Dynamic activation quantization of the A operand (A_QUANT).
+AQ_NONE = tl.constexpr(0)
+AQ_TOKEN = tl.constexpr(1)  # scale [rows, 1]
+AQ_GROUP = tl.constexpr(2)  # scale [rows, ceil(K/128)]
+# Gated activations (ACTIVATION).
+ACT_SILU = tl.constexpr(0)
+ACT_GELU = tl.constexpr(1)
+ACT_GELU_TANH = tl.constexpr(2)
+ACT_SWIGLU_OAI = tl.constexpr(3)
+
+_FP8_MAX = tl.constexpr(448.0)
+_FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # moekit.formats.fp8's floor for amax / 448
+
+
+@triton.jit
+def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Consecutive programs walk GROUP_M M-blocks (mostly of one expert) for the same N-tile, so the
+    # weight tile they share stays in L2 instead of being streamed again from HBM.
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 `y` (|y| <= 448) to the nearest E4M3 value, ties to even, still in fp32.
+
+    The cast to float8 that follows is then exact everywhere: the Triton interpreter's own
+    fp32 -> fp8 cast does not round to nearest-even (measured), the GPU's cvt.rn does.
+    Adding and subtracting 2^23 * spacing makes the fp32 adder round at the E4M3 spacing.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    exp = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # below 2^-6 the spacing is the subnormal 2^-9
+    magic = ((exp + 20) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3) * 2^23
+    mag = (tl.abs(y) + magic) - magic
+    return tl.where(bits < 0, -mag, mag)  # bits < 0 is the sign bit: keeps -0 as moekit.formats does
+
+
+@triton.jit
+def _quant_fp8_rows(
+    src_ptr,  # [R, C] float rows
+    row_mult_ptr,  # fp32 [R] multiplier applied before quantizing (router weight, INPUT placement) or None
+    dst_ptr,  # float8_e4m3fn [R, C]
+    scale_ptr,  # fp32 [R, G]: G = 1 per token, ceil(C/128) per 1x128 group
+    num_cols,
+    group_cols,  # C per token, 128 per group
+    stride_src,
+    stride_dst,
+    stride_scale,
+    HAS_ROW_MULT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per (row, group): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    col_start = group * group_cols
+    col_end = tl.minimum(col_start + group_cols, num_cols)
+    offs = tl.arange(0, BLOCK)
+    mult = 1.0
+    if HAS_ROW_MULT:
+        mult = tl.load(row_mult_ptr + row)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(col_start, col_end, BLOCK):
+        cols = c + offs
+        v = tl.load(src_ptr + row * stride_src + cols, mask=cols < col_end, other=0.0).to(tl.float32)
+        if HAS_ROW_MULT:
+            v = v * mult
+        amax = tl.maximum(amax, tl.abs(v))
+    amax_row = tl.max(amax, axis=0)
+    # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
+    scale = tl.maximum(tl.math.div_rn(amax_row, _FP8_MAX), _FP32_TINY)
+    scale = tl.where(amax_row > 0, scale, 1.0)
+    for c in range(col_start, col_end, BLOCK):
+        cols = c + offs
+        mask = cols < col_end
+        v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ROW_MULT:
+            v = v * mult
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -_FP8_MAX), _FP8_MAX)
+        tl.store(dst_ptr + row * stride_dst + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr + row * stride_scale + group, scale)
+
+
+@triton.jit
+def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_sn, stride_sk,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantize MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> fp32 [BLOCK_K, BLOCK_N].
+
+    Bit operations, no lookup table: code c = sign(bit 3) | e(bits 1-2) | m(bit 0); |v| = m/2 if e == 0
+    else (1 + m/2) * 2^(e-1), i.e. fp32 bits ((e + 126) << 23) | (m << 22). Scale byte s -> 2^(s-127)
+    as the fp32 bits s << 23 (s = 0 gives 0 instead of 2^-127; 0xFF gives Inf, so a NaN scale
+    still poisons its block).
+    """
+    num_groups = tl.cdiv(in_dim, 32)
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along the row
+    byte_mask = w_mask[:, None] & (kb[None, :] < num_groups * 16)
+    packed = tl.load(w_base + w_rows[:, None] * stride_wn + kb[None, :], mask=byte_mask, other=0)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # scale group along the row
+    sbytes = tl.load(s_base + w_rows[:, None] * stride_sn + kg[None, :] * stride_sk,
+                     mask=w_mask[:, None] & (kg[None, :] < num_groups), other=0)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.int32)  # low = even
+    mag = codes & 7
+    bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 0x3F000000, 0))
+    vals = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    scales = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(tl.reshape(vals, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
+    ks = k0 + tl.arange(0, BLOCK_K)
+    w = tl.where(ks[None, :] < in_dim, w, 0.0)  # the ragged tail's padding is never used as data
+    return tl.trans(w)
+
+
+@triton.jit
+def _expert_matmul(
+    a_ptr, a_scale_ptr, a_rows, a_mask, stride_am, stride_asm, stride_ask,
+    w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+    in_dim,
+    W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, :] @ W[expert, w_rows, :]^T with every scale applied.
+
+    A and W are contiguous along the reduction axis (checked on the host). Decode note: with few rows
+    per expert this is a weight-streaming GEMV; swap-AB (weights on the MMA's M side, tokens on N)
+    or split-K over `in_dim` would go here to fill the tensor cores and the SMs.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows[:, None] * stride_am
+    w_base = w_ptr + expert * stride_we
+    s_base = w_scale_ptr + expert * stride_wse
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, in_dim, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < in_dim
+        a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_FORMAT == WFMT_MXFP4:
+            w = _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_wsn, stride_wsk,
+                            BLOCK_N, BLOCK_K)
+        else:
+            w = tl.load(w_base + w_rows[None, :] * stride_wn + ks[:, None],
+                        mask=w_mask[None, :] & k_mask[:, None], other=0.0)
+        if W_FORMAT == WFMT_FP8:
+            if A_QUANT != AQ_NONE:
+                part = tl.dot(a, w)  # fp8 x fp8 on the tensor cores
+            elif DOT_FP32:
+                part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, w.to(a.dtype))  # E4M3 values are exact in bf16 / fp16
+            # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32 (BLOCK_K
+            # <= 128), which is also where block scales along K must be applied.
+            if FP8_SCALE == FP8S_BLOCK:
+                ws = tl.load(s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
+                             mask=w_mask, other=0.0)
+                part = part * ws[None, :]
+            if A_QUANT == AQ_GROUP:
+                sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask, mask=a_mask, other=0.0)
+                part = part * sa[:, None]
+            acc += part
+        elif DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc)
+    if W_FORMAT == WFMT_FP8:
+        if FP8_SCALE == FP8S_CHANNEL:
+            acc = acc * tl.load(s_base + w_rows * stride_wsn, mask=w_mask, other=0.0)[None, :]
+        if FP8_SCALE == FP8S_TENSOR:
+            acc = acc * tl.load(s_base)
+    if A_QUANT == AQ_TOKEN:
+        acc = acc * tl.load(a_scale_ptr + a_rows * stride_asm, mask=a_mask, other=0.0)[:, None]
+    return acc
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                      LIMIT: tl.constexpr):
+    """moekit.reference.apply_activation in fp32 registers."""
+    if HAS_LIMIT:  # every activation clamps the same way: gate from above, up on both sides
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    if ACTIVATION == ACT_SWIGLU_OAI:
+        out = gate * tl.sigmoid(ALPHA * gate) * (up + 1.0)
+    elif ACTIVATION == ACT_SILU:
+        out = gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == ACT_GELU:
+        out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    else:
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z): no tanh needed, and no cancellation near z = 0.
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = gate * tl.sigmoid(2.0 * z) * up
+    return out
+
+
+@triton.jit
+def _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Pairs of M-block `pid_m` (int64, padding rows masked) and its local expert (int64)."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return pairs, pairs < num_pairs, expert
+
+
+@triton.jit
+def _moe_gemm1(
+    x_ptr,  # [T, H] act dtype; float8_e4m3fn [T, H] when W8A8
+    x_scale_ptr,  # fp32 [T, 1] / [T, ceil(H/128)] (W8A8) or None
+    w_ptr,  # w13 [E_local, 2I, H] float / fp8, or MXFP4 bytes uint8 [E_local, 2I, ceil(H/32)*16]
+    w_scale_ptr,  # FP8 fp32 [E_local] / [E_local, 2I] / [E_local, ceil(2I/128), ceil(H/128)]; MXFP4 uint8
+    #               [E_local, 2I, ceil(H/32)]; or None
+    b_ptr,  # b13 [E_local, 2I] or None
+    route_w_ptr,  # fp32 [T*K] router weights (INPUT placement) or None
+    sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M]
+    block_expert_ptr,  # int32 [num_pid_m]
+    num_blocks_ptr,  # int32 [1]
+    h_ptr,  # [T*K, I] act dtype (fp32 when W8A8)
+    num_pairs, inter_size, hidden, num_pid_m,
+    stride_xm, stride_xsm, stride_xsk,
+    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_hm,
+    TOP_K: tl.constexpr, W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
+    ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """h[p, n0:n0+BLOCK_N] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block.
+
+    One dot of 2*BLOCK_N weight rows per tile: the gate and up rows of the same output columns, so
+    the activation is applied in registers without a second pass.
+    """
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return  # the grid is a host-side upper bound; the true block count stays on the device
+    pairs, row_mask, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    tokens = pairs // TOP_K
+    j = tl.arange(0, 2 * BLOCK_N)
+    if INTERLEAVED:  # rows 2n (gate n) and 2n+1 (up n) are adjacent
+        w_rows = 2 * pid_n * BLOCK_N + j
+        w_mask = w_rows < 2 * inter_size
+    else:  # CONCAT: gate n is row n, up n is row I + n
+        col = pid_n * BLOCK_N + (j % BLOCK_N)
+        w_rows = tl.where(j < BLOCK_N, col, col + inter_size)
+        w_mask = col < inter_size
+    acc = _expert_matmul(
+        x_ptr, x_scale_ptr, tokens, row_mask, stride_xm, stride_xsm, stride_xsk,
+        w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+        hidden, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
+    )
+    if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T); K == 1 so pair == token
+        acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0).to(tl.float32)[None, :]
+    if INTERLEAVED:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + pairs[:, None] * stride_hm + offs_n[None, :], out.to(h_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (offs_n < inter_size)[None, :])
+
+
+@triton.jit
+def _moe_gemm2(
+    h_ptr,  # [T*K, I] act dtype; float8_e4m3fn when W8A8
+    h_scale_ptr,  # fp32 [T*K, 1] / [T*K, ceil(I/128)] (W8A8) or None
+    w_ptr,  # w2 [E_local, H, I] float / fp8, or MXFP4 bytes uint8 [E_local, H, ceil(I/32)*16]
+    w_scale_ptr,  # FP8 fp32 [E_local] / [E_local, H] / [E_local, ceil(H/128), ceil(I/128)]; MXFP4 uint8
+    #               [E_local, H, ceil(I/32)]; or None
+    b_ptr,  # b2 [E_local, H] or None
+    route_w_ptr,  # fp32 [T*K] router weights (OUTPUT placement) or None
+    sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M]
+    block_expert_ptr,  # int32 [num_pid_m]
+    num_blocks_ptr,  # int32 [1]
+    y_ptr,  # [T*K, H] (act dtype, or fp32 for fp32 activations)
+    num_pairs, hidden, inter_size, num_pid_m,
+    stride_hm, stride_hsm, stride_hsk,
+    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_ym,
+    W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROUTE_ON_OUTPUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """y[p, n0:n0+BLOCK_N] = w[p] * (h[p] @ w2[e]^T + b2[e]) for the pairs of one M-block."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    pairs, row_mask, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    w_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_mask = w_rows < hidden
+    acc = _expert_matmul(
+        h_ptr, h_scale_ptr, pairs, row_mask, stride_hm, stride_hsm, stride_hsk,
+        w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+        inter_size, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+    if HAS_BIAS:  # b2 is added per expert before the router weight, as GPT-OSS does
+        acc = acc + tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0).to(tl.float32)[None, :]
+    if ROUTE_ON_OUTPUT:
+        acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    tl.store(y_ptr + pairs[:, None] * stride_ym + w_rows[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & w_mask[None, :])
+
+
+@triton.jit
+def _moe_sum_k(
+    y_ptr,  # [T*K, H] per-pair expert outputs (rows of dropped pairs are never written)
+    pair_expert_ptr,  # int32 [T*K] local expert of each pair, -1 if another rank owns it
+    out_ptr,  # [T, H] act dtype
+    hidden, stride_ym, stride_om,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over k = 0..K-1, in that order, of y[t*K + k] (dropped pairs add zero)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        p = t * TOP_K + k
+        keep = tl.load(pair_expert_ptr + p) >= 0
+        acc += tl.load(y_ptr + p * stride_ym + cols, mask=mask & keep, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

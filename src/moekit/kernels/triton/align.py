@@ -1,0 +1,115 @@
+"""Device-side routing preparation for the grouped GEMMs: no host synchronization, graph-capturable.
+
+Data flow:
+  ids int32 [T, K] (global expert ids) -> optional expert map (int32 [E], -1 = another rank)
+  -> local expert of each pair p = t*K + k (`pair_expert`, -1 = dropped: contributes zero)
+  -> stable sort of the pairs by local expert (dropped pairs sort last and are left out)
+  -> per-expert counts, each expert's segment padded to a multiple of BLOCK_M (`expert_offsets`)
+  -> `sorted_pair_ids` (one pair id per padded row; padding rows hold P = T*K), the expert of every
+     M-block (`block_expert`) and the number of valid M-blocks (`num_valid_blocks`, on the device).
+
+Kernels are launched over `max_blocks` M-blocks, an upper bound known on the host without a sync;
+programs past `num_valid_blocks` exit at once. Ids outside [0, E) (or mapped outside [0, E_local))
+are dropped rather than read out of bounds; callers check ids once at the edge
+(`RoutingResult.check_ids`), never here, because that check syncs.
+
+Every step is a torch op with a device-sized result (sort, searchsorted, cumsum, scatter), so nothing
+here waits for the GPU. A single-program Triton kernel would save a few launches for decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.errors import ShapeError
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + (b - 1)) // b
+
+
+def max_blocks_bound(*, num_pairs: int, num_local_experts: int, block_m: int) -> int:
+    """Host upper bound of the M-blocks: sum_e ceil(c_e / BM) <= ceil(P / BM) + E_local, and <= P
+    because every block holds at least one pair."""
+    return min(num_pairs, cdiv(num_pairs, block_m) + num_local_experts)
+
+
+@dataclass(frozen=True)
+class AlignedRouting:
+    """The pairs of a batch grouped by local expert and padded to M-blocks (all tensors on the device)."""
+
+    sorted_pair_ids: torch.Tensor  # int32 [max_blocks * block_m]; pair id t*K+k, or num_pairs for padding
+    block_expert: torch.Tensor  # int32 [max_blocks]; local expert of each M-block (E_local past the last)
+    num_valid_blocks: torch.Tensor  # int32 [1]; M-blocks that hold pairs
+    expert_offsets: torch.Tensor  # int64 [E_local + 1]; padded start row of each expert, last = total rows
+    expert_counts: torch.Tensor  # int32 [E_local]; pairs routed to each local expert
+    pair_expert: torch.Tensor  # int32 [T*K]; local expert of each pair, -1 if dropped
+    block_m: int
+    max_blocks: int
+    num_pairs: int  # P = T*K
+
+
+def align_routing(
+    ids: torch.Tensor,
+    *,
+    num_local_experts: int,
+    block_m: int,
+    expert_map: torch.Tensor | None = None,
+) -> AlignedRouting:
+    """Group the (token, k) pairs of `ids [T, K]` by local expert, padded to multiples of `block_m`."""
+    if ids.dim() != 2:
+        raise ShapeError(f"routing ids must be [T, K], got shape {tuple(ids.shape)}")
+    if block_m < 1 or num_local_experts < 1:
+        raise ShapeError(f"need block_m >= 1 and num_local_experts >= 1, got {block_m}, {num_local_experts}")
+    device = ids.device
+    num_pairs = ids.numel()
+    e_local = num_local_experts
+    max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
+    max_rows = max_blocks * block_m
+
+    flat = ids.reshape(-1).to(torch.int64)
+    if expert_map is not None:
+        num_global = expert_map.numel()
+        in_range = (flat >= 0) & (flat < num_global)
+        mapped = expert_map.to(torch.int64)[flat.clamp(0, max(num_global - 1, 0))]
+        flat = torch.where(in_range, mapped, torch.full_like(mapped, -1))
+    valid = (flat >= 0) & (flat < e_local)
+    pair_expert = torch.where(valid, flat, torch.full_like(flat, -1)).to(torch.int32)
+    key = torch.where(valid, flat, torch.full_like(flat, e_local))  # dropped pairs sort after every expert
+
+    # Stable: pairs of one expert keep increasing pair order, so results never depend on sort internals.
+    sorted_key, order = torch.sort(key, stable=True)
+    experts = torch.arange(e_local + 1, device=device, dtype=torch.int64)
+    seg_start = torch.searchsorted(sorted_key, experts)  # [E_local + 1]; last entry = number of kept pairs
+    counts = seg_start[1:] - seg_start[:-1]
+    padded_end = torch.cumsum(_cdiv_tensor(counts, block_m) * block_m, dim=0)
+    expert_offsets = torch.cat([padded_end.new_zeros(1), padded_end])  # int64 [E_local + 1]
+
+    # Row of each sorted pair: its expert's padded start + its rank within the expert. Dropped pairs go
+    # to distinct rows past max_rows (sliced off below), so every scatter index is unique.
+    position = torch.arange(num_pairs, device=device, dtype=torch.int64)
+    rank = position - seg_start[sorted_key]
+    row = torch.where(sorted_key < e_local, expert_offsets[sorted_key] + rank, max_rows + position)
+    rows = torch.full((max_rows + num_pairs,), num_pairs, dtype=torch.int32, device=device)
+    rows.scatter_(0, row, order.to(torch.int32))
+
+    block_start = torch.arange(max_blocks, device=device, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    num_valid_blocks = (padded_end[-1:] // block_m).to(torch.int32)
+    return AlignedRouting(
+        sorted_pair_ids=rows[:max_rows],
+        block_expert=block_expert,
+        num_valid_blocks=num_valid_blocks,
+        expert_offsets=expert_offsets,
+        expert_counts=counts.to(torch.int32),
+        pair_expert=pair_expert,
+        block_m=block_m,
+        max_blocks=max_blocks,
+        num_pairs=num_pairs,
+    )

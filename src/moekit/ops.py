@@ -1,0 +1,55 @@
+"""`fused_moe`: the one entry point that runs a plan.
+
+Data flow: (x, weights, routing, plan) -> every input check (shapes, dtypes, devices, ids, layout and
+packing against the chosen kernel) before any launch -> one typed `Launch` -> the kernel's `run`.
+Value checks (expert ids, expert map) read device memory; they are skipped while a CUDA graph is being
+captured, so a captured forward has no host synchronization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.errors import LayoutMismatchError
+from moekit.kernels.base import Kernel, Launch
+from moekit.kernels.registry import KernelRegistry, default_registry
+from moekit.plan import Plan
+from moekit.reference import check_inputs
+from moekit.routing import RoutingResult
+from moekit.weights import ExpertWeights
+
+
+def kernel_of(plan: Plan, registry: KernelRegistry | None = None) -> Kernel:
+    kernel = (registry or default_registry()).get(plan.kernel)
+    if kernel is None:
+        raise LayoutMismatchError(f"plan names kernel {plan.kernel!r}, which is not in the registry")
+    return kernel
+
+
+def prepare_weights(weights: ExpertWeights, plan: Plan, *, registry: KernelRegistry | None = None) -> ExpertWeights:
+    """Repack `weights` once, at load time, into the packing the plan's kernel reads."""
+    weights.validate(plan.spec)
+    return kernel_of(plan, registry).prepare_weights(weights, plan.spec)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def fused_moe(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    plan: Plan,
+    expert_map: torch.Tensor | None = None,
+    registry: KernelRegistry | None = None,
+) -> torch.Tensor:
+    """Run the MoE layer as `plan` says; returns `[T, H]` in `plan.spec.act_dtype`."""
+    spec = plan.spec
+    kernel = kernel_of(plan, registry)
+    check_inputs(x, weights, routing, spec=spec, expert_map=expert_map, check_values=not _capturing(x))
+    if (reason := kernel.weights_reason(weights)) is not None:
+        raise LayoutMismatchError(f"{reason}; call moekit.prepare_weights(weights, plan) once at load time")
+    launch = Launch(spec=spec, config=plan.config, x=x, weights=weights, routing=routing, expert_map=expert_map)
+    return kernel.run(launch)

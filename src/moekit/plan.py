@@ -1,0 +1,176 @@
+"""The planner: choose a capable kernel and its config, once, when a layer is built.
+
+Data flow: (spec, num_tokens, device) -> every registered kernel's `supports` (refusals recorded with
+their reasons) -> the tuned row for (device, Triton version, spec signature, E, K, H, I, token bucket),
+else the nearest bucket's row -> the row is used only if its kernel is among the capable ones (else it
+is recorded as rejected) -> otherwise the highest-priority capable kernel with its default config ->
+a frozen `Plan` that says what was chosen, from where, and what was refused.
+
+The invariant (guide §3.1): whatever the tables say, the chosen kernel is one that `supports` the spec.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moekit.errors import PlanFallbackError, UnsupportedSpecError
+from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Problem
+from moekit.kernels.registry import KernelRegistry, default_registry
+from moekit.spec import ActivationQuant, GateLayout, MoESpec
+from moekit.tuned import (
+    RejectedRow,
+    TableKey,
+    TunedTables,
+    env_table_paths,
+    load_tables,
+    shipped_table_paths,
+    token_bucket,
+    triton_version,
+)
+
+
+class ConfigSource(enum.Enum):
+    TUNED_ROW = "tuned row"
+    NEAREST_BUCKET = "tuned row of the nearest token bucket"
+    DEFAULT = "kernel default (no usable tuned row)"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    kernel: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs for one (spec, token bucket, device), and why."""
+
+    spec: MoESpec
+    num_tokens: int
+    bucket: int
+    device: DeviceInfo
+    kernel: str
+    config: KernelConfig
+    source: ConfigSource
+    row_origin: str | None  # "file#row N" when a tuned row supplied the config
+    refused: tuple[Refusal, ...]  # kernels that cannot compute the spec here, with reasons
+    rejected_rows: tuple[RejectedRow, ...]  # bad or incapable rows relevant to this plan
+    table_sources: tuple[str, ...]  # tables consulted, lowest precedence first
+
+    def explain(self) -> str:
+        lines = [
+            f"spec:    {self.spec.describe()}",
+            f"problem: T={self.num_tokens} (bucket {self.bucket}) on {self.device.describe()}, "
+            f"triton {triton_version()}",
+            f"chosen:  {self.kernel}  config {self.config.as_dict()}",
+            f"source:  {self.source.value}" + (f" [{self.row_origin}]" if self.row_origin else ""),
+        ]
+        lines.append("refused candidates:" if self.refused else "refused candidates: none")
+        lines += [f"  - {r.kernel}: {r.reason}" for r in self.refused]
+        if self.rejected_rows:
+            lines.append("rejected tuned rows (never used):")
+            lines += [f"  - {r.origin}: {r.reason}" for r in self.rejected_rows]
+        sources = ", ".join(self.table_sources) if self.table_sources else "none"
+        lines.append(f"tables (lowest precedence first): {sources}")
+        return "\n".join(lines)
+
+
+def resolve_tables(tuned: TunedTables | str | Path | None, registry: KernelRegistry) -> TunedTables:
+    """Shipped tables, then the env var's, then `tuned` (a path, or already-loaded tables)."""
+    if isinstance(tuned, TunedTables):
+        return tuned
+    paths = shipped_table_paths() + env_table_paths()
+    if tuned is not None:
+        paths.append(Path(tuned))
+    return load_tables(paths, registry=registry)
+
+
+def plan(
+    spec: MoESpec,
+    *,
+    num_tokens: int,
+    device: torch.device | str | DeviceInfo,
+    tuned: TunedTables | str | Path | None = None,
+    strict: bool = False,
+    registry: KernelRegistry | None = None,
+    allow_reference: bool = True,
+) -> Plan:
+    """Resolve the kernel and config for `spec` at `num_tokens` on `device`. See the module docstring."""
+    registry = registry or default_registry()
+    if not allow_reference:
+        registry = registry.without("reference")
+    info = device if isinstance(device, DeviceInfo) else DeviceInfo.of(device)
+    problem = Problem(num_tokens=num_tokens, device=info)
+    capable: list[Kernel] = []
+    refused: list[Refusal] = []
+    for kernel in registry:
+        reason = kernel.supports(spec, problem)
+        if reason is None:
+            capable.append(kernel)
+        else:
+            refused.append(Refusal(kernel.name, reason))
+    if not capable:
+        raise UnsupportedSpecError(_unsupported_message(spec, problem, refused, registry))
+
+    tables = resolve_tables(tuned, registry)
+    bucket = token_bucket(num_tokens)
+    key = TableKey.for_spec(spec, device=info.name, triton=triton_version(), bucket=bucket)
+    rejected = list(tables.rejected_for(key))
+    row, exact = tables.lookup(key)
+    chosen: Kernel = capable[0]
+    config = chosen.default_config(spec, problem)
+    source, origin = ConfigSource.DEFAULT, None
+    if row is not None:
+        by_name = {k.name: k for k in capable}
+        row_kernel = by_name.get(row.kernel)
+        if row_kernel is None:
+            why = next((r.reason for r in refused if r.kernel == row.kernel), "not registered")
+            rejected.append(RejectedRow(row.origin, f"kernel {row.kernel!r} cannot run here: {why}", row.key))
+        elif (reason := row_kernel.validate_config(row.config, spec)) is not None:
+            rejected.append(RejectedRow(row.origin, f"config invalid for this spec: {reason}", row.key))
+        else:
+            chosen, config, origin = row_kernel, row.config, row.origin
+            source = ConfigSource.TUNED_ROW if exact else ConfigSource.NEAREST_BUCKET
+    result = Plan(spec=spec, num_tokens=num_tokens, bucket=bucket, device=info, kernel=chosen.name,
+                  config=config, source=source, row_origin=origin, refused=tuple(refused),
+                  rejected_rows=tuple(rejected), table_sources=tables.sources)
+    if strict and (source is not ConfigSource.TUNED_ROW or rejected):
+        what = "rejected tuned rows" if source is ConfigSource.TUNED_ROW else source.value
+        raise PlanFallbackError(f"strict planning refused a fallback ({what}):\n{result.explain()}")
+    return result
+
+
+# Spec changes a user can make at load time, tried in order to suggest the nearest supported spec.
+def _alternatives(spec: MoESpec) -> list[tuple[str, MoESpec]]:
+    options: list[tuple[str, MoESpec]] = []
+    other = GateLayout.CONCAT if spec.gate_layout is GateLayout.INTERLEAVED else GateLayout.INTERLEAVED
+    options.append((f"convert w13 to {other.name} layout (weights.to_layout(GateLayout.{other.name}))",
+                    replace(spec, gate_layout=other)))
+    if spec.act_quant is not ActivationQuant.NONE:
+        options.append(("run FP8 weights with unquantized activations (act_quant=NONE)",
+                        replace(spec, act_quant=ActivationQuant.NONE)))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype != spec.act_dtype:
+            options.append((f"use act_dtype={dtype}", replace(spec, act_dtype=dtype)))
+    return options
+
+
+def _unsupported_message(spec: MoESpec, problem: Problem, refused: list[Refusal], registry: KernelRegistry) -> str:
+    lines = [f"no registered kernel can compute this spec on {problem.device.describe()}:",
+             f"  spec: {spec.describe()}"]
+    lines += [f"  - {r.kernel}: {r.reason}" for r in refused]
+    for advice, alternative in _alternatives(spec):
+        takers = [k.name for k in registry if k.supports(alternative, problem) is None]
+        if takers:
+            lines.append(f"nearest supported alternative: {advice}: kernel {takers[0]} supports it")
+            break
+    else:
+        if "reference" not in registry:
+            lines.append("nearest supported alternative: allow the reference kernel (allow_reference=True)")
+        else:
+            lines.append("no single load-time change makes it supported; see the reasons above")
+    return "\n".join(lines)
