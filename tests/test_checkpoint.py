@@ -314,13 +314,16 @@ def test_bad_paths(tmp_path: Path) -> None:
         load_gpt_oss_layer(tmp_path, layer=0)
 
 
-def test_save_refuses_incomplete_or_concat_layers(tmp_path: Path) -> None:
+def test_save_refuses_incomplete_concat_or_dequantized_layers(tmp_path: Path) -> None:
     layer = make_layer(seed=7)
     partial = {k: v for k, v in layer.tensors().items() if k != "b2"}
     with pytest.raises(CheckpointError, match=r"missing \['b2'\]"):
         save_gpt_oss_layer(tmp_path / "m.safetensors", partial, layer=0, naming=CheckpointNaming.HF)
     with pytest.raises(LayoutMismatchError, match="INTERLEAVED"):
         GptOssLayer(weights=layer.weights.to_layout(GateLayout.CONCAT), router_weight=layer.router_weight,
+                    router_bias=layer.router_bias, naming=CheckpointNaming.HF, layer=0)
+    with pytest.raises(LayoutMismatchError, match="CHECKPOINT packing"):
+        GptOssLayer(weights=layer.weights.dequantized(torch.float32), router_weight=layer.router_weight,
                     router_bias=layer.router_bias, naming=CheckpointNaming.HF, layer=0)
     # A mapping of roles is written as given and loads back identically.
     path = tmp_path / "m.safetensors"

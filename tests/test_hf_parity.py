@@ -52,13 +52,17 @@ _LAYER = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key
 
 def make_config(kind: str, *, intermediate: int = I, norm_topk_prob: bool = True):
     if kind == "gpt_oss":
-        return transformers.GptOssConfig(intermediate_size=intermediate, num_local_experts=E, num_experts_per_tok=4,
-                                          **_LAYER)
+        return transformers.GptOssConfig(
+            intermediate_size=intermediate, num_local_experts=E, num_experts_per_tok=4, **_LAYER
+        )
     if kind == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=intermediate, num_local_experts=E, num_experts_per_tok=2,
-                                          **_LAYER)
-    return transformers.Qwen3MoeConfig(moe_intermediate_size=intermediate, intermediate_size=2 * intermediate,
-                                       num_experts=E, num_experts_per_tok=4, norm_topk_prob=norm_topk_prob, **_LAYER)
+        return transformers.MixtralConfig(
+            intermediate_size=intermediate, num_local_experts=E, num_experts_per_tok=2, **_LAYER
+        )
+    return transformers.Qwen3MoeConfig(
+        moe_intermediate_size=intermediate, intermediate_size=2 * intermediate, num_experts=E,
+        num_experts_per_tok=4, norm_topk_prob=norm_topk_prob, **_LAYER,
+    )
 
 
 # Standard deviations per parameter: GPT-OSS's gate_up is large enough that the clamp at 7 fires.
@@ -68,7 +72,9 @@ _STD = {"gate_up_proj": 0.6, "down_proj": 0.1, "gate_up_proj_bias": 0.5, "down_p
 
 def make_block(config, *, impl: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation=impl)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, experts_implementation=impl
+    )
     block = model.model.layers[0].mlp
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -107,7 +113,8 @@ def test_float_parity_with_hf_block(kind: str, norm: bool, impl: str) -> None:
     assert (spec.E, spec.H, spec.I, spec.K) == (E, H, I, config.num_experts_per_tok)
     assert spec.weight_format is WeightFormat.FP32 and spec.act_dtype == torch.float32
     if kind == "gpt_oss":
-        assert spec.routing.method is RoutingMethod.TOPK_SOFTMAX and spec.gate_layout is GateLayout.INTERLEAVED
+        assert spec.routing.method is RoutingMethod.TOPK_SOFTMAX
+        assert spec.gate_layout is GateLayout.INTERLEAVED and spec.has_bias
         assert spec.activation == ActivationSpec(Activation.SWIGLU_OAI, alpha=1.702, limit=7.0)
         h = torch.einsum("th,enh->ten", x, layer.weights.w13) + layer.weights.b13
         assert (h[..., 0::2] > 7).any() and (h[..., 1::2].abs() > 7).any(), "the clamp must be exercised"
@@ -124,7 +131,8 @@ def test_float_parity_with_hf_block(kind: str, norm: bool, impl: str) -> None:
     expected = hf_forward(block, x)
     got = fused_moe_reference(x, layer.weights, routing, spec=spec)
     err = relative_l2_error(got, expected)
-    print(f"\n{kind} norm={norm} impl={impl}: rel L2 {err:.3e}, max abs {(got - expected).abs().max():.3e}")
+    max_abs = (got - expected).abs().max()
+    print(f"\n{kind} (norm_topk_prob={norm}) {impl}: rel L2 {err:.3e}, max abs {max_abs:.3e}")
     assert err < RTOL_FP32
 
 
@@ -151,7 +159,9 @@ def test_legacy_per_expert_modules_match_fused_parameters() -> None:
         mlp.w2 = torch.nn.Linear(I, H, bias=False)
         with torch.no_grad():
             gate, up = block.experts.gate_up_proj[e].chunk(2)
-            mlp.w1.weight.copy_(gate), mlp.w3.weight.copy_(up), mlp.w2.weight.copy_(block.experts.down_proj[e])
+            mlp.w1.weight.copy_(gate)
+            mlp.w3.weight.copy_(up)
+            mlp.w2.weight.copy_(block.experts.down_proj[e])
         experts.append(mlp)
     legacy = from_hf_mixtral_experts(experts)
     assert torch.equal(legacy.w13, fused.w13) and torch.equal(legacy.w2, fused.w2)
@@ -159,7 +169,9 @@ def test_legacy_per_expert_modules_match_fused_parameters() -> None:
 
 def test_conversion_errors() -> None:
     with pytest.raises(SpecError, match="unsupported HF model_type"):
-        spec_from_hf_config(transformers.LlamaConfig(), weight_format=WeightFormat.BF16, act_dtype=torch.bfloat16)
+        spec_from_hf_config(
+            transformers.LlamaConfig(), weight_format=WeightFormat.BF16, act_dtype=torch.bfloat16
+        )
     experts = torch.nn.Module()
     experts.gate_up_proj = torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8)
     experts.down_proj = torch.zeros(E, H, I // 2, dtype=torch.uint8)
@@ -176,8 +188,8 @@ def test_mxfp4_checkpoint_parity_with_transformers_loader(tmp_path: Path) -> Non
     config = make_config("gpt_oss", intermediate=96)
     block = make_block(config, impl="eager", seed=5)
     quant = from_hf_moe_block(block, config=config, format=WeightFormat.MXFP4)
-    layer = GptOssLayer(weights=quant.weights, router_weight=quant.router_weight, router_bias=quant.router_bias,
-                        naming=CheckpointNaming.HF, layer=0)
+    layer = GptOssLayer(weights=quant.weights, router_weight=quant.router_weight,
+                        router_bias=quant.router_bias, naming=CheckpointNaming.HF, layer=0)
     full = transformers.GptOssForCausalLM(config)
     tensors = {k: v for k, v in full.state_dict().items() if ".mlp." not in k}
     tensors |= gpt_oss_layer_tensors(layer, layer=0, naming=CheckpointNaming.HF)
@@ -201,7 +213,8 @@ def test_mxfp4_checkpoint_parity_with_transformers_loader(tmp_path: Path) -> Non
 
     x = torch.randn(T, H)
     spec = loaded.spec_for(top_k=config.num_experts_per_tok, act_dtype=torch.float32)
-    got = fused_moe_reference(x, w, route(loaded.router_logits(x), top_k=spec.K, spec=spec.routing), spec=spec)
+    routing = route(loaded.router_logits(x), top_k=spec.K, spec=spec.routing)
+    got = fused_moe_reference(x, w, routing, spec=spec)
     err = relative_l2_error(got, hf_forward(hf.model.layers[0].mlp, x))
     print(f"\nMXFP4 checkpoint through transformers' loader: rel L2 {err:.3e}")
     assert err < RTOL_FP32

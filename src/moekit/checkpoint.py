@@ -59,7 +59,7 @@ from moekit.spec import (
     RoutingSpec,
     WeightFormat,
 )
-from moekit.weights import ExpertWeights
+from moekit.weights import ExpertWeights, WeightPacking
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -131,6 +131,11 @@ class GptOssLayer:
             got = w.format.name if isinstance(w, ExpertWeights) else type(w).__name__
             raise DTypeError(f"GptOssLayer.weights must be MXFP4 ExpertWeights, got {got}; "
                              "quantize with ExpertWeights.from_float(format=WeightFormat.MXFP4, ...)")
+        if w.packing is not WeightPacking.CHECKPOINT:
+            raise LayoutMismatchError(
+                f"GptOssLayer holds MXFP4 blocks and scales in CHECKPOINT packing, got {w.packing.name}; "
+                "keep the loaded layer and derive other packings from layer.weights"
+            )
         if w.gate_layout is not GateLayout.INTERLEAVED:
             raise LayoutMismatchError(
                 f"GptOssLayer holds INTERLEAVED weights as GPT-OSS checkpoints store them, got "

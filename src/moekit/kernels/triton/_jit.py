@@ -129,7 +129,8 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_sn
                      mask=w_mask[:, None] & (kg[None, :] < num_groups), other=0)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.int32)  # low = even
     mag = codes & 7
-    bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 0x3F000000, 0))
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 0x3F000000, 0))  # 0x3F000000 = 0.5
     vals = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
     scales = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     w = tl.reshape(tl.reshape(vals, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
@@ -155,7 +156,9 @@ def _expert_matmul(
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows[:, None] * stride_am
     w_base = w_ptr + expert * stride_we
-    s_base = w_scale_ptr + expert * stride_wse
+    s_base = w_scale_ptr  # None for float weights: no pointer arithmetic on it
+    if W_FORMAT != WFMT_FLOAT:
+        s_base = w_scale_ptr + expert * stride_wse
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, in_dim, BLOCK_K):
         ks = k0 + offs_k
@@ -181,7 +184,8 @@ def _expert_matmul(
                              mask=w_mask, other=0.0)
                 part = part * ws[None, :]
             if A_QUANT == AQ_GROUP:
-                sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask, mask=a_mask, other=0.0)
+                sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+                             mask=a_mask, other=0.0)
                 part = part * sa[:, None]
             acc += part
         elif DOT_FP32:
@@ -273,7 +277,8 @@ def _moe_gemm1(
     if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T); K == 1 so pair == token
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
     if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if INTERLEAVED:
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
@@ -317,7 +322,8 @@ def _moe_gemm2(
         inter_size, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )
     if HAS_BIAS:  # b2 is added per expert before the router weight, as GPT-OSS does
-        acc = acc + tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if ROUTE_ON_OUTPUT:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
     tl.store(y_ptr + pairs[:, None] * stride_ym + w_rows[None, :], acc.to(y_ptr.dtype.element_ty),

@@ -1,0 +1,391 @@
+"""Host side of the Triton fused-MoE path: config, capabilities, and the launch of each stage.
+
+Data flow of `triton_fused_moe` (no host sync anywhere, so the whole call can be graph-captured):
+  spec -> `_KernelParams` (every spec parameter as a typed constexpr, derived once per spec)
+  ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device)
+  x -> [W8A8: `_quant_fp8_rows` -> fp8 x + scales] -> `_moe_gemm1` -> h [T*K, I]
+    -> [W8A8: `_quant_fp8_rows` -> fp8 h + scales] -> `_moe_gemm2` -> y [T*K, H]
+    -> `_moe_sum_k` -> out [T, H] (K == 1 without an expert map: `_moe_gemm2` writes out directly).
+Workspace per call (`workspace_bytes`): h, y and the FP8 copies; nothing is cached between calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import triton
+from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
+from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
+from moekit.kernels.triton import _jit
+from moekit.kernels.triton.align import align_routing
+from moekit.routing import RoutingResult
+from moekit.spec import (
+    Activation,
+    ActivationQuant,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+    WeightFormat,
+)
+from moekit.weights import ExpertWeights, WeightPacking
+
+_POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
+
+
+@dataclass(frozen=True)
+class TritonMoEConfig(KernelConfig):
+    """Tile sizes of both grouped GEMMs (GEMM1 loads 2 * block_n weight rows: gate and up)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in (*_POW2_FIELDS, "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"TritonMoEConfig.{name} must be a positive int, got {value!r}")
+        for name in _POW2_FIELDS:
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise SpecError(f"TritonMoEConfig.{name} must be a power of two, got {value}")
+        for name in ("block_m", "block_n", "block_k"):  # tl.dot's smallest tile edge
+            if getattr(self, name) < 16:
+                raise SpecError(f"TritonMoEConfig.{name} must be >= 16, got {getattr(self, name)}")
+        if self.num_warps > 16 or self.num_stages > 8:
+            raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
+
+    def reason_unusable(self, spec: MoESpec) -> str | None:
+        """None if this config can compute `spec`, else why not."""
+        if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
+            return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
+        per_128 = spec.fp8_scale is Fp8Scale.BLOCK_128 or spec.act_quant is ActivationQuant.FP8_PER_GROUP_128
+        if per_128 and self.block_k > 128:
+            return f"128-wide FP8 scale groups need block_k <= 128, got {self.block_k}"
+        if spec.act_quant is not ActivationQuant.NONE and self.block_k < 32:
+            return f"FP8 x FP8 dots need block_k >= 32, got {self.block_k}"
+        return None
+
+
+TRITON_CAPABILITIES = Capabilities(
+    weight_formats=frozenset(WeightFormat),
+    fp8_scales=frozenset(Fp8Scale),
+    act_quants=frozenset(ActivationQuant),
+    act_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+    activations=frozenset(Activation),
+    honours_alpha=True,
+    honours_limit=True,
+    gate_layouts=frozenset(GateLayout),
+    bias=True,
+    router_placements=frozenset(RouterWeightPlacement),
+    expert_map=True,
+    devices=frozenset({DeviceKind.CUDA}),
+    packings=frozenset({WeightPacking.CHECKPOINT}),
+    min_compute_capability=(8, 0),  # the float formats; FP8 and MXFP4 need 9.0 (`min_compute_capability`)
+)
+# FP8 dots (and our MXFP4 path, validated only on Hopper) need sm_90; the float formats run on sm_80.
+MIN_COMPUTE_CAPABILITY: dict[WeightFormat, tuple[int, int]] = {
+    WeightFormat.BF16: (8, 0),
+    WeightFormat.FP16: (8, 0),
+    WeightFormat.FP32: (8, 0),
+    WeightFormat.FP8_E4M3: (9, 0),
+    WeightFormat.MXFP4: (9, 0),
+}
+
+
+def min_compute_capability(spec: MoESpec) -> tuple[int, int]:
+    return MIN_COMPUTE_CAPABILITY[spec.weight_format]
+
+
+def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str | None:
+    """None if the Triton path computes `spec` (on `device`, if given), else the reason it cannot."""
+    reason = TRITON_CAPABILITIES.check(spec, device)
+    if reason is not None:
+        return reason
+    if device is not None and device.kind is DeviceKind.CUDA:
+        need = min_compute_capability(spec)
+        if (device.compute_capability or (0, 0)) < need:
+            return (f"{spec.weight_format.name} needs compute capability >= {need[0]}.{need[1]}, "
+                    f"device has {device.compute_capability}")
+    return None
+
+
+def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
+    """A capable config without tuning: tiles grow with the tokens each expert sees on average."""
+    per_expert = max(num_tokens, 1) * spec.K / spec.E_local
+    if spec.act_dtype == torch.float32 and spec.act_quant is ActivationQuant.NONE:
+        # fp32 dots run on FMA units (exact-comparison path): small tiles keep registers in check.
+        return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
+    # Decode (few tokens per expert) streams weights: block_m = 16 wastes the least MMA work and
+    # block_n = 64 gives many programs in flight per expert.
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 128 else 128
+    quantized = spec.weight_format.is_quantized
+    block_n = 64 if block_m <= 32 or spec.weight_format is WeightFormat.MXFP4 else 128
+    block_k = 128 if quantized and block_m <= 64 else 64
+    return TritonMoEConfig(
+        block_m=block_m, block_n=block_n, block_k=block_k, group_m=1 if block_m <= 32 else 8,
+        num_warps=8 if block_m >= 128 else 4, num_stages=3,
+    )
+
+
+@dataclass(frozen=True)
+class _KernelParams:
+    """Every spec parameter as the constexpr the kernels take; the only way the spec reaches them."""
+
+    w_format: int
+    fp8_scale: int
+    a_quant: int
+    dot_fp32: bool  # fp32 dots (IEEE) when activations are fp32 or float weights differ from them
+    interleaved: bool
+    has_bias: bool
+    route_in_gemm1: bool  # INPUT placement: GEMM1 scales its rows by the router weight
+    route_in_quant: bool  # INPUT placement with W8A8: w * x is quantized (as the reference does)
+    route_on_output: bool  # OUTPUT placement: GEMM2 scales its rows by the router weight
+    activation: int
+    alpha: float
+    has_limit: bool
+    limit: float
+    h_dtype: torch.dtype  # intermediate between the GEMMs
+
+    @classmethod
+    @functools.cache
+    def of(cls, spec: MoESpec) -> _KernelParams:
+        act = spec.activation
+        w8a8 = spec.act_quant is not ActivationQuant.NONE
+        on_input = spec.router_weight_placement is RouterWeightPlacement.INPUT
+        return cls(
+            w_format=_W_FORMAT[spec.weight_format],
+            fp8_scale=_FP8_SCALE[spec.fp8_scale],
+            a_quant=_A_QUANT[spec.act_quant],
+            dot_fp32=spec.act_dtype == torch.float32 or (
+                not spec.weight_format.is_quantized and spec.weight_format.float_dtype != spec.act_dtype),
+            interleaved=spec.gate_layout is GateLayout.INTERLEAVED,
+            has_bias=spec.has_bias,
+            route_in_gemm1=on_input and not w8a8,
+            route_in_quant=on_input and w8a8,
+            route_on_output=not on_input,
+            activation=_ACTIVATION[act.kind],
+            alpha=float(act.alpha) if act.alpha is not None else 0.0,
+            has_limit=act.limit is not None,
+            limit=float(act.limit) if act.limit is not None else 0.0,
+            # W8A8 quantizes h from fp32, as the reference does; rounding to bf16 first would move codes.
+            h_dtype=torch.float32 if w8a8 else spec.act_dtype,
+        )
+
+
+_W_FORMAT = {WeightFormat.BF16: _jit.WFMT_FLOAT.value, WeightFormat.FP16: _jit.WFMT_FLOAT.value,
+             WeightFormat.FP32: _jit.WFMT_FLOAT.value, WeightFormat.FP8_E4M3: _jit.WFMT_FP8.value,
+             WeightFormat.MXFP4: _jit.WFMT_MXFP4.value}
+_FP8_SCALE = {None: _jit.FP8S_TENSOR.value, Fp8Scale.PER_TENSOR: _jit.FP8S_TENSOR.value,
+              Fp8Scale.PER_CHANNEL: _jit.FP8S_CHANNEL.value, Fp8Scale.BLOCK_128: _jit.FP8S_BLOCK.value}
+_A_QUANT = {ActivationQuant.NONE: _jit.AQ_NONE.value, ActivationQuant.FP8_PER_TOKEN: _jit.AQ_TOKEN.value,
+            ActivationQuant.FP8_PER_GROUP_128: _jit.AQ_GROUP.value}
+_ACTIVATION = {Activation.SILU: _jit.ACT_SILU.value, Activation.GELU: _jit.ACT_GELU.value,
+               Activation.GELU_TANH: _jit.ACT_GELU_TANH.value,
+               Activation.SWIGLU_OAI: _jit.ACT_SWIGLU_OAI.value}
+
+
+def workspace_bytes(*, spec: MoESpec, num_tokens: int) -> int:
+    """Device memory one call allocates besides `out` (h, y, and the FP8 copies for W8A8)."""
+    pairs = num_tokens * spec.K
+    act = torch.empty((), dtype=spec.act_dtype).element_size()
+    params = _KernelParams.of(spec)
+    total = pairs * spec.I * torch.empty((), dtype=params.h_dtype).element_size()
+    total += pairs * spec.H * act  # y (skipped when K == 1 without an expert map; counted anyway)
+    if params.a_quant:
+        codes = num_tokens * spec.H + pairs * spec.I  # one byte each, plus fp32 scales per 128 at most
+        total += codes + 4 * (codes // 128 + num_tokens + pairs)
+    return total + 16 * pairs  # routing metadata, roughly
+
+
+@dataclass(frozen=True)
+class _WeightArgs:
+    """Pointers and strides of one expert matrix (w13 or w2) as the kernels read it."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    stride_we: int
+    stride_wn: int
+    stride_wse: int
+    stride_wsn: int
+    stride_wsk: int
+    stride_be: int
+
+    @classmethod
+    def of(cls, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, *,
+           name: str) -> _WeightArgs:
+        if data.dim() == 4:  # MXFP4 [E, N, G, 16]: the kernel walks a row's G*16 bytes as one run
+            if data.stride(3) != 1 or data.stride(2) != 16:
+                raise LayoutMismatchError(f"MXFP4 {name} must be contiguous in its last two dims, strides "
+                                          f"{data.stride()}; call .contiguous() once at load time")
+        elif data.stride(2) != 1:
+            raise LayoutMismatchError(f"{name} must be contiguous along its input dim, strides "
+                                      f"{data.stride()}; call .contiguous() once at load time")
+        if bias is not None and bias.stride(1) != 1:
+            raise LayoutMismatchError(f"the bias of {name} must be contiguous along its rows")
+        sstrides = (*scale.stride(), 0, 0, 0)[:3] if scale is not None else (0, 0, 0)
+        return cls(data=data, scale=scale, bias=bias, stride_we=data.stride(0), stride_wn=data.stride(1),
+                   stride_wse=sstrides[0], stride_wsn=sstrides[1], stride_wsk=sstrides[2],
+                   stride_be=bias.stride(0) if bias is not None else 0)
+
+
+def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
+    """Shape, dtype, device and layout checks that never read device memory (no sync)."""
+    if not isinstance(config, TritonMoEConfig):
+        raise SpecError(f"config must be a TritonMoEConfig, got {type(config).__name__}")
+    reason = triton_supports(spec) or config.reason_unusable(spec)
+    if reason is not None:
+        raise SpecError(f"the Triton path cannot run this spec ({spec.describe()}): {reason}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != spec.H:
+        raise ShapeError(f"x must be [T, H={spec.H}], got {getattr(x, 'shape', x)!r}")
+    if x.dtype != spec.act_dtype:
+        raise DTypeError(f"x has dtype {x.dtype} but spec.act_dtype is {spec.act_dtype}")
+    weights.validate(spec)
+    if weights.packing is not WeightPacking.CHECKPOINT:
+        raise LayoutMismatchError(f"the Triton path reads CHECKPOINT packing, got {weights.packing.name}")
+    if not isinstance(routing, RoutingResult) or tuple(routing.ids.shape) != (x.shape[0], spec.K):
+        raise ShapeError(f"routing must be a RoutingResult [T={x.shape[0]}, K={spec.K}]")
+    if spec.uses_expert_map != (expert_map is not None):
+        raise SpecError(f"spec.num_local_experts={spec.num_local_experts} "
+                        f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map")
+    if expert_map is not None and (expert_map.shape != (spec.E,) or expert_map.dtype != torch.int32):
+        raise ShapeError(f"expert_map must be int32 [E={spec.E}], got {expert_map.dtype} "
+                         f"{tuple(expert_map.shape)}")
+    if out is not None and (tuple(out.shape) != (x.shape[0], spec.H) or out.dtype != spec.act_dtype
+                            or out.stride(1) != 1):
+        raise ShapeError(f"out must be [T, H={spec.H}] {spec.act_dtype} with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    others = (("weights", weights.w13), ("routing", routing.ids), ("expert_map", expert_map), ("out", out))
+    for name, t in others:
+        if t is not None and t.device != x.device:
+            raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
+
+
+def _quantize_rows(src: torch.Tensor, *, quant: ActivationQuant,
+                   row_mult: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes [R, C] and fp32 scales [R, 1] / [R, ceil(C/128)] of `src`, exactly as moekit.formats."""
+    rows, cols = src.shape
+    per_group = quant is ActivationQuant.FP8_PER_GROUP_128
+    groups = triton.cdiv(cols, 128) if per_group else 1
+    data = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=src.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
+    _jit._quant_fp8_rows[(rows, groups)](
+        src_ptr=src,  # [R, C]
+        row_mult_ptr=row_mult,  # fp32 [R] or None
+        dst_ptr=data,  # fp8 [R, C]
+        scale_ptr=scale,  # fp32 [R, G]
+        num_cols=cols, group_cols=128 if per_group else cols,
+        stride_src=src.stride(0), stride_dst=data.stride(0), stride_scale=scale.stride(0),
+        HAS_ROW_MULT=row_mult is not None,
+        BLOCK=128 if per_group else min(1024, triton.next_power_of_2(cols)),
+    )
+    return data, scale
+
+
+def triton_fused_moe(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    config: TritonMoEConfig,
+    expert_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoE layer of `spec` on CUDA (or the Triton interpreter): `[T, H]` in spec.act_dtype.
+
+    Matches `moekit.reference.fused_moe_reference`. Routing ids are not range-checked here (that
+    syncs): out-of-range ids are dropped. `out`, if given, receives the result (and is returned).
+    """
+    _check(x, weights, routing, spec=spec, config=config, expert_map=expert_map, out=out)
+    num_tokens, top_k = x.shape[0], spec.K
+    if out is None:
+        out = torch.empty(num_tokens, spec.H, dtype=spec.act_dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    p = _KernelParams.of(spec)
+    cfg = config
+    aligned = align_routing(routing.ids, num_local_experts=spec.E_local, block_m=cfg.block_m,
+                            expert_map=expert_map)
+    route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
+    x = x if x.stride(1) == 1 else x.contiguous()
+    quant = spec.act_quant
+    x_scale = None
+    if p.a_quant:
+        # INPUT placement has K == 1, so route_w [T*K] is indexed by token.
+        x, x_scale = _quantize_rows(x, quant=quant, row_mult=route_w if p.route_in_quant else None)
+    w13 = _WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
+    w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
+    num_pairs, num_pid_m = aligned.num_pairs, aligned.max_blocks
+
+    h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
+    _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n),)](
+        x_ptr=x,  # [T, H] act dtype or fp8
+        x_scale_ptr=x_scale,  # fp32 [T, G] or None
+        w_ptr=w13.data,  # [E_local, 2I, H] or MXFP4 uint8 [E_local, 2I, G, 16]
+        w_scale_ptr=w13.scale,  # per format, or None
+        b_ptr=w13.bias,  # [E_local, 2I] or None
+        route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
+        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [num_pid_m * BLOCK_M]
+        block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
+        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+        h_ptr=h,  # [T*K, I]
+        num_pairs=num_pairs, inter_size=spec.I, hidden=spec.H, num_pid_m=num_pid_m,
+        stride_xm=x.stride(0),
+        stride_xsm=x_scale.stride(0) if x_scale is not None else 0,
+        stride_xsk=x_scale.stride(1) if x_scale is not None else 0,
+        stride_we=w13.stride_we, stride_wn=w13.stride_wn,
+        stride_wse=w13.stride_wse, stride_wsn=w13.stride_wsn, stride_wsk=w13.stride_wsk,
+        stride_be=w13.stride_be, stride_hm=h.stride(0),
+        TOP_K=top_k, W_FORMAT=p.w_format, FP8_SCALE=p.fp8_scale, A_QUANT=p.a_quant, DOT_FP32=p.dot_fp32,
+        INTERLEAVED=p.interleaved, HAS_BIAS=p.has_bias, ROUTE_ON_INPUT=p.route_in_gemm1,
+        ACTIVATION=p.activation, ALPHA=p.alpha, HAS_LIMIT=p.has_limit, LIMIT=p.limit,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    h_scale = None
+    if p.a_quant:
+        h, h_scale = _quantize_rows(h, quant=quant)
+    direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
+    y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
+    _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, cfg.block_n),)](
+        h_ptr=h,  # [T*K, I] act dtype or fp8
+        h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
+        w_ptr=w2.data,  # [E_local, H, I] or MXFP4 uint8 [E_local, H, G, 16]
+        w_scale_ptr=w2.scale,  # per format, or None
+        b_ptr=w2.bias,  # [E_local, H] or None
+        route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
+        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [num_pid_m * BLOCK_M]
+        block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
+        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+        y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1)
+        num_pairs=num_pairs, hidden=spec.H, inter_size=spec.I, num_pid_m=num_pid_m,
+        stride_hm=h.stride(0),
+        stride_hsm=h_scale.stride(0) if h_scale is not None else 0,
+        stride_hsk=h_scale.stride(1) if h_scale is not None else 0,
+        stride_we=w2.stride_we, stride_wn=w2.stride_wn, stride_wse=w2.stride_wse, stride_wsn=w2.stride_wsn,
+        stride_wsk=w2.stride_wsk, stride_be=w2.stride_be, stride_ym=y.stride(0),
+        W_FORMAT=p.w_format, FP8_SCALE=p.fp8_scale, A_QUANT=p.a_quant, DOT_FP32=p.dot_fp32,
+        HAS_BIAS=p.has_bias, ROUTE_ON_OUTPUT=p.route_on_output,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        block_h = min(1024, triton.next_power_of_2(spec.H))
+        _jit._moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
+            y_ptr=y,  # [T*K, H]
+            pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
+            out_ptr=out,  # [T, H]
+            hidden=spec.H, stride_ym=y.stride(0), stride_om=out.stride(0),
+            TOP_K=top_k, BLOCK_H=block_h,
+        )
+    return out

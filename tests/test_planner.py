@@ -1,0 +1,180 @@
+"""The planner: never an incapable kernel, whatever the tuned tables say (guide §3.1-3.3).
+
+The regression suite replays the failure that motivated moekit on the gpt-oss-120b spec (MXFP4,
+SWIGLU_OAI alpha=1.702 L=7, INTERLEAVED, biases): each bad table state must resolve to a capable
+kernel with identical numerics, show the bad row in `explain`, and raise under `strict=True`.
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from fake_kernels import ConcatOnlyKernel, CudaOnlyGroupedKernel, SiluGeluOnlyKernel, TileConfig
+
+import moekit
+from moekit import MoESpec, PlanFallbackError, UnsupportedSpecError
+from moekit.cli_spec import SIMULATED_DEVICES
+from moekit.kernels.registry import default_registry
+from moekit.ops import fused_moe, prepare_weights
+from moekit.plan import ConfigSource, plan
+from moekit.synthetic import random_layer, random_tokens
+from moekit.tuned import row_to_json, triton_version
+from moekit.weights import WeightPacking
+
+REGISTRY = default_registry().with_kernels(SiluGeluOnlyKernel(), ConcatOnlyKernel())
+H200 = SIMULATED_DEVICES["h200"]
+GPT_OSS_120B = moekit.preset("gpt-oss-120b")
+# The same math at a size the CPU runs in milliseconds (fp32 activations for exact comparisons).
+SMALL_120B = replace(GPT_OSS_120B, num_experts=8, hidden_size=64, intermediate_size=96, act_dtype=torch.float32)
+
+
+def _row(spec, *, kernel, config, device, tokens=1):
+    row = row_to_json(spec=spec, device=device, triton=triton_version(), tokens=tokens, kernel=kernel,
+                      config=TileConfig())
+    row["config"] = config
+    return row
+
+
+def _table(tmp_path, rows, name="user.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"schema_version": 1, "rows": rows}))
+    return path
+
+
+BAD_TABLES = {
+    "a_no_row": lambda spec, dev: [],
+    "b_kernel_lacks_swiglu_oai": lambda spec, dev: [_row(spec, kernel="silu_gelu_only", config={}, device=dev)],
+    "c_kernel_reads_concat_only": lambda spec, dev: [_row(spec, kernel="concat_only", config={}, device=dev)],
+    "d_kernel_does_not_exist": lambda spec, dev: [_row(spec, kernel="vllm_fused_moe", config={}, device=dev)],
+    "e_config_invalid_for_kernel": lambda spec, dev: [
+        _row(spec, kernel="torch_grouped", config={"block_m": 16}, device=dev)],
+    "f_malformed_file": None,
+}
+
+
+def _write_case(tmp_path, case, spec, device_name):
+    if case == "f_malformed_file":
+        path = tmp_path / "user.json"
+        path.write_text('{"schema_version": 1, "rows": [ {"device": ')  # truncated mid-write
+        return path
+    return _table(tmp_path, BAD_TABLES[case](spec, device_name))
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_gpt_oss_120b_bad_tables_resolve_to_capable_kernel(tmp_path, case):
+    table = _write_case(tmp_path, case, GPT_OSS_120B, H200.name)
+    result = plan(GPT_OSS_120B, num_tokens=1, device=H200, tuned=table, registry=REGISTRY)
+    kernel = REGISTRY.get(result.kernel)
+    assert kernel.supports(GPT_OSS_120B, moekit.kernels.base.Problem(1, H200)) is None
+    assert result.kernel not in ("silu_gelu_only", "concat_only")
+    assert result.source is ConfigSource.DEFAULT
+    text = result.explain()
+    # Both incapable kernels are refused with the reason a user needs.
+    assert "silu_gelu_only: activation SWIGLU_OAI not in GELU/SILU" in text
+    assert "concat_only: reads gate layout CONCAT, not INTERLEAVED" in text
+    if case != "a_no_row":
+        assert str(table) in text, text  # the bad row (or file) is named in explain
+    expected_reason = {"b_kernel_lacks_swiglu_oai": "activation SWIGLU_OAI", "c_kernel_reads_concat_only":
+                       "gate layout CONCAT", "d_kernel_does_not_exist": "unknown kernel 'vllm_fused_moe'",
+                       "e_config_invalid_for_kernel": "unknown fields ['block_m']",
+                       "f_malformed_file": "unreadable table"}.get(case)
+    if expected_reason:
+        assert expected_reason in text
+    with pytest.raises(PlanFallbackError, match="strict planning refused a fallback"):
+        plan(GPT_OSS_120B, num_tokens=1, device=H200, tuned=table, registry=REGISTRY, strict=True)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_bad_tables_keep_identical_numerics(tmp_path, case):
+    spec = SMALL_120B
+    layer = random_layer(spec, seed=3)
+    x = random_tokens(spec, 7, seed=4)
+    routing = moekit.route(x @ layer.router_weight.T, top_k=spec.K, spec=spec.routing)
+    clean = plan(spec, num_tokens=7, device="cpu", tuned=_table(tmp_path, [], "empty.json"), registry=REGISTRY)
+    expected = fused_moe(x, prepare_weights(layer.weights, clean, registry=REGISTRY), routing, plan=clean,
+                         registry=REGISTRY)
+    reference = moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
+    torch.testing.assert_close(expected, reference, rtol=2e-5, atol=2e-6)  # fp32: a capable kernel
+    result = plan(spec, num_tokens=7, device="cpu", tuned=_write_case(tmp_path, case, spec, "cpu"),
+                  registry=REGISTRY)
+    out = fused_moe(x, prepare_weights(layer.weights, result, registry=REGISTRY), routing, plan=result,
+                    registry=REGISTRY)
+    assert result.kernel == clean.kernel
+    assert torch.equal(out, expected)
+
+
+def test_incapable_kernels_would_have_been_wrong():
+    # Proof that the fakes are real hazards: forced onto the spec, they give different numbers.
+    spec = SMALL_120B
+    layer = random_layer(spec, seed=3)
+    x = random_tokens(spec, 7, seed=4)
+    routing = moekit.route(x @ layer.router_weight.T, top_k=spec.K, spec=spec.routing)
+    reference = moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
+    for kernel in (SiluGeluOnlyKernel(), ConcatOnlyKernel()):
+        launch = moekit.kernels.base.Launch(spec=spec, config=TileConfig(), x=x, weights=layer.weights,
+                                            routing=routing, expert_map=None)
+        assert moekit.reference.relative_l2_error(kernel.run(launch), reference) > 0.05
+
+
+def test_good_row_is_used_and_strict_accepts_it(tmp_path):
+    table = _table(tmp_path, [_row(GPT_OSS_120B, kernel="reference", config={}, device=H200.name)])
+    result = plan(GPT_OSS_120B, num_tokens=1, device=H200, tuned=table, registry=REGISTRY, strict=True)
+    assert result.kernel == "reference" and result.source is ConfigSource.TUNED_ROW
+    assert f"{table}#row 0" in result.explain()
+
+
+def test_nearest_bucket_is_a_visible_fallback(tmp_path):
+    table = _table(tmp_path, [_row(GPT_OSS_120B, kernel="reference", config={}, device=H200.name, tokens=8),
+                              _row(GPT_OSS_120B, kernel="torch_grouped", config={"use_grouped_mm": True},
+                                   device=H200.name, tokens=128)])
+    result = plan(GPT_OSS_120B, num_tokens=20, device=H200, tuned=table, registry=REGISTRY)
+    assert result.bucket == 32 and result.kernel == "reference"  # log2 distance 2 beats 2 (tie: smaller)
+    assert result.source is ConfigSource.NEAREST_BUCKET
+    assert plan(GPT_OSS_120B, num_tokens=100, device=H200, tuned=table, registry=REGISTRY).kernel == "torch_grouped"
+    with pytest.raises(PlanFallbackError, match="nearest token bucket"):
+        plan(GPT_OSS_120B, num_tokens=20, device=H200, tuned=table, registry=REGISTRY, strict=True)
+
+
+def test_row_for_a_kernel_refused_on_this_device_is_rejected_at_plan_time(tmp_path):
+    # A row valid for the spec, but its kernel cannot run on this device (here: the CPU).
+    spec = replace(SMALL_120B, activation=moekit.ActivationSpec(moekit.Activation.SILU))
+    table = _table(tmp_path, [_row(spec, kernel="torch_grouped", config={"use_grouped_mm": False}, device="cpu")])
+    registry = default_registry().without("torch_grouped").with_kernels(CudaOnlyGroupedKernel())
+    result = plan(spec, num_tokens=1, device="cpu", tuned=table, registry=registry)
+    assert result.kernel == "reference" and result.source is ConfigSource.DEFAULT
+    assert "kernel 'torch_grouped' cannot run here: runs on CUDA, not CPU" in result.explain()
+
+
+def test_unsupported_spec_names_every_candidate_and_the_nearest_alternative():
+    registry = moekit.kernels.registry.KernelRegistry([ConcatOnlyKernel(), SiluGeluOnlyKernel()])
+    spec = replace(SMALL_120B, activation=moekit.ActivationSpec(moekit.Activation.GELU_TANH))
+    with pytest.raises(UnsupportedSpecError) as info:
+        plan(spec, num_tokens=1, device="cpu", registry=registry, tuned=None)
+    message = str(info.value)
+    assert "concat_only: reads gate layout CONCAT, not INTERLEAVED" in message
+    assert "nearest supported alternative: convert w13 to CONCAT layout" in message
+    assert "kernel concat_only supports it" in message
+    with pytest.raises(UnsupportedSpecError, match="allow the reference kernel"):
+        plan(SMALL_120B, num_tokens=1, device="cpu", registry=registry.without("concat_only"),
+             allow_reference=False)
+
+
+def test_packing_mismatch_is_an_error_not_a_reinterpretation():
+    spec = replace(SMALL_120B)
+    layer = random_layer(spec, seed=0)
+    x = random_tokens(spec, 3)
+    routing = moekit.route(x @ layer.router_weight.T, top_k=spec.K, spec=spec.routing)
+    result = plan(spec, num_tokens=3, device="cpu", registry=default_registry())
+    assert result.kernel == "torch_grouped"
+    with pytest.raises(moekit.LayoutMismatchError, match="prepare_weights"):
+        fused_moe(x, layer.weights, routing, plan=result)
+    prepared = prepare_weights(layer.weights, result)
+    assert prepared.packing is WeightPacking.DEQUANTIZED
+    with pytest.raises(moekit.LayoutMismatchError, match="CONCAT gate layout but the spec says INTERLEAVED"):
+        fused_moe(x, prepared.to_layout(moekit.GateLayout.CONCAT), routing, plan=result)
+
+
+def test_spec_is_checked_before_planning():
+    with pytest.raises(moekit.SpecError):
+        plan(MoESpec(num_experts=2, top_k=4, hidden_size=8, intermediate_size=8), num_tokens=1, device="cpu")
