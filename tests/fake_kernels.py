@@ -60,3 +60,10 @@ class CudaOnlyGroupedKernel(TorchGroupedKernel):
     """The unfused path restricted to CUDA: a capable kernel that a CPU must refuse."""
 
     capabilities = replace(TorchGroupedKernel.capabilities, devices=frozenset({DeviceKind.CUDA}))
+
+
+class CudaGroupedKernel(CudaOnlyGroupedKernel):
+    """The same under its own name and a high priority, to sit beside the real one in a registry."""
+
+    name = "cuda_grouped"
+    priority = 50

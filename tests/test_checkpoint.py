@@ -220,6 +220,14 @@ def test_index_pointing_to_missing_shard(tmp_path: Path, hf_tensors) -> None:
     )
     with pytest.raises(CheckpointError, match="gone.safetensors"):
         load_gpt_oss_layer(tmp_path, layer=3)
+    # An index that names an existing shard which lacks the key.
+    del hf_tensors[KEYS["b13"]]
+    write(tmp_path / "a.safetensors", hf_tensors)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "a.safetensors" for k in KEYS.values()}})
+    )
+    with pytest.raises(CheckpointError, match="gate_up_proj_bias'.*the index names"):
+        load_gpt_oss_layer(tmp_path, layer=3)
 
 
 # (role, wrong shape, expected shape in the message): each dim of each kind of tensor at least once.

@@ -190,12 +190,17 @@ class _Files:
     searched: str  # for error messages: which file(s) or index were searched
 
 
-def _read_keys(file: Path) -> list[str]:
+def _open(file: Path, *, device: str | torch.device = "cpu"):  # returns a safetensors handle
+    """`safe_open` (reads the header only) with unreadable files reported as CheckpointError."""
     try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            return list(f.keys())
+        return safe_open(str(file), framework="pt", device=str(device))
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise CheckpointError(f"cannot read {file} as a safetensors file: {exc}") from exc
+
+
+def _read_keys(file: Path) -> list[str]:
+    with _open(file) as f:
+        return list(f.keys())
 
 
 def _resolve(path: Path) -> _Files:
@@ -211,6 +216,8 @@ def _resolve(path: Path) -> _Files:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index} is not a safetensors index with a 'weight_map': {exc}") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = sorted(set(weight_map.values()))
         return _Files({k: path / v for k, v in weight_map.items()},
                       searched=f"index {index} ({len(files)} files: {', '.join(files)})")
@@ -294,7 +301,7 @@ def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, 
         if not file.is_file():
             listed = [keys[r] for r in roles]
             raise CheckpointError(f"{file} (listed for {listed} in {files.searched}) does not exist")
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open(file) as f:
             present = set(f.keys())
             for role in roles:
                 key = keys[role]
@@ -355,7 +362,7 @@ def load_gpt_oss_layer(
     for role, key in keys.items():
         by_file.setdefault(files.key_to_file[key], []).append(role)
     for file, roles in by_file.items():
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        with _open(file, device=device) as f:
             for role in roles:
                 tensors[role] = f.get_tensor(keys[role])
     for role in ("w13_scale", "w2_scale"):

@@ -66,7 +66,7 @@ def _load_layer(*, preset_name: str, checkpoint: Path | None, layer: int, seed: 
         from moekit.checkpoint import load_gpt_oss_layer
 
         loaded = load_gpt_oss_layer(checkpoint, layer=layer)
-        return _Layer(f"checkpoint {checkpoint} layer {layer} ({loaded.naming.name} naming)", loaded.spec,
+        return _Layer(f"checkpoint {checkpoint} layer {layer} ({loaded.naming.name} naming)", loaded.spec_for(),
                       loaded.weights, loaded.router_weight, loaded.router_bias, None)
     spec = preset(preset_name)
     synthetic = random_layer(spec, seed=seed)

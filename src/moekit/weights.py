@@ -137,6 +137,8 @@ class ExpertWeights:
         if fmt is WeightFormat.MXFP4 and not self.stores_floats:
             if self.hidden_size is None:
                 raise ShapeError("MXFP4 weights need hidden_size (H): blocks of 32 cannot tell a ragged tail")
+            if self.hidden_size != self.w2.shape[1]:
+                raise ShapeError(f"hidden_size={self.hidden_size} but w2 has {self.w2.shape[1]} rows (H)")
             if mxfp4_groups(self.hidden_size) != self.w13.shape[2]:
                 raise ShapeError(
                     f"hidden_size={self.hidden_size} needs {mxfp4_groups(self.hidden_size)} groups of "

@@ -71,8 +71,8 @@ def _quant_fp8_rows(
     row_mult_ptr,  # fp32 [R] multiplier applied before quantizing (router weight, INPUT placement) or None
     dst_ptr,  # float8_e4m3fn [R, C]
     scale_ptr,  # fp32 [R, G]: G = 1 per token, ceil(C/128) per 1x128 group
-    num_cols,
-    group_cols,  # C per token, 128 per group
+    NUM_COLS: tl.constexpr,  # C
+    GROUP_COLS: tl.constexpr,  # C per token, 128 per group
     stride_src,
     stride_dst,
     stride_scale,
@@ -82,16 +82,18 @@ def _quant_fp8_rows(
     """One program per (row, group): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    col_start = group * group_cols
-    col_end = tl.minimum(col_start + group_cols, num_cols)
+    col_start = group * GROUP_COLS
     offs = tl.arange(0, BLOCK)
     mult = 1.0
     if HAS_ROW_MULT:
         mult = tl.load(row_mult_ptr + row)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c in range(col_start, col_end, BLOCK):
-        cols = c + offs
-        v = tl.load(src_ptr + row * stride_src + cols, mask=cols < col_end, other=0.0).to(tl.float32)
+    # Loop bounds are constexpr: sizes H and I are fixed per model, and the Triton interpreter cannot
+    # loop over runtime bounds with numpy 2.
+    for c in range(0, GROUP_COLS, BLOCK):
+        cols = col_start + c + offs
+        mask = (c + offs < GROUP_COLS) & (cols < NUM_COLS)
+        v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_ROW_MULT:
             v = v * mult
         amax = tl.maximum(amax, tl.abs(v))
@@ -99,9 +101,9 @@ def _quant_fp8_rows(
     # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
     scale = tl.maximum(tl.math.div_rn(amax_row, _FP8_MAX), _FP32_TINY)
     scale = tl.where(amax_row > 0, scale, 1.0)
-    for c in range(col_start, col_end, BLOCK):
-        cols = c + offs
-        mask = cols < col_end
+    for c in range(0, GROUP_COLS, BLOCK):
+        cols = col_start + c + offs
+        mask = (c + offs < GROUP_COLS) & (cols < NUM_COLS)
         v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_ROW_MULT:
             v = v * mult
@@ -111,7 +113,7 @@ def _quant_fp8_rows(
 
 
 @triton.jit
-def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_sn, stride_sk,
+def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride_wn, stride_sn, stride_sk,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Dequantize MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> fp32 [BLOCK_K, BLOCK_N].
 
@@ -120,7 +122,7 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_sn
     as the fp32 bits s << 23 (s = 0 gives 0 instead of 2^-127; 0xFF gives Inf, so a NaN scale
     still poisons its block).
     """
-    num_groups = tl.cdiv(in_dim, 32)
+    num_groups: tl.constexpr = (IN_DIM + 31) // 32
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along the row
     byte_mask = w_mask[:, None] & (kb[None, :] < num_groups * 16)
     packed = tl.load(w_base + w_rows[:, None] * stride_wn + kb[None, :], mask=byte_mask, other=0)
@@ -135,7 +137,7 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_sn
     scales = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     w = tl.reshape(tl.reshape(vals, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
     ks = k0 + tl.arange(0, BLOCK_K)
-    w = tl.where(ks[None, :] < in_dim, w, 0.0)  # the ragged tail's padding is never used as data
+    w = tl.where(ks[None, :] < IN_DIM, w, 0.0)  # the ragged tail's padding is never used as data
     return tl.trans(w)
 
 
@@ -143,7 +145,7 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_sn
 def _expert_matmul(
     a_ptr, a_scale_ptr, a_rows, a_mask, stride_am, stride_asm, stride_ask,
     w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-    in_dim,
+    IN_DIM: tl.constexpr,
     W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -160,12 +162,12 @@ def _expert_matmul(
     if W_FORMAT != WFMT_FLOAT:
         s_base = w_scale_ptr + expert * stride_wse
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, in_dim, BLOCK_K):
+    for k0 in range(0, IN_DIM, BLOCK_K):  # constexpr bound: see _quant_fp8_rows
         ks = k0 + offs_k
-        k_mask = ks < in_dim
+        k_mask = ks < IN_DIM
         a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         if W_FORMAT == WFMT_MXFP4:
-            w = _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, in_dim, stride_wn, stride_wsn, stride_wsk,
+            w = _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk,
                             BLOCK_N, BLOCK_K)
         else:
             w = tl.load(w_base + w_rows[None, :] * stride_wn + ks[:, None],
@@ -243,9 +245,10 @@ def _moe_gemm1(
     block_expert_ptr,  # int32 [num_pid_m]
     num_blocks_ptr,  # int32 [1]
     h_ptr,  # [T*K, I] act dtype (fp32 when W8A8)
-    num_pairs, inter_size, hidden, num_pid_m,
+    num_pairs, num_pid_m,
     stride_xm, stride_xsm, stride_xsk,
     stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_hm,
+    INTER_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr, W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
@@ -256,7 +259,7 @@ def _moe_gemm1(
     One dot of 2*BLOCK_N weight rows per tile: the gate and up rows of the same output columns, so
     the activation is applied in registers without a second pass.
     """
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(INTER_SIZE, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return  # the grid is a host-side upper bound; the true block count stays on the device
     pairs, row_mask, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
@@ -264,15 +267,15 @@ def _moe_gemm1(
     j = tl.arange(0, 2 * BLOCK_N)
     if INTERLEAVED:  # rows 2n (gate n) and 2n+1 (up n) are adjacent
         w_rows = 2 * pid_n * BLOCK_N + j
-        w_mask = w_rows < 2 * inter_size
+        w_mask = w_rows < 2 * INTER_SIZE
     else:  # CONCAT: gate n is row n, up n is row I + n
         col = pid_n * BLOCK_N + (j % BLOCK_N)
-        w_rows = tl.where(j < BLOCK_N, col, col + inter_size)
-        w_mask = col < inter_size
+        w_rows = tl.where(j < BLOCK_N, col, col + INTER_SIZE)
+        w_mask = col < INTER_SIZE
     acc = _expert_matmul(
         x_ptr, x_scale_ptr, tokens, row_mask, stride_xm, stride_xsm, stride_xsk,
         w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-        hidden, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
+        HIDDEN, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
     )
     if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T); K == 1 so pair == token
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
@@ -286,7 +289,7 @@ def _moe_gemm1(
     out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + pairs[:, None] * stride_hm + offs_n[None, :], out.to(h_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & (offs_n < inter_size)[None, :])
+             mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :])
 
 
 @triton.jit
@@ -302,24 +305,25 @@ def _moe_gemm2(
     block_expert_ptr,  # int32 [num_pid_m]
     num_blocks_ptr,  # int32 [1]
     y_ptr,  # [T*K, H] (act dtype, or fp32 for fp32 activations)
-    num_pairs, hidden, inter_size, num_pid_m,
+    num_pairs, num_pid_m,
     stride_hm, stride_hsm, stride_hsk,
     stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_ym,
+    HIDDEN: tl.constexpr, INTER_SIZE: tl.constexpr,
     W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr, DOT_FP32: tl.constexpr,
     HAS_BIAS: tl.constexpr, ROUTE_ON_OUTPUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """y[p, n0:n0+BLOCK_N] = w[p] * (h[p] @ w2[e]^T + b2[e]) for the pairs of one M-block."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
     pairs, row_mask, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     w_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_mask = w_rows < hidden
+    w_mask = w_rows < HIDDEN
     acc = _expert_matmul(
         h_ptr, h_scale_ptr, pairs, row_mask, stride_hm, stride_hsm, stride_hsk,
         w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-        inter_size, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        INTER_SIZE, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )
     if HAS_BIAS:  # b2 is added per expert before the router weight, as GPT-OSS does
         bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
@@ -335,13 +339,13 @@ def _moe_sum_k(
     y_ptr,  # [T*K, H] per-pair expert outputs (rows of dropped pairs are never written)
     pair_expert_ptr,  # int32 [T*K] local expert of each pair, -1 if another rank owns it
     out_ptr,  # [T, H] act dtype
-    hidden, stride_ym, stride_om,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_ym, stride_om,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[t] = sum over k = 0..K-1, in that order, of y[t*K + k] (dropped pairs add zero)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < hidden
+    mask = cols < HIDDEN
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         p = t * TOP_K + k

@@ -282,9 +282,8 @@ def _quantize_rows(src: torch.Tensor, *, quant: ActivationQuant,
         row_mult_ptr=row_mult,  # fp32 [R] or None
         dst_ptr=data,  # fp8 [R, C]
         scale_ptr=scale,  # fp32 [R, G]
-        num_cols=cols, group_cols=128 if per_group else cols,
         stride_src=src.stride(0), stride_dst=data.stride(0), stride_scale=scale.stride(0),
-        HAS_ROW_MULT=row_mult is not None,
+        NUM_COLS=cols, GROUP_COLS=128 if per_group else cols, HAS_ROW_MULT=row_mult is not None,
         BLOCK=128 if per_group else min(1024, triton.next_power_of_2(cols)),
     )
     return data, scale
@@ -338,14 +337,15 @@ def triton_fused_moe(
         block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
         num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
         h_ptr=h,  # [T*K, I]
-        num_pairs=num_pairs, inter_size=spec.I, hidden=spec.H, num_pid_m=num_pid_m,
+        num_pairs=num_pairs, num_pid_m=num_pid_m,
         stride_xm=x.stride(0),
         stride_xsm=x_scale.stride(0) if x_scale is not None else 0,
         stride_xsk=x_scale.stride(1) if x_scale is not None else 0,
         stride_we=w13.stride_we, stride_wn=w13.stride_wn,
         stride_wse=w13.stride_wse, stride_wsn=w13.stride_wsn, stride_wsk=w13.stride_wsk,
         stride_be=w13.stride_be, stride_hm=h.stride(0),
-        TOP_K=top_k, W_FORMAT=p.w_format, FP8_SCALE=p.fp8_scale, A_QUANT=p.a_quant, DOT_FP32=p.dot_fp32,
+        INTER_SIZE=spec.I, HIDDEN=spec.H, TOP_K=top_k,
+        W_FORMAT=p.w_format, FP8_SCALE=p.fp8_scale, A_QUANT=p.a_quant, DOT_FP32=p.dot_fp32,
         INTERLEAVED=p.interleaved, HAS_BIAS=p.has_bias, ROUTE_ON_INPUT=p.route_in_gemm1,
         ACTIVATION=p.activation, ALPHA=p.alpha, HAS_LIMIT=p.has_limit, LIMIT=p.limit,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -368,12 +368,13 @@ def triton_fused_moe(
         block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
         num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
         y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1)
-        num_pairs=num_pairs, hidden=spec.H, inter_size=spec.I, num_pid_m=num_pid_m,
+        num_pairs=num_pairs, num_pid_m=num_pid_m,
         stride_hm=h.stride(0),
         stride_hsm=h_scale.stride(0) if h_scale is not None else 0,
         stride_hsk=h_scale.stride(1) if h_scale is not None else 0,
         stride_we=w2.stride_we, stride_wn=w2.stride_wn, stride_wse=w2.stride_wse, stride_wsn=w2.stride_wsn,
         stride_wsk=w2.stride_wsk, stride_be=w2.stride_be, stride_ym=y.stride(0),
+        HIDDEN=spec.H, INTER_SIZE=spec.I,
         W_FORMAT=p.w_format, FP8_SCALE=p.fp8_scale, A_QUANT=p.a_quant, DOT_FP32=p.dot_fp32,
         HAS_BIAS=p.has_bias, ROUTE_ON_OUTPUT=p.route_on_output,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -385,7 +386,7 @@ def triton_fused_moe(
             y_ptr=y,  # [T*K, H]
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
             out_ptr=out,  # [T, H]
-            hidden=spec.H, stride_ym=y.stride(0), stride_om=out.stride(0),
-            TOP_K=top_k, BLOCK_H=block_h,
+            stride_ym=y.stride(0), stride_om=out.stride(0),
+            HIDDEN=spec.H, TOP_K=top_k, BLOCK_H=block_h,
         )
     return out

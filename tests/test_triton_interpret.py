@@ -1,0 +1,377 @@
+"""The Triton fused-MoE path run by the Triton interpreter on the CPU, against the reference.
+
+Tiers: routing-metadata invariants (torch only); bit-exact FP8 activation quantization against
+moekit.formats; then the layer for every weight format x activation (with and without clamp) x gate
+layout x bias x router placement, on fresh random data, with every buffer the path allocates poisoned
+(NaN / garbage ints) so that a read of a padding row, a dropped pair or a masked column shows.
+
+The interpreter's bf16 arithmetic is broken, so activations are fp32 (exact comparison) or fp16.
+Shapes are tiny: the interpreter runs each program in numpy.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+
+import contextlib  # noqa: E402
+import itertools  # noqa: E402
+import math  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from moekit import (  # noqa: E402
+    Activation,
+    ActivationQuant,
+    ActivationSpec,
+    ExpertWeights,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+    RoutingResult,
+    RoutingSpec,
+    SpecError,
+    WeightFormat,
+    fused_moe_reference,
+    route,
+)
+from moekit.formats import quantize_fp8_activation  # noqa: E402
+from moekit.kernels.base import DeviceInfo, DeviceKind  # noqa: E402
+from moekit.kernels.triton import _jit  # noqa: E402
+from moekit.kernels.triton.align import align_routing, max_blocks_bound  # noqa: E402
+from moekit.kernels.triton.launch import (  # noqa: E402
+    TritonMoEConfig,
+    _quantize_rows,
+    default_config,
+    triton_fused_moe,
+    triton_supports,
+)
+from moekit.reference import relative_l2_error  # noqa: E402
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover - layout of triton internals
+    InterpretedFunction = None
+if InterpretedFunction is None or not isinstance(_jit._moe_gemm1, InterpretedFunction):
+    pytest.skip("moekit's Triton kernels were imported without TRITON_INTERPRET=1 in this process; "
+                "run this file in its own pytest process", allow_module_level=True)
+
+pytestmark = pytest.mark.interpret
+
+# Relative L2 error against the fp32 reference, by activation dtype. fp32: summation order only (FP8 and
+# MXFP4 dequantize exactly as the reference does, and W8A8 quantizes the same fp32 values); fp16 rounds
+# x, h, the per-pair outputs and out.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+TINY = TritonMoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------
+def _spec(*, fmt=WeightFormat.FP32, scale=None, quant=ActivationQuant.NONE, dtype=torch.float32, e=6, k=2,
+          h=64, i=48, act=None, layout=GateLayout.CONCAT, bias=True,
+          placement=RouterWeightPlacement.OUTPUT, e_local=None) -> MoESpec:
+    return MoESpec(num_experts=e, top_k=k, hidden_size=h, intermediate_size=i, weight_format=fmt, fp8_scale=scale,
+                   act_dtype=dtype, act_quant=quant, activation=act or ActivationSpec(Activation.SILU),
+                   gate_layout=layout, has_bias=bias, router_weight_placement=placement,
+                   routing=RoutingSpec(), num_local_experts=e_local)
+
+
+def _weights(spec: MoESpec, gen: torch.Generator) -> ExpertWeights:
+    """Fresh random weights (never zeros; gate and up rows differ) quantized into the spec's format."""
+    e, h, i = spec.E_local, spec.H, spec.I
+    w13 = torch.randn(e, 2 * i, h, generator=gen) / math.sqrt(h)
+    w2 = torch.randn(e, h, i, generator=gen) / math.sqrt(i)
+    bias = {}
+    if spec.has_bias:
+        bias = dict(b13=(0.3 * torch.randn(e, 2 * i, generator=gen)).to(spec.act_dtype),
+                    b2=(0.3 * torch.randn(e, h, generator=gen)).to(spec.act_dtype))
+    return ExpertWeights.from_float(w13=w13, w2=w2, format=spec.weight_format, gate_layout=spec.gate_layout,
+                                    fp8_scale=spec.fp8_scale, **bias)
+
+
+def _routing(spec: MoESpec, t: int, gen: torch.Generator) -> RoutingResult:
+    return route(torch.randn(t, spec.E, generator=gen), top_k=spec.K, spec=spec.routing)
+
+
+@contextlib.contextmanager
+def _poisoned_allocations():
+    """Make torch.empty return NaN (floats) / 0x7F (fp8 NaN) / -7 (ints) instead of whatever memory held."""
+    real_empty = torch.empty
+
+    def empty(*size, dtype=None, **kwargs):
+        t = real_empty(*size, dtype=dtype, **kwargs)
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        elif t.is_floating_point():
+            t.fill_(math.nan)
+        elif t.dtype != torch.bool:
+            t.fill_(-7)
+        return t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real_empty
+
+
+def _check_layer(spec, *, t=5, seed=0, config=TINY, weights=None, routing=None, expert_map=None, x=None):
+    gen = torch.Generator().manual_seed(seed)
+    weights = weights if weights is not None else _weights(spec, gen)
+    x = x if x is not None else torch.randn(t, spec.H, generator=gen).to(spec.act_dtype)
+    routing = routing if routing is not None else _routing(spec, x.shape[0], gen)
+    expected = fused_moe_reference(x, weights, routing, spec=spec, expert_map=expert_map)
+    out = torch.full((x.shape[0], spec.H), math.nan, dtype=spec.act_dtype)
+    with _poisoned_allocations():
+        got = triton_fused_moe(x, weights, routing, spec=spec, config=config, expert_map=expert_map, out=out)
+    assert got is out and got.shape == expected.shape and got.dtype == spec.act_dtype
+    assert torch.isfinite(got).all(), f"non-finite output for {spec.describe()}"
+    err = relative_l2_error(got, expected)
+    assert err <= TOLERANCE[spec.act_dtype], f"rel L2 {err:.2e} for {spec.describe()}"
+    return got, expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routing metadata (torch only)
+# ---------------------------------------------------------------------------------------------------------
+ALIGN_CASES = [
+    # (T, K, E, E_local, block_m, why)
+    (1, 1, 4, None, 16, "a single pair"),
+    (5, 2, 6, None, 16, "several experts, most with one block"),
+    (17, 4, 8, None, 16, "an expert past one block"),
+    (40, 2, 8, 5, 16, "expert map with -1 entries"),
+    (33, 3, 3, None, 4, "every expert hit, small blocks"),
+    (64, 8, 128, None, 64, "many zero-token experts, block larger than any count"),
+]
+
+
+@pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
+def test_align_invariants(t, k, e, e_local, bm, why):
+    gen = torch.Generator().manual_seed(t * 100 + k)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    expert_map, n_local = None, e
+    if e_local is not None:
+        owners = torch.randperm(e, generator=gen)[:e_local]
+        expert_map = torch.full((e,), -1, dtype=torch.int32)
+        expert_map[owners] = torch.arange(e_local, dtype=torch.int32)
+        n_local = e_local
+    a = align_routing(ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map)
+    local = ids.reshape(-1).long() if expert_map is None else expert_map.long()[ids.reshape(-1).long()]
+    assert torch.equal(a.pair_expert, local.to(torch.int32))
+    num_pairs = t * k
+    assert a.num_pairs == num_pairs and a.max_blocks == max_blocks_bound(num_pairs=num_pairs,
+                                                                       num_local_experts=n_local, block_m=bm)
+    counts = torch.bincount(local[local >= 0], minlength=n_local)
+    assert torch.equal(a.expert_counts.long(), counts)
+    blocks = int(sum(math.ceil(c / bm) for c in counts.tolist()))
+    assert int(a.num_valid_blocks) == blocks <= a.max_blocks
+    rows = a.sorted_pair_ids.long().view(a.max_blocks, bm)
+    seen = []
+    for b in range(blocks):
+        expert = int(a.block_expert[b])
+        block = rows[b][rows[b] < num_pairs]
+        assert block.numel() > 0, f"block {b} holds no pair"
+        assert (local[block] == expert).all(), f"block {b} mixes experts"
+        seen.append(block)
+    # Every local pair exactly once, in increasing pair order within an expert; the rest is padding.
+    seen = torch.cat(seen)
+    assert torch.equal(seen.sort().values, (local >= 0).nonzero().flatten())
+    for expert in range(n_local):
+        mine = seen[local[seen] == expert]
+        assert torch.equal(mine, mine.sort().values)
+    assert (rows[blocks:] == num_pairs).all()
+    assert a.expert_offsets.dtype == torch.int64 and int(a.expert_offsets[-1]) == blocks * bm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FP8 activation quantization: bit-exact with moekit.formats
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("quant", [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128])
+@pytest.mark.parametrize("with_row_mult", [False, True])
+def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 200, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)  # ragged last group
+    x[1] = 0.0  # amax 0: scale 1
+    # Row 2: amax 448 -> scale 1, so these land exactly on E4M3 midpoints (ties go to even) or subnormals.
+    ties = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 19.0, 232.0, -1.0625, 0.00146484375, -0.0, 2.0 ** -10])
+    x[2] = 0.5
+    x[2, : ties.numel()] = ties
+    mult = (torch.rand(6, generator=gen) + 0.5) if with_row_mult else None
+    if mult is not None:
+        mult[2] = 1.0
+    data, scale = _quantize_rows(x, quant=quant, row_mult=mult)
+    ref = quantize_fp8_activation(x if mult is None else x * mult[:, None], quant=quant)
+    assert torch.equal(scale, ref.scale)
+    assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the layer
+# ---------------------------------------------------------------------------------------------------------
+ACTIVATIONS = [ActivationSpec(kind, alpha=1.702 if kind is Activation.SWIGLU_OAI else None, limit=limit)
+               for kind in Activation for limit in (None, 0.75)]  # 0.75 clamps a good share of values
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: a.describe().replace(" ", "_"))
+@pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
+@pytest.mark.parametrize(("bias", "placement"), [(True, RouterWeightPlacement.OUTPUT),
+                                                 (False, RouterWeightPlacement.OUTPUT),
+                                                 (True, RouterWeightPlacement.INPUT)],
+                         ids=["bias-output", "nobias-output", "bias-input"])
+def test_every_activation_layout_bias_placement_fp32(act, layout, bias, placement):
+    # fp32 weights and activations: the kernel's arithmetic is exact up to summation order, so a wrong
+    # clamp, a swapped gate/up, a missing bias or a misplaced router weight shows far above 1e-5.
+    k = 1 if placement is RouterWeightPlacement.INPUT else 3
+    _check_layer(_spec(act=act, layout=layout, bias=bias, placement=placement, k=k), t=5)
+
+
+FORMATS = [
+    # (format, fp8 scale, activation quantization, activation dtype, why)
+    (WeightFormat.FP16, None, ActivationQuant.NONE, torch.float16, "native fp16 dots"),
+    (WeightFormat.BF16, None, ActivationQuant.NONE, torch.float32, "weights upcast to fp32 dots"),
+    (WeightFormat.FP32, None, ActivationQuant.NONE, torch.float16, "activations upcast to fp32 dots"),
+    (WeightFormat.MXFP4, None, ActivationQuant.NONE, torch.float32, "MXFP4 decode, exact compare"),
+    (WeightFormat.MXFP4, None, ActivationQuant.NONE, torch.float16, "MXFP4 W4A16"),
+    (WeightFormat.FP8_E4M3, Fp8Scale.PER_TENSOR, ActivationQuant.NONE, torch.float32, "W8A16 per tensor"),
+    (WeightFormat.FP8_E4M3, Fp8Scale.PER_CHANNEL, ActivationQuant.NONE, torch.float16, "W8A16 per channel"),
+    (WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.NONE, torch.float32, "W8A16 blocks"),
+    (WeightFormat.FP8_E4M3, Fp8Scale.PER_TENSOR, ActivationQuant.FP8_PER_TOKEN, torch.float32, "W8A8 token"),
+    (WeightFormat.FP8_E4M3, Fp8Scale.PER_CHANNEL, ActivationQuant.FP8_PER_TOKEN, torch.float16, "W8A8 fp16"),
+    (WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_TOKEN, torch.float32, "W8A8 mixed"),
+    (WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128, torch.float32,
+     "DeepSeek-V3 W8A8"),
+]
+# Per format: one row per layout, alternating activation/limit/bias/placement so that every format meets
+# clamped and unclamped, biased and unbiased, INPUT and OUTPUT placement. H=200 / I=136 (ragged against
+# 32, 64 and 128) in the second row.
+FORMAT_VARIANTS = [
+    dict(layout=GateLayout.CONCAT, act=ActivationSpec(Activation.SILU, limit=0.75), bias=False, k=2),
+    dict(layout=GateLayout.INTERLEAVED, act=ActivationSpec.gpt_oss(), bias=True, h=200, i=136, k=3),
+    dict(layout=GateLayout.INTERLEAVED, act=ActivationSpec(Activation.GELU_TANH), bias=True, k=1,
+         placement=RouterWeightPlacement.INPUT),
+]
+
+
+@pytest.mark.parametrize(("fmt", "scale", "quant", "dtype", "why"), FORMATS, ids=[f[-1] for f in FORMATS])
+@pytest.mark.parametrize("variant", range(len(FORMAT_VARIANTS)))
+def test_every_format(fmt, scale, quant, dtype, why, variant):
+    spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[variant])
+    _check_layer(spec, t=5, seed=variant)
+
+
+SHAPES = [
+    # (T, K, E, H, I, why)
+    (1, 1, 4, 32, 32, "decode: one token, K = 1 writes out directly"),
+    (1, 4, 8, 64, 48, "decode: one token on four experts"),
+    (17, 2, 4, 48, 200, "I ragged against every block size, more than one M-block per expert"),
+    (17, 8, 8, 200, 64, "K = E: every expert hit"),
+]
+
+
+@pytest.mark.parametrize(("t", "k", "e", "h", "i", "why"), SHAPES, ids=[s[-1].split(":")[0] for s in SHAPES])
+@pytest.mark.parametrize("fmt", [WeightFormat.FP16, WeightFormat.MXFP4], ids=lambda f: f.name)
+def test_shapes(t, k, e, h, i, why, fmt):
+    act = ActivationSpec.gpt_oss() if fmt is WeightFormat.MXFP4 else ActivationSpec(Activation.SILU)
+    layout = GateLayout.INTERLEAVED if fmt is WeightFormat.MXFP4 else GateLayout.CONCAT
+    spec = _spec(fmt=fmt, dtype=torch.float16, e=e, k=k, h=h, i=i, act=act, layout=layout)
+    _check_layer(spec, t=t, seed=t + k)
+
+
+def test_zero_tokens_launch_nothing():
+    spec = _spec(dtype=torch.float32)
+    weights = _weights(spec, torch.Generator().manual_seed(0))
+    routing = RoutingResult(weights=torch.empty(0, 2), ids=torch.empty(0, 2, dtype=torch.int32))
+    out = triton_fused_moe(torch.empty(0, spec.H), weights, routing, spec=spec, config=TINY)
+    assert out.shape == (0, spec.H) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_all_tokens_on_one_expert(k):
+    # Two full M-blocks and a partial one for expert 2 (and expert 3 for k = 2); the others get nothing.
+    spec = _spec(dtype=torch.float32, k=k, e=5)
+    t = 40
+    ids = torch.tensor([[2, 3][:k]] * t, dtype=torch.int32)
+    w = torch.rand(t, k, generator=torch.Generator().manual_seed(1)) + 0.1
+    _check_layer(spec, t=t, routing=RoutingResult(weights=w, ids=ids))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_expert_map_drops_other_ranks(k):
+    # 8 global experts, 4 on this rank; about half of the pairs belong to other ranks and add zero.
+    spec = _spec(dtype=torch.float32, e=8, e_local=4, k=k, layout=GateLayout.INTERLEAVED,
+                 act=ActivationSpec.gpt_oss())
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
+    got, expected = _check_layer(spec, t=17, expert_map=expert_map, seed=k)
+    assert expected.abs().sum() > 0
+
+
+def test_mxfp4_ragged_tail_and_padding_bytes_are_never_data():
+    # H = 200 and I = 72 leave 8 elements of padding in the last 32-group of every row. Fill that
+    # padding with code 6.0 and put 0xFF (NaN) scale bytes and 0x77 blocks right after each row's
+    # last group (the weights are views into wider buffers): none of it may reach the output.
+    spec = _spec(fmt=WeightFormat.MXFP4, dtype=torch.float32, h=200, i=72, layout=GateLayout.INTERLEAVED,
+                 act=ActivationSpec.gpt_oss(), k=2)
+    clean = _weights(spec, torch.Generator().manual_seed(5))
+
+    def dirty(blocks, scales, in_dim):
+        e, n, g, _ = blocks.shape
+        wide_b = torch.full((e, n, g + 1, 16), 0x77, dtype=torch.uint8)
+        wide_s = torch.full((e, n, g + 1), 0xFF, dtype=torch.uint8)
+        wide_b[:, :, :g] = blocks
+        wide_s[:, :, :g] = scales
+        tail = in_dim % 32
+        wide_b[:, :, g - 1, tail // 2:] = 0x77  # padded elements of the last group (tail is even here)
+        return wide_b[:, :, :g], wide_s[:, :, :g]
+
+    w13, s13 = dirty(clean.w13, clean.w13_scale, spec.H)
+    w2, s2 = dirty(clean.w2, clean.w2_scale, spec.I)
+    weights = replace(clean, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+    _check_layer(spec, t=5, weights=weights)
+
+
+def test_default_configs_run():
+    for t in (1, 17):
+        spec = _spec(fmt=WeightFormat.MXFP4, dtype=torch.float16, layout=GateLayout.INTERLEAVED,
+                     act=ActivationSpec.gpt_oss())
+        _check_layer(spec, t=t, config=default_config(spec, t))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configs and capabilities (no kernels)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_n=48), dict(block_k=0), dict(group_m=3),
+                                 dict(num_warps=32), dict(num_stages=0), dict(block_m=True)])
+def test_bad_configs_are_refused(bad):
+    with pytest.raises(SpecError):
+        TritonMoEConfig(**bad)
+
+
+def test_configs_that_do_not_fit_the_spec_are_refused():
+    mx = _spec(fmt=WeightFormat.MXFP4)
+    assert TritonMoEConfig(block_k=16).reason_unusable(mx) is not None
+    ds = _spec(fmt=WeightFormat.FP8_E4M3, scale=Fp8Scale.BLOCK_128, quant=ActivationQuant.FP8_PER_GROUP_128)
+    assert TritonMoEConfig(block_k=256).reason_unusable(ds) is not None
+    assert TritonMoEConfig(block_k=16).reason_unusable(ds) is not None
+    with pytest.raises(SpecError, match="block_k"):
+        x = torch.zeros(1, mx.H)
+        triton_fused_moe(x, _weights(mx, torch.Generator().manual_seed(0)),
+                         _routing(mx, 1, torch.Generator().manual_seed(0)), spec=mx, config=TritonMoEConfig(block_k=16))
+
+
+def test_supports_and_default_configs():
+    hopper = DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0))
+    ampere = DeviceInfo(DeviceKind.CUDA, "NVIDIA A100", (8, 0))
+    cpu = DeviceInfo(DeviceKind.CPU, "cpu")
+    fmts = [(f, Fp8Scale.BLOCK_128 if f is WeightFormat.FP8_E4M3 else None) for f in WeightFormat]
+    for (fmt, scale), act, layout in itertools.product(fmts, ACTIVATIONS, GateLayout):
+        spec = _spec(fmt=fmt, scale=scale, act=act, layout=layout)
+        assert triton_supports(spec) is None and triton_supports(spec, device=hopper) is None
+        assert triton_supports(spec, device=cpu) is not None
+        assert (triton_supports(spec, device=ampere) is None) == (not fmt.is_quantized)
+        for t in (1, 8, 64, 4096):
+            assert default_config(spec, t).reason_unusable(spec) is None
