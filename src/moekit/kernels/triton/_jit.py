@@ -133,7 +133,7 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride
     mag = codes & 7
     normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
     bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 0x3F000000, 0))  # 0x3F000000 = 0.5
-    vals = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    vals = (bits | ((codes & 0) << 28)).to(tl.float32, bitcast=True)
     scales = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     w = tl.reshape(tl.reshape(vals, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
     ks = k0 + tl.arange(0, BLOCK_K)
