@@ -45,6 +45,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--layer", type=int, default=0, help="layer index in --checkpoint (default: 0)")
     run.add_argument("--tokens", type=int, default=4, help="tokens in the batch, T (default: 4)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
+    run.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     explain = sub.add_parser("explain", help="show which kernel and config a spec gets, and what was refused",
@@ -69,7 +70,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     from moekit.run_job import run_job
 
     report = run_job(preset_name=args.preset, checkpoint=args.checkpoint, layer=args.layer,
-                     num_tokens=args.tokens, seed=args.seed)
+                     num_tokens=args.tokens, seed=args.seed, device=args.device)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return 0 if report.check_passed else 1
@@ -77,12 +78,15 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     table.add_row("layer", report.source)
     table.add_row("spec", report.spec.describe())
     table.add_row("device", report.device)
-    table.add_row("ran", report.path)
+    table.add_row("kernel", f"{report.plan.kernel} {report.plan.config.as_dict()}")
+    table.add_row("config from", report.plan.source.value)
     table.add_row("tokens / experts hit", f"T={report.num_tokens}, {report.experts_hit} of {report.spec.E}")
-    table.add_row("time", f"{report.seconds * 1e3:.1f} ms (one forward, wall clock)")
+    table.add_row("load-time prepare", f"{report.prepare_seconds * 1e3:.1f} ms")
+    clock = "CUDA events, mean of 20" if report.device.startswith("cuda") else "wall clock, one call"
+    table.add_row("forward time", f"{report.seconds * 1e3:.3f} ms ({clock})")
     verdict = "[green]PASS[/green]" if report.check_passed else "[red]FAIL[/red]"
     table.add_row("self-check", f"{verdict}: rel L2 {report.check_rel_l2:.2e} <= {report.check_tolerance:g} "
-                                f"vs float64 per-token loop on {report.check_tokens} tokens")
+                                f"vs {report.check_against} on {report.check_tokens} tokens")
     console.print(table)
     return 0 if report.check_passed else 1
 

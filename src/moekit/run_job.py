@@ -1,8 +1,9 @@
-"""The main job (`moekit run`): build a layer, route random tokens, run it, time it, self-check it.
+"""The main job (`moekit run`): build a layer, plan it, route random tokens, run, time and self-check it.
 
-Data flow: preset name or checkpoint layer -> (spec, weights, router) -> route(x @ router^T) ->
-the chosen path (the reference on a CPU) -> timing and a self-check against an independent spelling
-of the math (`fused_moe_per_token_loop`, float64) on a few tokens -> a `RunReport`.
+Data flow: preset name or checkpoint layer -> (spec, weights, router) -> `plan` for this device ->
+`prepare_weights` (load time) -> route(x @ router^T) -> `fused_moe` with the chosen kernel -> timing ->
+self-check against the fp32 reference (or, when the reference itself ran, against an independent
+float64 per-token loop on a few tokens) -> a `RunReport`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from moekit.ops import fused_moe, prepare_weights
+from moekit.plan import Plan, plan
 from moekit.presets import DEFAULT_PRESET, preset
 from moekit.reference import fused_moe_per_token_loop, fused_moe_reference, relative_l2_error
 from moekit.routing import RoutingResult, route
@@ -20,8 +23,8 @@ from moekit.spec import MoESpec
 from moekit.synthetic import random_layer, random_tokens
 from moekit.weights import ExpertWeights
 
-# Reference vs the float64 per-token loop: both accumulate in >= fp32 from the same dequantized
-# weights; the only difference is the final cast to the activation dtype (bf16: 2^-8 relative).
+# Relative L2 error allowed against the check, by activation dtype (the kernel tolerance table:
+# bf16 rounds x, the intermediate and the output to 8 bits).
 SELF_CHECK_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -30,10 +33,12 @@ class RunReport:
     source: str  # "preset gpt-oss-20b (random weights, seed 0)" or the checkpoint path and layer
     spec: MoESpec
     device: str
-    path: str  # what computed the layer
+    plan: Plan
     num_tokens: int
     experts_hit: int
-    seconds: float
+    prepare_seconds: float  # one-time load step (e.g. dequantize for the unfused path)
+    seconds: float  # one forward
+    check_against: str
     check_tokens: int
     check_rel_l2: float
     check_tolerance: float
@@ -44,9 +49,11 @@ class RunReport:
 
     def as_dict(self) -> dict:
         return {
-            "source": self.source, "spec": self.spec.describe(), "device": self.device, "path": self.path,
-            "num_tokens": self.num_tokens, "experts_hit": self.experts_hit, "seconds": self.seconds,
-            "check_tokens": self.check_tokens, "check_rel_l2": self.check_rel_l2,
+            "source": self.source, "spec": self.spec.describe(), "device": self.device,
+            "kernel": self.plan.kernel, "config": self.plan.config.as_dict(), "config_source": self.plan.source.name,
+            "num_tokens": self.num_tokens, "experts_hit": self.experts_hit,
+            "prepare_seconds": self.prepare_seconds, "seconds": self.seconds,
+            "check_against": self.check_against, "check_tokens": self.check_tokens, "check_rel_l2": self.check_rel_l2,
             "check_tolerance": self.check_tolerance, "check_passed": self.check_passed,
         }
 
@@ -74,6 +81,22 @@ def _load_layer(*, preset_name: str, checkpoint: Path | None, layer: int, seed: 
                   synthetic.router_weight, None, synthetic.correction_bias)
 
 
+def _time_forward(fn, device: torch.device, *, repeats: int) -> float:
+    """Seconds per call: CUDA events around `repeats` calls after a warm-up; wall clock on a CPU."""
+    fn()  # warm-up: compilation, allocator, caches
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
 def run_job(
     *,
     preset_name: str = DEFAULT_PRESET,
@@ -81,24 +104,37 @@ def run_job(
     layer: int = 0,
     num_tokens: int = 4,
     seed: int = 0,
-    check_tokens: int = 2,
+    device: str | None = None,
 ) -> RunReport:
+    """Build the layer, plan it for `device`, run and time the chosen kernel, check it against the reference."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loaded = _load_layer(preset_name=preset_name, checkpoint=checkpoint, layer=layer, seed=seed)
     spec = loaded.spec
-    x = random_tokens(spec, num_tokens, seed=seed + 1)
-    logits = x.float() @ loaded.router_weight.float().T
+    chosen = plan(spec, num_tokens=num_tokens, device=dev)
+    begin = time.perf_counter()
+    weights = prepare_weights(loaded.weights.to(dev), chosen)
+    prepare_seconds = time.perf_counter() - begin
+    x = random_tokens(spec, num_tokens, seed=seed + 1).to(dev)
+    logits = x.float() @ loaded.router_weight.to(dev).float().T
     if loaded.router_bias is not None:
-        logits = logits + loaded.router_bias.float()
-    routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=loaded.correction_bias)
-    start = time.perf_counter()
-    out = fused_moe_reference(x, loaded.weights, routing, spec=spec)
-    seconds = time.perf_counter() - start
-    n_check = min(check_tokens, num_tokens)
-    sub = RoutingResult(weights=routing.weights[:n_check], ids=routing.ids[:n_check])
-    expected = fused_moe_per_token_loop(x[:n_check], loaded.weights, sub, spec=spec)
-    rel = relative_l2_error(out[:n_check], expected) if n_check else 0.0
+        logits = logits + loaded.router_bias.to(dev).float()
+    correction = None if loaded.correction_bias is None else loaded.correction_bias.to(dev)
+    routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=correction)
+    out = fused_moe(x, weights, routing, plan=chosen)
+    seconds = _time_forward(lambda: fused_moe(x, weights, routing, plan=chosen), dev,
+                            repeats=20 if dev.type == "cuda" else 1)
+    if chosen.kernel == "reference":  # check the oracle itself against an independent float64 spelling
+        n_check = min(2, num_tokens)
+        sub = RoutingResult(weights=routing.weights[:n_check], ids=routing.ids[:n_check])
+        expected = fused_moe_per_token_loop(x[:n_check], loaded.weights.to(dev), sub, spec=spec)
+        rel, against = relative_l2_error(out[:n_check], expected), "float64 per-token loop"
+    else:
+        n_check = num_tokens
+        expected = fused_moe_reference(x, loaded.weights.to(dev), routing, spec=spec)
+        rel, against = relative_l2_error(out, expected), "fp32 reference"
     return RunReport(
-        source=loaded.source, spec=spec, device=str(x.device), path="reference (PyTorch, fp32 accumulation)",
-        num_tokens=num_tokens, experts_hit=int(routing.ids.unique().numel()), seconds=seconds,
-        check_tokens=n_check, check_rel_l2=rel, check_tolerance=SELF_CHECK_TOLERANCE[spec.act_dtype],
+        source=loaded.source, spec=spec, device=str(dev), plan=chosen, num_tokens=num_tokens,
+        experts_hit=int(routing.ids.unique().numel()), prepare_seconds=prepare_seconds, seconds=seconds,
+        check_against=against, check_tokens=n_check, check_rel_l2=rel,
+        check_tolerance=SELF_CHECK_TOLERANCE[spec.act_dtype],
     )

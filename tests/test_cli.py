@@ -1,0 +1,59 @@
+"""The command line as a new user meets it: help, the main job, explain, and errors as one clear line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moekit.cli import main
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for command in ("run", "explain"):
+        assert command in text
+
+
+def test_main_job_runs_default_layer_and_self_checks():
+    # The README's main job, in a fresh process, as a user runs it (gpt-oss-20b shapes on this CPU).
+    proc = subprocess.run([sys.executable, "-m", "moekit.cli", "run", "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["spec"].startswith("E=32 K=4 H=2880 I=2880 MXFP4")
+    assert report["check_passed"] and report["check_rel_l2"] <= 1e-2
+    assert report["num_tokens"] == 4 and report["seconds"] > 0
+
+
+def test_explain_gpt_oss_120b_for_a_simulated_h200(capsys):
+    assert main(["explain", "--preset", "gpt-oss-120b", "--tokens", "1", "--device", "h200"]) == 0
+    text = capsys.readouterr().out
+    assert "E=128 K=4 H=2880 I=2880 MXFP4" in text
+    assert "chosen:" in text and "source:" in text and "refused candidates" in text
+
+
+def test_explain_json_shows_refusals_on_cpu(capsys):
+    assert main(["explain", "--preset", "gpt-oss-120b", "--device", "cpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kernel"] != "triton_fused"
+    refused = {r["kernel"]: r["reason"] for r in data["refused"]}
+    if "triton_fused" in refused:  # present wherever Triton imports
+        assert "CUDA" in refused["triton_fused"]
+
+
+def test_explain_spec_flags_override_the_preset(capsys):
+    assert main(["explain", "--preset", "gpt-oss-20b", "--layout", "concat", "--activation", "silu",
+                 "--no-limit", "--device", "cpu", "--json"]) == 0
+    assert "SILU no clamp CONCAT" in json.loads(capsys.readouterr().out)["spec"]
+
+
+def test_errors_print_one_clear_line_and_exit_2(capsys):
+    assert main(["explain", "--preset", "gpt-oss-20b", "--top-k", "64"]) == 2
+    err = capsys.readouterr().out
+    assert "SpecError" in err and "top_k K=64 cannot exceed num_experts E=32" in err
+    assert main(["explain", "--preset", "gpt-oss-20b", "--device", "cpu", "--strict"]) == 2
+    assert "PlanFallbackError" in capsys.readouterr().out
