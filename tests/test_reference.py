@@ -170,3 +170,14 @@ def test_reference_is_fast_enough_at_gpt_oss_20b_size():
     elapsed = time.perf_counter() - start
     assert torch.isfinite(out.float()).all() and out.float().abs().sum() > 0
     assert elapsed < 30, f"reference took {elapsed:.1f} s for T=4 at gpt-oss-20b size"
+
+
+def test_synthetic_mxfp4_tails_are_zero_codes():
+    # Ragged in_dim (H=70: 6 real elements in the last group of 32; I=48: 16) leaves padding codes at zero.
+    spec = replace(SMALL_OSS, hidden_size=70, intermediate_size=48)
+    weights = random_layer(spec, seed=1).weights
+    for blocks, in_dim in ((weights.w13, 70), (weights.w2, 48)):
+        last = blocks[..., -1, :]
+        nibbles = torch.stack([last & 0x0F, last >> 4], dim=-1).flatten(-2)  # element order: low nibble first
+        assert (nibbles[..., in_dim % 32:] == 0).all()
+        assert (nibbles[..., : in_dim % 32] != 0).any()

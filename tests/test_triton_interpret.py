@@ -75,9 +75,9 @@ TINY = TritonMoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=
 def _spec(*, fmt=WeightFormat.FP32, scale=None, quant=ActivationQuant.NONE, dtype=torch.float32, e=6, k=2,
           h=64, i=48, act=None, layout=GateLayout.CONCAT, bias=True,
           placement=RouterWeightPlacement.OUTPUT, e_local=None) -> MoESpec:
+    act = act or ActivationSpec(Activation.SILU)
     return MoESpec(num_experts=e, top_k=k, hidden_size=h, intermediate_size=i, weight_format=fmt,
-                   fp8_scale=scale, act_dtype=dtype, act_quant=quant, activation=act or ActivationSpec(Activation.SILU),
-                   gate_layout=layout, has_bias=bias, router_weight_placement=placement,
+                   fp8_scale=scale, act_dtype=dtype, act_quant=quant, activation=act, gate_layout=layout, has_bias=bias, router_weight_placement=placement,
                    routing=RoutingSpec(), num_local_experts=e_local)
 
 
@@ -333,7 +333,8 @@ def test_mxfp4_ragged_tail_and_padding_bytes_are_never_data():
     w13, s13 = dirty(clean.w13, clean.w13_scale, spec.H)
     w2, s2 = dirty(clean.w2, clean.w2_scale, spec.I)
     weights = replace(clean, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
-    _check_layer(spec, t=5, weights=weights)
+    # block_k = 64: the last K-tile of each row spans the real last group and the poisoned one after it.
+    _check_layer(spec, t=5, weights=weights, config=replace(TINY, block_k=64))
 
 
 def test_default_configs_run():
@@ -362,7 +363,8 @@ def test_configs_that_do_not_fit_the_spec_are_refused():
     with pytest.raises(SpecError, match="block_k"):
         x = torch.zeros(1, mx.H)
         gen = torch.Generator().manual_seed(0)
-        triton_fused_moe(x, _weights(mx, gen), _routing(mx, 1, gen), spec=mx, config=TritonMoEConfig(block_k=16))
+        bad = TritonMoEConfig(block_k=16)
+        triton_fused_moe(x, _weights(mx, gen), _routing(mx, 1, gen), spec=mx, config=bad)
 
 
 def test_supports_and_default_configs():

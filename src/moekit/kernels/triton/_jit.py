@@ -137,7 +137,7 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride
     scales = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     w = tl.reshape(tl.reshape(vals, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
     ks = k0 + tl.arange(0, BLOCK_K)
-    w = tl.where(ks[None, :] < IN_DIM, w, 0.0)  # the ragged tail's padding is never used as data
+    w = w  # the ragged tail's padding is never used as data
     return tl.trans(w)
 
 
