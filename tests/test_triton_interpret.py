@@ -77,8 +77,9 @@ def _spec(*, fmt=WeightFormat.FP32, scale=None, quant=ActivationQuant.NONE, dtyp
           placement=RouterWeightPlacement.OUTPUT, e_local=None) -> MoESpec:
     act = act or ActivationSpec(Activation.SILU)
     return MoESpec(num_experts=e, top_k=k, hidden_size=h, intermediate_size=i, weight_format=fmt,
-                   fp8_scale=scale, act_dtype=dtype, act_quant=quant, activation=act, gate_layout=layout, has_bias=bias, router_weight_placement=placement,
-                   routing=RoutingSpec(), num_local_experts=e_local)
+                   fp8_scale=scale, act_dtype=dtype, act_quant=quant, activation=act, gate_layout=layout,
+                   has_bias=bias, router_weight_placement=placement, routing=RoutingSpec(),
+                   num_local_experts=e_local)
 
 
 def _weights(spec: MoESpec, gen: torch.Generator) -> ExpertWeights:

@@ -124,7 +124,7 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride
     """
     num_groups: tl.constexpr = (IN_DIM + 31) // 32
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along the row
-    byte_mask = w_mask[:, None]
+    byte_mask = w_mask[:, None] & (kb[None, :] < num_groups * 16)
     packed = tl.load(w_base + w_rows[:, None] * stride_wn + kb[None, :], mask=byte_mask, other=0)
     kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # scale group along the row
     sbytes = tl.load(s_base + w_rows[:, None] * stride_sn + kg[None, :] * stride_sk,
@@ -137,7 +137,7 @@ def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride
     scales = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     w = tl.reshape(tl.reshape(vals, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
     ks = k0 + tl.arange(0, BLOCK_K)
-    w = w  # the ragged tail's padding is never used as data
+    w = tl.where(ks[None, :] < IN_DIM, w, 0.0)  # the ragged tail's padding is never used as data
     return tl.trans(w)
 
 

@@ -1,0 +1,199 @@
+"""Benchmarks: whole-layer time per token count, against the roofline and the unfused baseline, one run.
+
+Data flow: measure the two ceilings on this GPU (device-to-device copy bandwidth, bf16 matmul rate)
+-> for a preset, draw random weights on the GPU -> for each T: random tokens and router logits ->
+for each kernel (the planner's choice and the unfused `torch_grouped` baseline): check against the
+fp32 reference (output poisoned with NaN first, so unwritten elements show), capture route + fused_moe
+in a CUDA graph, time its replays with CUDA events with L2 flushed before every call (as the peer
+benchmark does; at small T the hit experts would otherwise sit in L2) -> roofline from the
+bytes of the experts actually hit and 2*T*K*3*H*I FLOPs -> `BenchRecord`s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from moekit.kernels.base import DeviceInfo
+from moekit.kernels.registry import default_registry
+from moekit.ops import fused_moe, prepare_weights
+from moekit.plan import plan
+from moekit.presets import preset
+from moekit.reference import fused_moe_reference, relative_l2_error
+from moekit.routing import route
+from moekit.spec import MoESpec, WeightFormat
+from moekit.synthetic import random_layer, random_tokens
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Relative L2 error allowed against the fp32 reference by activation dtype (the kernel tolerance table).
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_bytes_per_s: float  # bytes read + written per second, device-to-device copy
+    bf16_flops_per_s: float  # dense bf16 matmul, 8192^3, random data
+
+
+@dataclass(frozen=True)
+class BenchRecord:
+    preset: str
+    kernel: str
+    config: dict
+    tokens: int
+    experts_hit: int
+    us: float  # median microseconds per whole layer (graph replay)
+    weight_bytes: int  # bytes of the experts actually hit
+    flops: float
+    roofline_us: float
+    pct_roofline: float
+    tb_per_s: float  # weight bytes / time
+    tflops: float
+    rel_l2: float
+    ok: bool
+
+
+def expert_bytes(spec: MoESpec) -> int:
+    """Bytes of one expert's w13 + w2 (+ scales, + biases) as stored."""
+    elements = 3 * spec.H * spec.I
+    fmt = spec.weight_format
+    if fmt is WeightFormat.MXFP4:
+        matrix = elements // 2 + elements // 32  # 4-bit codes + one scale byte per 32
+    elif fmt is WeightFormat.FP8_E4M3:
+        matrix = elements  # scales are < 0.01 % for 128x128 blocks
+    else:
+        matrix = elements * torch.tensor([], dtype=fmt.float_dtype).element_size()
+    bias = 3 * spec.I * 2 if spec.has_bias else 0  # b13 [2I] + b2 [H]~[I] bf16, approximately
+    return matrix + bias
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    n = 1 << 29  # 1 GiB of bytes per buffer: far above L2
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    b = torch.empty_like(a)
+    copy_s = _median_seconds(lambda: b.copy_(a), device, repeats=10)
+    m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    k = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    mm_s = _median_seconds(lambda: m @ k, device, repeats=10)
+    del a, b, m, k
+    return Ceilings(copy_bytes_per_s=2 * n / copy_s, bf16_flops_per_s=2 * 8192**3 / mm_s)
+
+
+def _median_seconds(fn, device: torch.device, *, repeats: int, batches: int = 7) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(batches):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3 / repeats)
+    return statistics.median(times)
+
+
+def _graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Tensor | None = None):
+    """Capture `repeats` x ([zero the flush buffer]; fn) in one CUDA graph; returns (graph, last output)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph: compilation, allocator
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    out = None
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            if flush is not None:
+                flush.zero_()
+            out = fn() if fn is not None else None
+    return graph, out
+
+
+def _flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: int) -> float:
+    """Per-call time with L2 flushed before every call, as the peer measures it:
+    (graph[flush; fn] x n - graph[flush] x n) / n, medians of event-timed replays."""
+    with_fn, _ = _graph(fn, device, repeats=repeats, flush=flush)
+    only_flush, _ = _graph(None, device, repeats=repeats, flush=flush)
+    return (_median_seconds(with_fn.replay, device, repeats=1) - _median_seconds(only_flush.replay, device,
+                                                                                   repeats=1)) / repeats
+
+
+def bench_preset(
+    name: str,
+    *,
+    tokens: tuple[int, ...] = DEFAULT_TOKENS,
+    kernels: tuple[str, ...] = ("planned", "torch_grouped"),
+    ceilings: Ceilings,
+    device: torch.device | str = "cuda",
+    num_experts: int | None = None,
+    progress=None,
+) -> list[BenchRecord]:
+    device = torch.device(device)
+    spec = preset(name)
+    if num_experts is not None:
+        spec = replace(spec, num_experts=num_experts)
+    layer = random_layer(spec, seed=0, device=device)
+    info = DeviceInfo.of(device)
+    registry = default_registry()
+    prepared: dict[str, object] = {}
+    records: list[BenchRecord] = []
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)  # 256 MiB: evicts the 60 MB L2
+    for t in tokens:
+        x = random_tokens(spec, t, seed=t, device=device)
+        logits = torch.randn(t, spec.E, device=device, generator=torch.Generator(device).manual_seed(t))
+        routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+        expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
+        hit = int(routing.ids.unique().numel())
+        for which in kernels:
+            chosen = plan(spec, num_tokens=t, device=info)
+            if which != "planned":
+                kernel = registry.get(which)
+                chosen = replace(chosen, kernel=which, config=kernel.default_config(spec, _problem(t, info)))
+            if chosen.kernel not in prepared:
+                prepared[chosen.kernel] = prepare_weights(layer.weights, chosen)
+            weights = prepared[chosen.kernel]
+
+            def layer_fn(chosen=chosen, weights=weights, x=x, logits=logits):
+                r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+                return fused_moe(x, weights, r, plan=chosen)
+
+            graph, out = _graph(layer_fn, device)
+            out.fill_(float("nan"))  # poison: the replay must write every element
+            graph.replay()
+            torch.cuda.synchronize(device)
+            rel = relative_l2_error(out, expected)
+            del graph, out
+            seconds = _flushed_seconds(layer_fn, device, flush, repeats=20 if t <= 1024 else 4)
+            records.append(_record(name, spec, chosen, t, hit, seconds, rel, ceilings))
+            if progress is not None:
+                progress(records[-1])
+    return records
+
+
+def _problem(t, info):
+    from moekit.kernels.base import Problem
+
+    return Problem(num_tokens=t, device=info)
+
+
+def _record(name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings) -> BenchRecord:
+    weight_bytes = hit * expert_bytes(spec)
+    act_bytes = 2 * t * spec.H * torch.tensor([], dtype=spec.act_dtype).element_size()
+    flops = 2.0 * t * spec.K * 3 * spec.H * spec.I
+    roofline = max((weight_bytes + act_bytes) / ceilings.copy_bytes_per_s, flops / ceilings.bf16_flops_per_s)
+    return BenchRecord(
+        preset=name, kernel=chosen.kernel, config=chosen.config.as_dict(), tokens=t, experts_hit=hit,
+        us=seconds * 1e6, weight_bytes=weight_bytes, flops=flops, roofline_us=roofline * 1e6,
+        pct_roofline=100 * roofline / seconds, tb_per_s=weight_bytes / seconds / 1e12,
+        tflops=flops / seconds / 1e12, rel_l2=rel, ok=rel <= TOLERANCE[spec.act_dtype],
+    )
+
+
+def records_as_json(records: list[BenchRecord], ceilings: Ceilings) -> dict:
+    return {"ceilings": asdict(ceilings), "records": [asdict(r) for r in records]}
