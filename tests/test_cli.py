@@ -57,3 +57,33 @@ def test_errors_print_one_clear_line_and_exit_2(capsys):
     assert "SpecError" in err and "top_k K=64 cannot exceed num_experts E=32" in err
     assert main(["explain", "--preset", "gpt-oss-20b", "--device", "cpu", "--strict"]) == 2
     assert "PlanFallbackError" in capsys.readouterr().out
+
+
+def test_check_runs_every_capable_kernel_and_lists_refusals(capsys):
+    assert main(["check", "--preset", "qwen3-30b-a3b", "--tokens", "0,3", "--max-experts", "4", "--device",
+                 "cpu", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    ran = {(r["kernel"], r["tokens"]) for r in records if r["refused"] is None}
+    assert {("reference", 3), ("torch_grouped", 3), ("torch_grouped", 0)} <= ran
+    assert all(r["passed"] for r in records)
+    assert all(r["rel_l2"] <= r["tolerance"] for r in records if r["refused"] is None and r["tokens"])
+
+
+def test_bench_needs_a_gpu_and_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only message")
+    assert main(["bench", "--preset", "gpt-oss-20b", "--tokens", "1"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_bench_plot_writes_a_png(tmp_path):
+    from moekit.bench import BenchRecord, plot_records
+
+    records = [BenchRecord(preset="p", kernel=k, config={}, tokens=t, experts_hit=1, us=10.0 * t, weight_bytes=1,
+                           flops=1.0, roofline_us=5.0, pct_roofline=50.0, tb_per_s=1.0, tflops=1.0, rel_l2=1e-3,
+                           ok=True) for k in ("a", "b") for t in (1, 2, 4)]
+    path = tmp_path / "bench.png"
+    plot_records(records, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -197,3 +197,31 @@ def _record(name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings) -> Ben
 
 def records_as_json(records: list[BenchRecord], ceilings: Ceilings) -> dict:
     return {"ceilings": asdict(ceilings), "records": [asdict(r) for r in records]}
+
+
+def plot_records(records: list[BenchRecord], path) -> None:
+    """PNG: µs per layer (log-log) and % of roofline vs T, one line per (preset, kernel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_us, ax_pct) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: dict[tuple[str, str], list[BenchRecord]] = {}
+    for r in records:
+        series.setdefault((r.preset, r.kernel), []).append(r)
+    for (name, kernel), rs in series.items():
+        rs = sorted(rs, key=lambda r: r.tokens)
+        ts = [r.tokens for r in rs]
+        ax_us.plot(ts, [r.us for r in rs], marker="o", label=f"{name} {kernel}")
+        ax_pct.plot(ts, [r.pct_roofline for r in rs], marker="o", label=f"{name} {kernel}")
+    for ax, label in ((ax_us, "µs per layer"), (ax_pct, "% of roofline")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    ax_us.set_yscale("log")
+    ax_pct.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

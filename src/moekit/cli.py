@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moekit.cli_spec import SIMULATED_DEVICES, add_spec_flags, plan_as_dict, resolve_device, spec_from_flags
-from moekit.errors import MoekitError
+from moekit.errors import MoekitError, SpecError
 from moekit.presets import DEFAULT_PRESET, PRESETS
 
 DESCRIPTION = """\
@@ -27,6 +27,9 @@ against a pure-PyTorch reference.
   moekit run --checkpoint DIR --layer 3    run one layer of a GPT-OSS safetensors checkpoint
   moekit explain --preset gpt-oss-120b --tokens 1 --device h200
                                   which kernel and config the planner picks, and why
+  moekit check --all              every capable kernel here against the reference, all presets
+  moekit bench --preset gpt-oss-120b --plot bench.png
+                                  time whole layers on the GPU vs roofline and baseline
 """
 
 
@@ -63,6 +66,27 @@ def _build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--strict", action="store_true", help="fail instead of falling back")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_flags(explain)
+
+    check = sub.add_parser("check", help="check every capable kernel on this device against the reference",
+                           description="For a preset (or all presets), run every registered kernel that can "
+                                       "compute the spec on this device, at several token counts, and compare "
+                                       "with the fp32 reference. Kernels that refuse are listed with the reason.")
+    check.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    check.add_argument("--all", action="store_true", help="check every preset")
+    check.add_argument("--tokens", default="1,7,64", help="comma-separated token counts (default: 1,7,64)")
+    check.add_argument("--max-experts", type=int, default=None,
+                       help="cap E so the weights fit (default: none on a GPU, 8 on a CPU)")
+    check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
+    check.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+
+    bench = sub.add_parser("bench", help="time whole layers on the GPU against the roofline and the baseline",
+                           description="Per preset and token count: microseconds per layer (CUDA-graph replay, "
+                                       "L2 flushed), TB/s, TFLOP/s, %% of the roofline measured in the same run, "
+                                       "and the ratio to the unfused torch._grouped_mm baseline. Needs CUDA.")
+    bench.add_argument("--preset", default="gpt-oss-120b", help="comma-separated presets")
+    bench.add_argument("--tokens", default=",".join(str(t) for t in (1, 8, 64, 512, 4096)))
+    bench.add_argument("--json", type=Path, default=None, help="write every figure to this file")
+    bench.add_argument("--plot", type=Path, default=None, help="write a PNG of µs and %% roofline vs T")
     return parser
 
 
@@ -104,10 +128,83 @@ def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _tokens(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 0:
+        raise SpecError(f"--tokens must be comma-separated counts >= 0, got {text!r}")
+    return values
+
+
+def _cmd_check(args: argparse.Namespace, console: Console) -> int:
+    import torch
+    from rich.progress import Progress
+
+    from moekit.check_job import check_preset
+    from moekit.kernels.registry import default_registry
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cap = args.max_experts if args.max_experts is not None else (8 if device.type == "cpu" else None)
+    names = sorted(PRESETS) if args.all else [args.preset]
+    tokens = _tokens(args.tokens)
+    records = []
+    with Progress(console=console, transient=True, disable=args.json) as progress:
+        task = progress.add_task("checking", total=len(names) * len(default_registry()) * len(tokens))
+        for name in names:
+            progress.update(task, description=f"checking {name}")
+            records += check_preset(name, tokens=tokens, device=device, max_experts=cap,
+                                    progress=lambda n: progress.advance(task, n))
+    if args.json:
+        print(json.dumps([dict(r.__dict__, passed=r.passed) for r in records], indent=1))
+    else:
+        title = f"moekit check on {device}" + (f" (E capped at {cap})" if cap else "")
+        table = Table(title=title)
+        for col in ("preset", "kernel", "T", "rel L2", "tolerance", "result"):
+            table.add_column(col)
+        for r in records:
+            if r.refused:
+                table.add_row(r.preset, r.kernel, "-", "-", "-", f"[yellow]refused[/yellow]: {r.refused}")
+            else:
+                verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
+                table.add_row(r.preset, r.kernel, str(r.tokens), f"{r.rel_l2:.2e}", f"{r.tolerance:g}", verdict)
+        console.print(table)
+    return 0 if all(r.passed for r in records) else 1
+
+
+def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    from moekit.bench import bench_preset, measure_ceilings, plot_records, records_as_json
+
+    if not torch.cuda.is_available():
+        raise SpecError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    console.print(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
+                  f"bf16 matmul {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+    records = []
+    for name in args.preset.split(","):
+        records += bench_preset(name, tokens=_tokens(args.tokens), ceilings=ceilings, device=device)
+    table = Table(title=f"moekit bench on {torch.cuda.get_device_name()}")
+    for col in ("preset", "T", "kernel", "µs", "TB/s", "TFLOP/s", "% roofline", "rel L2"):
+        table.add_column(col)
+    for r in records:
+        table.add_row(r.preset, str(r.tokens), r.kernel, f"{r.us:.1f}", f"{r.tb_per_s:.2f}", f"{r.tflops:.1f}",
+                      f"{r.pct_roofline:.0f}", f"{r.rel_l2:.1e}")
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(records_as_json(records, ceilings), indent=1))
+    if args.plot:
+        plot_records(records, args.plot)
+    return 0 if all(r.ok for r in records) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     console = Console()
-    handlers = {"run": _cmd_run, "explain": _cmd_explain}
+    handlers = {"run": _cmd_run, "explain": _cmd_explain, "check": _cmd_check, "bench": _cmd_bench}
     try:
         return handlers[args.command](args, console)
     except MoekitError as err:

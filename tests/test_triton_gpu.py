@@ -1,0 +1,225 @@
+"""The Triton fused-MoE path on a CUDA GPU at real model shapes, against the reference.
+
+Data flow per case: a spec (preset or ragged shape) -> random weights drawn on the GPU in the spec's
+format (codes and scales, never zeros) -> router logits -> `route` -> `triton_fused_moe` into a
+NaN-poisoned `out` with the default config for T -> relative L2 error against `fused_moe_reference`.
+Also: determinism, expert maps, K = 1 with router weights on the input, and CUDA-graph capture/replay.
+
+Run in its own pytest process (the interpreter tests set TRITON_INTERPRET=1 for theirs).
+"""
+
+import math
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 is set in this process: Triton would not compile for the GPU",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from moekit import (  # noqa: E402
+    Activation,
+    ActivationQuant,
+    ActivationSpec,
+    ExpertWeights,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+    RoutingResult,
+    RoutingSpec,
+    WeightFormat,
+    fused_moe_reference,
+    preset,
+    route,
+)
+from moekit.formats import fp8_weight_scale_shape, mxfp4_groups  # noqa: E402
+from moekit.kernels.triton.launch import default_config, triton_fused_moe  # noqa: E402
+from moekit.reference import relative_l2_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+TOKENS = [0, 1, 2, 4, 8, 16, 64, 256, 1024, 4096]
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+SPECS = {
+    # name: (spec, why)
+    "gpt-oss-20b": (preset("gpt-oss-20b"), "MXFP4, SWIGLU_OAI alpha/limit, INTERLEAVED, biases, H=I=2880"),
+    "qwen3-30b-a3b": (preset("qwen3-30b-a3b"), "bf16, E=128, K=8, SILU, CONCAT"),
+    "deepseek-v3-e16": (replace(preset("deepseek-v3"), num_experts=16),
+                        "FP8 128x128 blocks + per-1x128 W8A8, H=7168, E reduced to 16"),
+    "ragged-bf16": (MoESpec(num_experts=8, top_k=2, hidden_size=2880, intermediate_size=704, has_bias=True,
+                            activation=ActivationSpec(Activation.GELU, limit=5.0)),
+                    "I=704 (not a multiple of 128), GELU with a clamp"),
+    "ragged-mxfp4": (MoESpec(num_experts=8, top_k=4, hidden_size=200, intermediate_size=704,
+                             weight_format=WeightFormat.MXFP4, activation=ActivationSpec.gpt_oss(),
+                             gate_layout=GateLayout.INTERLEAVED, has_bias=True),
+                     "H=200: ragged MXFP4 tail (200 % 32 = 8) in GEMM1"),
+    "ragged-fp8-token": (MoESpec(num_experts=8, top_k=2, hidden_size=704, intermediate_size=200,
+                                 weight_format=WeightFormat.FP8_E4M3, fp8_scale=Fp8Scale.PER_CHANNEL,
+                                 act_quant=ActivationQuant.FP8_PER_TOKEN,
+                                 activation=ActivationSpec(Activation.SILU)),
+                         "I=200, per-channel FP8 weights with per-token activations"),
+}
+
+
+def _gpu_weights(spec: MoESpec, *, seed: int, std: float = 0.02) -> ExpertWeights:
+    """Random weights drawn on the GPU directly in the spec's format (a CPU draw of 1 GB is slow)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    e, h, i = spec.E_local, spec.H, spec.I
+    bias = {}
+    if spec.has_bias:
+        bias = dict(b13=(0.05 * torch.randn(e, 2 * i, generator=gen, device=DEVICE)).to(spec.act_dtype),
+                    b2=(0.05 * torch.randn(e, h, generator=gen, device=DEVICE)).to(spec.act_dtype))
+    common = dict(format=spec.weight_format, gate_layout=spec.gate_layout, **bias)
+
+    def mxfp4(n, k):
+        groups = mxfp4_groups(k)
+        blocks = torch.randint(0, 256, (e, n, groups, 16), generator=gen, device=DEVICE, dtype=torch.uint8)
+        if k % 32:  # the padded tail of the last group holds zero codes, as a quantizer writes it
+            blocks[:, :, -1, (k % 32) // 2:] = 0
+        center = 127 + round(math.log2(std / 2.73))  # 2.73 = RMS of the E2M1 values
+        scales = torch.randint(center - 1, center + 2, (e, n, groups), generator=gen, device=DEVICE)
+        return blocks, scales.to(torch.uint8)
+
+    def fp8(n, k):
+        data = 64 * torch.randn(e, n, k, generator=gen, device=DEVICE)
+        data = data.clamp(-448, 448).to(torch.float8_e4m3fn)
+        shape = fp8_weight_scale_shape(lead=(e,), n=n, k=k, granularity=spec.fp8_scale)
+        return data, (std / 64) * (0.75 + 0.5 * torch.rand(shape, generator=gen, device=DEVICE))
+
+    if spec.weight_format is WeightFormat.MXFP4:
+        (w13, s13), (w2, s2) = mxfp4(2 * i, h), mxfp4(h, i)
+        return ExpertWeights(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, hidden_size=h, **common)
+    if spec.weight_format is WeightFormat.FP8_E4M3:
+        (w13, s13), (w2, s2) = fp8(2 * i, h), fp8(h, i)
+        return ExpertWeights(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, fp8_scale=spec.fp8_scale, **common)
+    dtype = spec.weight_format.float_dtype
+    w13 = (std * torch.randn(e, 2 * i, h, generator=gen, device=DEVICE)).to(dtype)
+    w2 = (std * torch.randn(e, h, i, generator=gen, device=DEVICE)).to(dtype)
+    return ExpertWeights(w13=w13, w2=w2, **common)
+
+
+_WEIGHTS: dict[str, ExpertWeights] = {}
+
+
+def _weights(name: str) -> ExpertWeights:
+    if name not in _WEIGHTS:
+        _WEIGHTS.clear()  # one model's weights on the GPU at a time
+        _WEIGHTS[name] = _gpu_weights(SPECS[name][0], seed=len(name))
+    return _WEIGHTS[name]
+
+
+def _inputs(spec: MoESpec, t: int, *, seed: int) -> tuple[torch.Tensor, RoutingResult]:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(t, spec.H, generator=gen, device=DEVICE).to(spec.act_dtype)
+    logits = torch.randn(t, spec.E, generator=gen, device=DEVICE)
+    bias = None
+    if spec.routing.has_correction_bias:
+        bias = 0.1 * torch.randn(spec.E, generator=gen, device=DEVICE)
+    return x, route(logits, top_k=spec.K, spec=spec.routing, correction_bias=bias)
+
+
+def _run(spec, weights, x, routing, *, expert_map=None, config=None):
+    out = torch.full((x.shape[0], spec.H), math.nan, dtype=spec.act_dtype, device=DEVICE)
+    config = config or default_config(spec, x.shape[0])
+    got = triton_fused_moe(x, weights, routing, spec=spec, config=config, expert_map=expert_map, out=out)
+    assert got is out
+    return got
+
+
+def _assert_close(got, expected, spec, what):
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.isfinite(got).all(), f"non-finite output: {what}"
+    err = relative_l2_error(got, expected)
+    assert err <= TOLERANCE[spec.act_dtype], f"rel L2 {err:.2e} > {TOLERANCE[spec.act_dtype]:g}: {what}"
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_matches_reference(name, t):
+    spec = SPECS[name][0]
+    weights = _weights(name)
+    x, routing = _inputs(spec, t, seed=t)
+    got = _run(spec, weights, x, routing)
+    if t == 0:
+        assert got.shape == (0, spec.H)
+        return
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    _assert_close(got, expected, spec, f"{name} T={t}")
+
+
+def test_deterministic():
+    spec = SPECS["qwen3-30b-a3b"][0]
+    weights = _weights("qwen3-30b-a3b")
+    x, routing = _inputs(spec, 256, seed=7)
+    first = _run(spec, weights, x, routing)
+    assert torch.equal(first, _run(spec, weights, x, routing))
+
+
+@pytest.mark.parametrize("t", [1, 64, 1024])
+def test_expert_map(t):
+    # This rank owns 16 of gpt-oss-20b's 32 experts, in scrambled order; the rest contribute zero.
+    base = SPECS["gpt-oss-20b"][0]
+    spec = replace(base, num_local_experts=16)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    owned = torch.randperm(base.E, generator=gen, device=DEVICE)[:16]
+    expert_map = torch.full((base.E,), -1, dtype=torch.int32, device=DEVICE)
+    expert_map[owned] = torch.randperm(16, generator=gen, device=DEVICE).to(torch.int32)
+    weights = _gpu_weights(spec, seed=11)
+    x, routing = _inputs(spec, t, seed=t)
+    got = _run(spec, weights, x, routing, expert_map=expert_map)
+    expected = fused_moe_reference(x, weights, routing, spec=spec, expert_map=expert_map)
+    _assert_close(got, expected, spec, f"expert map T={t}")
+
+
+@pytest.mark.parametrize("t", [1, 300])
+def test_k1_router_weight_on_input(t):
+    spec = MoESpec(num_experts=16, top_k=1, hidden_size=2048, intermediate_size=704,
+                   router_weight_placement=RouterWeightPlacement.INPUT, routing=RoutingSpec(),
+                   activation=ActivationSpec(Activation.SILU))
+    weights = _gpu_weights(spec, seed=5)
+    x, routing = _inputs(spec, t, seed=t)
+    _assert_close(_run(spec, weights, x, routing), fused_moe_reference(x, weights, routing, spec=spec), spec,
+                  f"K=1 INPUT T={t}")
+
+
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "deepseek-v3-e16"])
+def test_cuda_graph_capture_and_replay(name, t):
+    # Capture once with static buffers, then replay on new tokens and new routing: the layer must
+    # neither sync (capture would fail) nor keep anything from the captured data.
+    spec = SPECS[name][0]
+    weights = _weights(name)
+    config = default_config(spec, t)
+    x, routing = _inputs(spec, t, seed=100 + t)
+    static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
+    static_out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
+
+    def layer():
+        static_routing = RoutingResult(weights=static_w, ids=static_ids)
+        triton_fused_moe(static_x, weights, static_routing, spec=spec, config=config, out=static_out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    for seed in (200 + t, 300 + t):
+        x, routing = _inputs(spec, t, seed=seed)
+        static_x.copy_(x)
+        static_w.copy_(routing.weights)
+        static_ids.copy_(routing.ids)
+        static_out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = fused_moe_reference(x, weights, routing, spec=spec)
+        _assert_close(static_out, expected, spec, f"{name} graph replay T={t} seed={seed}")
