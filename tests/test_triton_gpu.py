@@ -38,8 +38,8 @@ from moekit import (  # noqa: E402
     preset,
     route,
 )
-from moekit.formats import fp8_weight_scale_shape, mxfp4_groups  # noqa: E402
-from moekit.kernels.triton.launch import default_config, triton_fused_moe  # noqa: E402
+from moekit.formats import fp8_weight_scale_shape, mxfp4_groups, quantize_fp8_activation  # noqa: E402
+from moekit.kernels.triton.launch import _quantize_rows, default_config, triton_fused_moe  # noqa: E402
 from moekit.reference import relative_l2_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -152,6 +152,26 @@ def test_matches_reference(name, t):
         return
     expected = fused_moe_reference(x, weights, routing, spec=spec)
     _assert_close(got, expected, spec, f"{name} T={t}")
+
+
+@pytest.mark.parametrize("quant", [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_activation_quantization_is_bit_exact(quant, dtype):
+    # The GPU's division, rounding and fp8 conversion against moekit.formats (the reference's quantizer).
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    magnitudes = torch.logspace(-6, 4, 300, device=DEVICE)[:, None]
+    x = torch.randn(300, 2880 + 72, generator=gen, device=DEVICE) * magnitudes
+    x[0] = 0.0
+    x = x.to(dtype)
+    data, scale = _quantize_rows(x, quant=quant)
+    ref = quantize_fp8_activation(x, quant=quant)
+    bad = scale != ref.scale
+    assert not bad.any(), f"{int(bad.sum())} scales differ, first at {bad.nonzero()[0].tolist()}"
+    bad = data.view(torch.uint8) != ref.data.view(torch.uint8)
+    if bad.any():
+        i, j = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{int(bad.sum())} codes differ; first x[{i}, {j}] = {float(x[i, j])!r}: "
+                             f"{float(data[i, j].float())} vs {float(ref.data[i, j].float())}")
 
 
 def test_deterministic():

@@ -38,6 +38,67 @@ _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # moekit.formats.fp8's floor 
 
 
 @triton.jit
+def _align_pairs(
+    ids_ptr,  # int32 [P] global expert ids (P = T*K pairs)
+    expert_map_ptr,  # int32 [E] global -> local (-1 = another rank) or None
+    pair_expert_ptr,  # out int32 [P]: local expert of each pair, -1 if dropped
+    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: pair ids by expert, P for padding
+    block_expert_ptr,  # out int32 [max_blocks]: local expert of each M-block (NUM_LOCAL past the last)
+    num_blocks_ptr,  # out int32 [1]
+    expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1]: padded start row of each expert, last = total
+    expert_counts_ptr,  # out int32 [NUM_LOCAL]
+    seg_start_ptr,  # scratch int32 [NUM_LOCAL + 1]: unpadded start of each expert in sorted order
+    num_pairs, max_blocks, num_experts,
+    NUM_LOCAL: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+):
+    """align.py's routing preparation in one program (P <= BLOCK_P): one launch instead of ~15 torch ops.
+
+    histogram -> padded counts -> cumsum (offsets) -> bitonic sort of (expert, pair) keys -> each sorted
+    pair's row = its expert's padded start + its rank. MAX_BLOCKS is a constexpr bound of max_blocks.
+    """
+    p = tl.arange(0, BLOCK_P)
+    in_p = p < num_pairs
+    gid = tl.load(ids_ptr + p, mask=in_p, other=-1)
+    if HAS_MAP:
+        local = tl.load(expert_map_ptr + gid, mask=in_p & (gid >= 0) & (gid < num_experts), other=-1)
+    else:
+        local = gid
+    valid = in_p & (local >= 0) & (local < NUM_LOCAL)
+    tl.store(pair_expert_ptr + p, tl.where(valid, local, -1), mask=in_p)
+    key = tl.where(valid, local, NUM_LOCAL)  # dropped pairs and lanes past P fall in bucket NUM_LOCAL
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.where(e < NUM_LOCAL, tl.histogram(key, BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    seg_start = tl.cumsum(counts, 0) - counts
+    tl.store(expert_offsets_ptr + e, padded_start.to(tl.int64), mask=e <= NUM_LOCAL)
+    tl.store(expert_counts_ptr + e, counts, mask=e < NUM_LOCAL)
+    tl.store(seg_start_ptr + e, seg_start, mask=e <= NUM_LOCAL)
+    tl.store(num_blocks_ptr, tl.sum(padded, 0) // BLOCK_M)
+    # Padding rows hold P and blocks past the last hold NUM_LOCAL; real entries overwrite after the barrier.
+    for r0 in range(0, MAX_BLOCKS * BLOCK_M, BLOCK_P):
+        r = r0 + p
+        tl.store(sorted_pairs_ptr + r, num_pairs, mask=r < max_blocks * BLOCK_M)
+    for b0 in range(0, MAX_BLOCKS, BLOCK_P):
+        b = b0 + p
+        tl.store(block_expert_ptr + b, NUM_LOCAL, mask=b < max_blocks)
+    tl.debug_barrier()
+    first_block = padded_start // BLOCK_M
+    end_block = padded_end // BLOCK_M
+    for j in range(0, (BLOCK_P + BLOCK_M - 1) // BLOCK_M):  # expert e owns blocks [first_block, end_block)
+        tl.store(block_expert_ptr + first_block + j, e, mask=(e < NUM_LOCAL) & (first_block + j < end_block))
+    # Sort by (expert, pair): pairs of one expert stay in increasing pair order, as the torch path.
+    order = tl.sort(key * BLOCK_P + p)
+    s_expert = order // BLOCK_P
+    keep = s_expert < NUM_LOCAL
+    rank = p - tl.load(seg_start_ptr + s_expert, mask=keep, other=0)
+    row = tl.load(expert_offsets_ptr + s_expert, mask=keep, other=0) + rank
+    tl.store(sorted_pairs_ptr + row, order % BLOCK_P, mask=keep)
+
+
+@triton.jit
 def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # Consecutive programs walk GROUP_M M-blocks (mostly of one expert) for the same N-tile, so the
     # weight tile they share stays in L2 instead of being streamed again from HBM.
@@ -61,8 +122,9 @@ def _round_to_e4m3(y):
     bits = y.to(tl.int32, bitcast=True)
     exp = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # below 2^-6 the spacing is the subnormal 2^-9
     magic = ((exp + 20) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3) * 2^23
-    mag = (tl.abs(y) + magic) - magic
-    return tl.where(bits < 0, -mag, mag)  # bits < 0 is the sign bit: keeps -0 as moekit.formats does
+    mag = ((tl.abs(y) + magic) - magic).to(tl.int32, bitcast=True)
+    # Copy the sign bit (not `-mag`: negation compiles to 0 - x, which turns -0 into +0).
+    return (mag | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -113,32 +175,43 @@ def _quant_fp8_rows(
 
 
 @triton.jit
-def _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride_wn, stride_sn, stride_sk,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Dequantize MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> fp32 [BLOCK_K, BLOCK_N].
+def _e2m1_to_f32(nibble):
+    """E2M1 code (int32, 0..15) -> fp32 with bit operations, no lookup table.
 
-    Bit operations, no lookup table: code c = sign(bit 3) | e(bits 1-2) | m(bit 0); |v| = m/2 if e == 0
-    else (1 + m/2) * 2^(e-1), i.e. fp32 bits ((e + 126) << 23) | (m << 22). Scale byte s -> 2^(s-127)
-    as the fp32 bits s << 23 (s = 0 gives 0 instead of 2^-127; 0xFF gives Inf, so a NaN scale
-    still poisons its block).
+    c = sign(bit 3) | e(bits 1-2) | m(bit 0); |v| = m/2 if e == 0 else (1 + m/2) * 2^(e-1), i.e. the
+    fp32 bits ((e + 126) << 23) | (m << 22); 0.5 (e = 0, m = 1) is 0x3F000000.
+    """
+    mag = nibble & 7
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 0x3F000000, 0))
+    return (bits | ((nibble & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_tiles(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride_wn, stride_sn, stride_sk,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> fp32 (even, odd) [BLOCK_K/2, BLOCK_N].
+
+    The low nibble of byte j is element 2j, the high nibble element 2j+1: returning the two halves as
+    separate tiles (and splitting A the same way) avoids interleaving them in registers. Scale byte s
+    -> 2^(s-127) as the fp32 bits s << 23 (s = 0 gives 0 instead of 2^-127; 0xFF gives Inf, so a NaN
+    scale still poisons its block). Bytes and scale groups past the row are masked, and elements past
+    IN_DIM (the ragged tail's padding) are zeroed.
     """
     num_groups: tl.constexpr = (IN_DIM + 31) // 32
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along the row
-    byte_mask = w_mask[:, None] & (kb[None, :] < num_groups * 16)
-    packed = tl.load(w_base + w_rows[:, None] * stride_wn + kb[None, :], mask=byte_mask, other=0)
-    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # scale group along the row
-    sbytes = tl.load(s_base + w_rows[:, None] * stride_sn + kg[None, :] * stride_sk,
-                     mask=w_mask[:, None] & (kg[None, :] < num_groups), other=0)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.int32)  # low = even
-    mag = codes & 7
-    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
-    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 0x3F000000, 0))  # 0x3F000000 = 0.5
-    vals = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
-    scales = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    w = tl.reshape(tl.reshape(vals, (BLOCK_N, BLOCK_K // 32, 32)) * scales[:, :, None], (BLOCK_N, BLOCK_K))
-    ks = k0 + tl.arange(0, BLOCK_K)
-    w = tl.where(ks[None, :] < IN_DIM, w, 0.0)  # the ragged tail's padding is never used as data
-    return tl.trans(w)
+    j = tl.arange(0, BLOCK_K // 2)
+    kb = k0 // 2 + j  # byte index along the row
+    packed = tl.load(w_base + w_rows[None, :] * stride_wn + kb[:, None],
+                     mask=w_mask[None, :] & (kb < num_groups * 16)[:, None], other=0).to(tl.int32)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # 16 bytes (32 elements) share a scale
+    sbytes = tl.load(s_base + w_rows[None, :] * stride_sn + kg[:, None] * stride_sk,
+                     mask=w_mask[None, :] & (kg < num_groups)[:, None], other=0)
+    scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # [BLOCK_K/32, BLOCK_N]
+    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
+    scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
+    even = tl.where((k0 + 2 * j < IN_DIM)[:, None], _e2m1_to_f32(packed & 0xF) * scale, 0.0)
+    odd = tl.where((k0 + 2 * j + 1 < IN_DIM)[:, None], _e2m1_to_f32(packed >> 4) * scale, 0.0)
+    return even, odd
 
 
 @triton.jit
@@ -167,8 +240,15 @@ def _expert_matmul(
         k_mask = ks < IN_DIM
         a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         if W_FORMAT == WFMT_MXFP4:
-            w = _mxfp4_tile(w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk,
-                            BLOCK_N, BLOCK_K)
+            w_even, w_odd = _mxfp4_tiles(w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn,
+                                         stride_wsk, BLOCK_N, BLOCK_K)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            if DOT_FP32:
+                acc = tl.dot(a_even.to(tl.float32), w_even, acc, input_precision="ieee")
+                acc = tl.dot(a_odd.to(tl.float32), w_odd, acc, input_precision="ieee")
+            else:  # E2M1 times a power of two is exact in bf16 (and in fp16 within its range)
+                acc = tl.dot(a_even, w_even.to(a.dtype), acc)
+                acc = tl.dot(a_odd, w_odd.to(a.dtype), acc)
         else:
             w = tl.load(w_base + w_rows[None, :] * stride_wn + ks[:, None],
                         mask=w_mask[None, :] & k_mask[:, None], other=0.0)
@@ -190,10 +270,11 @@ def _expert_matmul(
                              mask=a_mask, other=0.0)
                 part = part * sa[:, None]
             acc += part
-        elif DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w.to(a.dtype), acc)
+        elif W_FORMAT == WFMT_FLOAT:
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w.to(a.dtype), acc)
     if W_FORMAT == WFMT_FP8:
         if FP8_SCALE == FP8S_CHANNEL:
             acc = acc * tl.load(s_base + w_rows * stride_wsn, mask=w_mask, other=0.0)[None, :]

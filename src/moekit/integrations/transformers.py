@@ -1,0 +1,303 @@
+"""Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral and Qwen3-MoE models for moekit layers.
+
+Data flow:
+  patch_model(model): every module whose class is `GptOssMLP`, `MixtralSparseMoeBlock` or
+    `Qwen3MoeSparseMoeBlock` (transformers 5.x) -> `hf_layer_of` (`hf_convert.from_hf_moe_block` with the
+    config fields read off the module: sizes, top-k, clamp, activation by evaluation) -> spec +
+    `ExpertWeights` in the block's own gate layout and dtype (one copy of the experts) -> `FusedMoE` on
+    the experts' device (planned now: an unsupported spec raises, and blocks already swapped are put
+    back) -> a `MoekitMoEBlock` that keeps the HF router module under its original name and takes the
+    block's place in its parent.
+  release: the original experts' parameters are emptied (`param.data` -> 0 elements) once a bit-exact
+    inverse conversion from the moekit weights has been checked, so a patched model holds its experts
+    once; unpatch rebuilds them into the same Parameter objects (same shape, stride, dtype, values).
+  MoekitMoEBlock.forward(hidden [B, S, H]): HF router (so transformers' router-logit recording still sees
+    it) -> its logits -> `FusedMoE(x, router_logits=...)` -> the HF block's return signature: GptOssMLP
+    returns `(hidden, router_scores)`, the Mixtral and Qwen3-MoE blocks return `hidden`.
+  unpatch(model): every `MoekitMoEBlock` is replaced by its original block, experts restored.
+
+Checked against the installed transformers 5.24 (`models/*/modeling_*.py`): the three blocks hold the
+router as `router` (GPT-OSS) or `gate` (Mixtral, Qwen3-MoE), whose forward returns
+`(router_logits, router_scores, router_indices)`, and the experts as `experts` (fused 3-D parameters).
+Patched blocks serve inference: the moekit op has no autograd formula, and Mixtral's training-time
+router jitter is not applied.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from moekit.errors import SpecError
+from moekit.hf_convert import HfMoeLayer, from_hf_moe_block
+from moekit.layer import FusedMoE, PlanOptions
+from moekit.spec import GateLayout, MoESpec
+from moekit.weights import ExpertWeights
+
+
+class Family(enum.Enum):
+    """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s)."""
+
+    GPT_OSS = "gpt_oss"
+    MIXTRAL = "mixtral"
+    QWEN3_MOE = "qwen3_moe"
+
+    @property
+    def router_name(self) -> str:
+        return "router" if self is Family.GPT_OSS else "gate"
+
+
+_BLOCK_CLASSES = {  # family -> (module path, class name) in transformers 5.x
+    Family.GPT_OSS: ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssMLP"),
+    Family.MIXTRAL: ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
+    Family.QWEN3_MOE: ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+}
+
+
+def _block_classes() -> dict[type, Family]:
+    import importlib
+
+    found: dict[type, Family] = {}
+    for family, (module_path, class_name) in _BLOCK_CLASSES.items():
+        try:
+            found[getattr(importlib.import_module(module_path), class_name)] = family
+        except (ImportError, AttributeError):  # an older transformers without this model or class
+            continue
+    return found
+
+
+def family_of(module: torch.nn.Module) -> Family | None:
+    """The family of an HF MoE block (by exact class, so subclasses with other math are not taken)."""
+    return _block_classes().get(type(module))
+
+
+# ----- conversion ------------------------------------------------------------------------------------
+_PROBE_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": lambda z: torch.nn.functional.gelu(z, approximate="none"),
+    "gelu_pytorch_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+}
+
+
+def _hidden_act_of(act_fn: object) -> str:
+    """The `hidden_act` name of an experts module's activation, found by evaluating it: class names of
+    HF activations change between versions, the function they compute does not."""
+    z = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
+    with torch.no_grad():
+        got = act_fn(z)
+    for name, fn in _PROBE_ACTIVATIONS.items():
+        if torch.allclose(got, fn(z), rtol=1e-9, atol=1e-12):
+            return name
+    raise SpecError(f"the experts' activation {type(act_fn).__name__} is none of {list(_PROBE_ACTIVATIONS)}; "
+                    "pass the model's config")
+
+
+def _config_of_module(module: torch.nn.Module, family: Family, *, config: object | None) -> SimpleNamespace:
+    """The config fields `hf_convert.spec_from_hf_config` reads, taken from the block itself.
+
+    The module is the truth of what it computes (transformers versions differ in which config fields
+    exist: 5.17's GptOssConfig has no `swiglu_limit`, its experts hold `limit`); `config`, if given, is
+    only consulted for an activation the probe does not recognize."""
+    experts, router = module.experts, getattr(module, family.router_name)
+    gate_up = experts.gate_up_proj
+    num_experts = gate_up.shape[0]
+    fields = dict(model_type=family.value, num_experts_per_tok=int(router.top_k),
+                  hidden_size=router.weight.shape[1])
+    if family is Family.GPT_OSS:  # gate_up_proj [E, H, 2I]
+        if not hasattr(experts, "limit"):
+            raise SpecError(f"{type(experts).__name__} has no `limit` attribute: its SwiGLU clamp is unknown")
+        alpha = getattr(experts, "alpha", None)  # None: hf_convert's rule for versions that hard-code 1.702
+        return SimpleNamespace(**fields, num_local_experts=num_experts,
+                               intermediate_size=gate_up.shape[2] // 2,
+                               swiglu_alpha=alpha, swiglu_limit=experts.limit)
+    try:
+        hidden_act = _hidden_act_of(experts.act_fn)
+    except SpecError:
+        if getattr(config, "hidden_act", None) is None:
+            raise
+        hidden_act = config.hidden_act  # hf_convert refuses names without a moekit activation
+    fields.update(hidden_act=hidden_act)  # gate_up_proj [E, 2I, H]
+    intermediate = gate_up.shape[1] // 2
+    if family is Family.MIXTRAL:
+        return SimpleNamespace(**fields, num_local_experts=num_experts, intermediate_size=intermediate)
+    return SimpleNamespace(**fields, num_experts=num_experts, moe_intermediate_size=intermediate,
+                           norm_topk_prob=bool(router.norm_topk_prob))
+
+
+def _config_for(config: object | None, family: Family) -> object | None:
+    """`config` if it (or its text config) is of `family`'s model type; None if no config was given."""
+    if config is None:
+        return None
+    for candidate in (config, getattr(config, "get_text_config", lambda: None)()):
+        if getattr(candidate, "model_type", None) == family.value:
+            return candidate
+    raise SpecError(f"config has model_type {getattr(config, 'model_type', None)!r} but the block is "
+                    f"{family.value}; pass the config of the model that holds the block (or none)")
+
+
+def hf_layer_of(module: torch.nn.Module, *, config: object | None = None) -> HfMoeLayer:
+    """An HF MoE block -> moekit spec, expert weights (native gate layout and dtype) and router tensors."""
+    family = family_of(module)
+    if family is None:
+        names = [c for _, c in _BLOCK_CLASSES.values()]
+        raise SpecError(f"{type(module).__name__} is not a supported Hugging Face MoE block; "
+                        f"supported: {names}")
+    cfg = _config_of_module(module, family, config=_config_for(config, family))
+    return from_hf_moe_block(module, config=cfg)
+
+
+def _hf_expert_tensors(family: Family, weights: ExpertWeights) -> dict[str, torch.Tensor]:
+    """The HF experts' parameters rebuilt from moekit weights (the exact inverse of hf_convert)."""
+    if family is Family.GPT_OSS:  # [E, H, 2I] interleaved, [E, I, H], biases as is
+        w = weights.to_layout(GateLayout.INTERLEAVED)
+        return {"gate_up_proj": w.w13.transpose(1, 2), "gate_up_proj_bias": w.b13,
+                "down_proj": w.w2.transpose(1, 2), "down_proj_bias": w.b2}
+    w = weights.to_layout(GateLayout.CONCAT)  # [E, 2I, H] gate rows first, [E, H, I]
+    return {"gate_up_proj": w.w13, "down_proj": w.w2}
+
+
+@dataclass(frozen=True)
+class _ReleasedParam:
+    name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class MoekitMoEBlock(torch.nn.Module):
+    """Takes an HF MoE block's place: its router module (same attribute name) plus a `FusedMoE`."""
+
+    def __init__(self, *, original: torch.nn.Module, family: Family, moe: FusedMoE) -> None:
+        super().__init__()
+        self.family = family
+        self.moe = moe  # registered before the router so a refused `.to()` fails before anything moves
+        self.add_module(family.router_name, getattr(original, family.router_name))
+        self.__dict__["_original"] = original  # kept out of the module tree: no double state_dict entries
+        self._released: tuple[_ReleasedParam, ...] = ()
+
+    @property
+    def original(self) -> torch.nn.Module:
+        return self.__dict__["_original"]
+
+    @property
+    def released_original(self) -> bool:
+        return bool(self._released)
+
+    def forward(self, hidden_states: torch.Tensor):  # noqa: ANN201 - the HF block's return type
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        router_logits, router_scores, _ = getattr(self, self.family.router_name)(flat)
+        out = self.moe(flat, router_logits=router_logits).reshape(shape)
+        return (out, router_scores) if self.family is Family.GPT_OSS else out
+
+    def release_original(self) -> bool:
+        """Empty the original experts' parameters if moekit's weights rebuild them bit-exactly."""
+        params = dict(self.original.experts.named_parameters())
+        rebuilt = _hf_expert_tensors(self.family, self.moe.weights)
+        if set(params) != set(rebuilt) or list(self.original.experts.buffers()):
+            return False
+        for name, p in params.items():
+            r = rebuilt[name]
+            if r.dtype != p.dtype or r.shape != p.shape or r.device != p.device or not torch.equal(r, p):
+                return False
+        released = []
+        for name, p in params.items():
+            released.append(_ReleasedParam(name, tuple(p.shape), tuple(p.stride()), p.dtype))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._released = tuple(released)
+        return True
+
+    def restore_original(self) -> torch.nn.Module:
+        """The original block, with released expert parameters rebuilt into the same Parameter objects."""
+        if self._released:
+            rebuilt = _hf_expert_tensors(self.family, self.moe.weights)
+            params = dict(self.original.experts.named_parameters())
+            for rp in self._released:
+                src = rebuilt[rp.name]
+                dst = torch.empty_strided(rp.shape, rp.stride, dtype=rp.dtype, device=src.device)
+                params[rp.name].data = dst.copy_(src)
+            self._released = ()
+        return self.original
+
+    def extra_repr(self) -> str:
+        return f"family={self.family.value}, released_original={self.released_original}"
+
+
+@dataclass(frozen=True)
+class PatchedBlock:
+    name: str  # module path in the model, e.g. "model.layers.0.mlp"
+    family: Family
+    spec: MoESpec
+    kernel: str  # the kernel of the token-bucket-1 plan
+    released_original: bool  # the HF experts' storage was freed (unpatch rebuilds it)
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    blocks: tuple[PatchedBlock, ...]
+
+    def explain(self) -> str:
+        lines = [f"moekit patched {len(self.blocks)} MoE block(s):"]
+        lines += [f"  {b.name}: {b.family.value} -> {b.kernel} ({b.spec.describe()})"
+                  + ("" if b.released_original else " [original experts kept]") for b in self.blocks]
+        return "\n".join(lines)
+
+
+def _set_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def patch_model(
+    model: torch.nn.Module,
+    *,
+    options: PlanOptions | None = None,
+    release_originals: bool = True,
+) -> PatchReport:
+    """Replace every GPT-OSS / Mixtral / Qwen3-MoE MoE block of `model` with a moekit-backed block.
+
+    Each layer is built on its experts' device with their dtype. `release_originals=False` keeps the
+    original experts' storage too (twice the expert memory). If any block fails to plan, the blocks
+    already patched are restored before the error propagates.
+    """
+    if any(isinstance(m, MoekitMoEBlock) for m in model.modules()):
+        raise SpecError(f"{type(model).__name__} is already patched by moekit; call unpatch(model) first")
+    targets = [(name, m, family_of(m)) for name, m in model.named_modules()]
+    targets = [(name, m, f) for name, m, f in targets if f is not None]
+    if not targets:
+        names = [c for _, c in _BLOCK_CLASSES.values()]
+        raise SpecError(f"no Hugging Face MoE block ({names}) found in {type(model).__name__}")
+    if any(name == "" for name, _, _ in targets):
+        raise SpecError("the model is itself an MoE block: patch the model holding it, or use "
+                        "FusedMoE.from_hf_module(block)")
+    config = getattr(model, "config", None)
+    done: list[PatchedBlock] = []
+    try:
+        for name, block, family in targets:
+            hf = hf_layer_of(block, config=config)
+            router = getattr(block, family.router_name)
+            # The FusedMoE aliases the HF router's tensors (no copy); the wrapper calls the HF router anyway.
+            moe = FusedMoE(spec=hf.spec, weights=hf.weights, router_weight=router.weight,
+                           router_bias=getattr(router, "bias", None), device=hf.weights.device,
+                           options=options)
+            wrapper = MoekitMoEBlock(original=block, family=family, moe=moe)
+            released = release_originals and wrapper.release_original()
+            _set_submodule(model, name, wrapper)
+            done.append(PatchedBlock(name=name, family=family, spec=hf.spec, kernel=moe.plan_for(1).kernel,
+                                     released_original=released))
+    except BaseException:
+        unpatch(model)
+        raise
+    return PatchReport(blocks=tuple(done))
+
+
+def unpatch(model: torch.nn.Module) -> int:
+    """Put every original HF block back (experts rebuilt if released); returns how many were restored."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoekitMoEBlock)]
+    for name, wrapper in found:
+        _set_submodule(model, name, wrapper.restore_original())
+    return len(found)

@@ -1,0 +1,396 @@
+"""`FusedMoE`: an `nn.Module` that owns one MoE layer (router + experts) and the plans that run it.
+
+Data flow:
+  construction: (spec, ExpertWeights, router weight/bias, `PlanOptions`) -> every tensor checked against the
+    spec and moved once to the target device -> tuned tables read once -> plan for token bucket 1, so an
+    unsupported spec raises the planner's `UnsupportedSpecError` when the model loads -> the weights
+    prepared (`prepare_weights`) for that plan's kernel -> a handle in the custom-op registry.
+  forward(hidden_states [..., H], router_logits=None): host-side checks of shape, dtype and device (no
+    sync) -> flatten to x [T, H] -> router logits x @ W^T + b in fp32 unless given ->
+    `torch.ops.moekit.fused_moe_layer(x, logits, handle)` -> reshape to [..., H].
+  inside the op (eager, compiled, or while a CUDA graph is captured): bucket = token_bucket(T) from the
+    host-side shape -> that bucket's plan (planned and its kernel's weights prepared on first use) ->
+    `route` (spec.routing, correction bias) -> one typed `Launch` -> `kernel.run`.
+  warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
+    token counts that give distinct Triton specializations, so no planning, repacking or compilation is
+    left for a forward that is being captured or served.
+
+Device and dtype: build a FusedMoE on its target device (`device=`, default the weights' device): that
+avoids a second copy and a second round of planning. `.to(device)` / `.cuda()` (also through a parent
+module) still work: they move the source weights and router tensors, drop every plan and prepared copy
+and plan bucket 1 again for the new device. Casts are refused (`.half()`, `.to(dtype)` raise DTypeError
+when they would change the act dtype, and never touch the tensors otherwise): the dtypes belong to the
+spec. Expert weights are plain attributes and the router tensors non-persistent buffers, so
+`state_dict()` is empty: rebuild the layer from its checkpoint rather than loading a state dict into it.
+
+Inference only: the custom op has no autograd formula. Value checks that would sync (expert-id ranges)
+are unnecessary here: `route` only produces ids in [0, E).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
+from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
+from moekit.kernels.base import DeviceInfo, Kernel, Launch
+from moekit.kernels.registry import KernelRegistry, default_registry
+from moekit.ops import prepare_weights
+from moekit.plan import Plan, resolve_tables
+from moekit.plan import plan as make_plan
+from moekit.routing import check_expert_map, route
+from moekit.spec import MoESpec
+from moekit.tuned import TunedTables, token_bucket
+from moekit.weights import ExpertWeights
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How a layer plans: the arguments of `moekit.plan.plan` other than the spec, tokens and device."""
+
+    tuned: TunedTables | str | Path | None = None  # extra tuned table (path) or already-loaded tables
+    strict: bool = False  # any fallback (missing, nearest or rejected tuned row) raises PlanFallbackError
+    registry: KernelRegistry | None = None  # None: moekit's default registry
+    allow_reference: bool = True  # False: never run the (slow) reference kernel
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strict, bool) or not isinstance(self.allow_reference, bool):
+            raise SpecError(f"strict and allow_reference must be bools, got {self.strict!r}, "
+                            f"{self.allow_reference!r}")
+        if self.registry is not None and not isinstance(self.registry, KernelRegistry):
+            raise SpecError(f"registry must be a KernelRegistry or None, got {type(self.registry).__name__}")
+        if self.tuned is not None and not isinstance(self.tuned, TunedTables | str | Path):
+            raise SpecError(f"tuned must be TunedTables, a path or None, got {type(self.tuned).__name__}")
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What `FusedMoE.warmup` prepared: one plan per bucket, and the token counts it ran."""
+
+    plans: tuple[Plan, ...]  # bucket order
+    token_counts: tuple[int, ...]  # forwards run (empty when execute=False)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(p.bucket for p in self.plans)
+
+
+def _normalize_device(device: torch.device | str) -> torch.device:
+    """cuda -> cuda:<current>, so comparisons with tensors' devices (always indexed) work."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _specialization(n: int) -> tuple[bool, bool, bool]:
+    """How Triton specializes an int argument: equal to 1, divisible by 16, needs 64 bits."""
+    return n == 1, n % 16 == 0, n >= 2**31
+
+
+def warmup_token_counts(bucket: int, *, spec: MoESpec, block_m: int | None) -> tuple[int, ...]:
+    """Token counts in `bucket` that reach every Triton specialization of its per-call int arguments.
+
+    The Triton kernels take the pair count P = T*K and the M-block bound as plain ints, and Triton
+    compiles one variant per (== 1, % 16 == 0, 64-bit) class of each: warming up the bucket's largest T
+    alone would leave the other variants to compile inside a later forward (or a CUDA-graph capture).
+    """
+    if block_m is not None:
+        # Only Triton plans have a block_m, so Triton is importable here (the package imports it).
+        from moekit.kernels.triton.align import max_blocks_bound
+    lo, hi = (0, 1) if bucket <= 1 else (bucket // 2 + 1, bucket)
+    chosen: dict[tuple, int] = {}
+    for t in range(hi, lo - 1, -1):
+        pairs = t * spec.K
+        blocks = 0
+        if block_m is not None:
+            blocks = max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=block_m)
+        chosen.setdefault((_specialization(pairs), _specialization(blocks), t == 0), t)
+    return tuple(sorted(chosen.values()))
+
+
+class FusedMoE(torch.nn.Module):
+    """One MoE layer: router + experts of `spec`, planned at construction. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        spec: MoESpec,
+        weights: ExpertWeights,
+        router_weight: torch.Tensor | None,
+        router_bias: torch.Tensor | None = None,
+        correction_bias: torch.Tensor | None = None,
+        expert_map: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        options: PlanOptions | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(spec, MoESpec):
+            raise SpecError(f"spec must be a MoESpec, got {type(spec).__name__}")
+        if not isinstance(weights, ExpertWeights):
+            raise SpecError(f"weights must be ExpertWeights, got {type(weights).__name__}")
+        options = PlanOptions() if options is None else options
+        if not isinstance(options, PlanOptions):
+            raise SpecError(f"options must be PlanOptions, got {type(options).__name__}")
+        dev = _normalize_device(weights.device if device is None else device)
+        # One-time load step: move, and make every tensor contiguous (the fused kernels read rows).
+        weights = weights.to(dev) if weights.device != dev else weights
+        weights = replace(weights, **{n: t.contiguous() for n, t in weights.tensors().items()})
+        weights.validate(spec, check_nan_scales=True)
+        self.spec = spec
+        self.options = options
+        self.weights = weights  # source weights; kernels read `_prepared[kernel]`
+        self._device = dev
+        router_weight = self._router_tensor(router_weight, "router_weight", (spec.E, spec.H))
+        self.register_buffer("router_weight", router_weight, persistent=False)
+        self.register_buffer("router_bias", self._router_tensor(router_bias, "router_bias", (spec.E,)),
+                             persistent=False)
+        if spec.routing.has_correction_bias != (correction_bias is not None):
+            raise SpecError(f"spec.routing.has_correction_bias={spec.routing.has_correction_bias} but "
+                            f"correction_bias was {'given' if correction_bias is not None else 'not given'}")
+        self.register_buffer("correction_bias", self._router_tensor(correction_bias, "correction_bias",
+                                                                     (spec.E,)), persistent=False)
+        if spec.uses_expert_map != (expert_map is not None):
+            raise SpecError(f"spec.num_local_experts={spec.num_local_experts} "
+                            f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map")
+        if expert_map is not None:
+            expert_map = expert_map.to(dev)
+            check_expert_map(expert_map, num_experts=spec.E, num_local_experts=spec.E_local)
+        self.register_buffer("expert_map", expert_map, persistent=False)
+
+        self._registry = options.registry or default_registry()
+        self._tables = resolve_tables(options.tuned, self._registry)  # read once, not per bucket
+        self._device_info = DeviceInfo.of(dev)
+        self._plans: dict[int, Plan] = {}
+        self._prepared: dict[str, ExpertWeights] = {}
+        self._kernels: dict[str, Kernel] = {}
+        self.plan_for(1)  # refuse early: the planner's UnsupportedSpecError surfaces at load time
+        self._handle = register_layer(self)
+
+    def _router_tensor(
+        self, t: torch.Tensor | None, name: str, shape: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise DTypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != shape:
+            raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected {shape} for spec "
+                             f"({self.spec.describe()})")
+        return t.detach().to(self._device)
+
+    # ----- constructors ------------------------------------------------------------------------------
+    @classmethod
+    def from_gpt_oss_checkpoint(
+        cls,
+        path: str | Path,
+        layer: int,
+        *,
+        device: torch.device | str = "cpu",
+        act_dtype: torch.dtype = torch.bfloat16,
+        top_k: int = 4,
+        naming=None,  # moekit.checkpoint.CheckpointNaming | None: detected when None
+        options: PlanOptions | None = None,
+    ) -> FusedMoE:
+        """Layer `layer` of a GPT-OSS MXFP4 checkpoint (OpenAI or Hugging Face naming), read onto `device`."""
+        from moekit.checkpoint import load_gpt_oss_layer
+
+        loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device)
+        return cls(spec=loaded.spec_for(top_k=top_k, act_dtype=act_dtype), weights=loaded.weights,
+                   router_weight=loaded.router_weight, router_bias=loaded.router_bias, device=device,
+                   options=options)
+
+    @classmethod
+    def from_hf_module(
+        cls,
+        module: torch.nn.Module,
+        *,
+        config: object | None = None,
+        device: torch.device | str | None = None,
+        options: PlanOptions | None = None,
+    ) -> FusedMoE:
+        """A Hugging Face GptOssMLP / MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock (float experts).
+
+        `config` (the model's config) may be omitted: sizes, top-k and activation are read off the module.
+        The experts are copied once into moekit's layout; the module itself is left untouched.
+        """
+        from moekit.integrations.transformers import hf_layer_of
+
+        hf = hf_layer_of(module, config=config)
+        return cls(spec=hf.spec, weights=hf.weights, router_weight=hf.router_weight,
+                   router_bias=hf.router_bias, device=device, options=options)
+
+    # ----- planning ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def handle(self) -> int:
+        """This layer's id in the custom op's registry."""
+        return self._handle
+
+    @property
+    def plans(self) -> dict[int, Plan]:
+        """Bucket -> plan, for the buckets planned so far."""
+        return dict(self._plans)
+
+    def plan_for(self, num_tokens: int) -> Plan:
+        """The plan of `num_tokens`'s bucket (planned, and its kernel's weights prepared, on first use)."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ShapeError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        bucket = token_bucket(num_tokens)
+        found = self._plans.get(bucket)
+        if found is not None:
+            return found
+        opts = self.options
+        new = make_plan(self.spec, num_tokens=bucket, device=self._device_info, tuned=self._tables,
+                        strict=opts.strict, registry=self._registry, allow_reference=opts.allow_reference)
+        self._prepare(new)
+        self._plans[bucket] = new
+        return new
+
+    def _prepare(self, plan: Plan) -> None:
+        if plan.kernel in self._prepared:
+            return
+        kernel = self._registry.get(plan.kernel)
+        if kernel is None:
+            raise LayoutMismatchError(f"plan names kernel {plan.kernel!r}, which is not in the registry")
+        prepared = prepare_weights(self.weights, plan, registry=self._registry)
+        if (reason := kernel.weights_reason(prepared)) is not None:
+            raise LayoutMismatchError(f"kernel {kernel.name} cannot read its own prepared weights: {reason}")
+        self._kernels[plan.kernel] = kernel
+        self._prepared[plan.kernel] = prepared
+
+    def explain(self) -> str:
+        """Every plan made so far, bucket by bucket."""
+        return "\n\n".join(f"[bucket {b}]\n{p.explain()}" for b, p in sorted(self._plans.items()))
+
+    def warmup(self, max_tokens: int, *, execute: bool = True) -> WarmupReport:
+        """Plan every bucket up to `max_tokens`, prepare weights, and (if `execute`) run each bucket at
+        the token counts of `warmup_token_counts`, so kernels compile now rather than while serving."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ShapeError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        plans: list[Plan] = []
+        counts: list[int] = []
+        bucket = 1
+        with torch.no_grad():
+            while True:
+                p = self.plan_for(bucket)
+                plans.append(p)
+                if execute:
+                    block_m = getattr(p.config, "block_m", None)
+                    for t in warmup_token_counts(bucket, spec=self.spec, block_m=block_m):
+                        x = torch.zeros(t, self.spec.H, dtype=self.spec.act_dtype, device=self._device)
+                        logits = torch.zeros(t, self.spec.E, dtype=torch.float32, device=self._device)
+                        self.forward(x, router_logits=logits)
+                        counts.append(t)
+                if bucket >= token_bucket(max_tokens):
+                    break
+                bucket *= 2
+        if execute and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # warmup is off the hot path: surface launch errors here
+        return WarmupReport(plans=tuple(plans), token_counts=tuple(counts))
+
+    def workspace_bytes(self, num_tokens: int) -> int:
+        """Device memory one forward of `num_tokens` allocates beyond the weights (output included).
+
+        The Triton kernel reports its own workspace; for other kernels it is estimated from the fp32
+        intermediates of T*K (token, expert) pairs: h [2I], activation [I], y and its unsorted copy [2H].
+        """
+        plan = self.plan_for(num_tokens)
+        spec, pairs = self.spec, num_tokens * self.spec.K
+        act = torch.empty((), dtype=spec.act_dtype).element_size()
+        if plan.kernel == "triton_fused":
+            from moekit.kernels.triton import workspace_bytes as triton_workspace_bytes
+
+            kernel_bytes = triton_workspace_bytes(spec=spec, num_tokens=num_tokens)
+        else:
+            kernel_bytes = pairs * (2 * spec.I + spec.I + 2 * spec.H) * 4 + pairs * spec.H * act
+        layer_bytes = num_tokens * spec.E * 4 + pairs * 8 + num_tokens * spec.H * act  # logits, routing, out
+        return kernel_bytes + layer_bytes
+
+    # ----- forward -----------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states `[..., H]` (act dtype, this layer's device) -> the MoE output, same shape and dtype.
+
+        `router_logits` `[..., E]` (or flat `[T, E]`), any float dtype, replaces this layer's router."""
+        spec = self.spec
+        x = hidden_states
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != spec.H:
+            got = getattr(x, "shape", type(x).__name__)
+            raise ShapeError(f"hidden_states must be [..., H={spec.H}], got {got}")
+        if x.dtype != spec.act_dtype:
+            raise DTypeError(f"hidden_states have dtype {x.dtype} but the layer's act_dtype is "
+                             f"{spec.act_dtype}")
+        if x.device != self._device:
+            raise DeviceError(f"hidden_states are on {x.device} but the layer was built on {self._device}")
+        flat = x.reshape(-1, spec.H)
+        if router_logits is None:
+            if self.router_weight is None:
+                raise SpecError("this layer has no router weight: pass router_logits")
+            bias = None if self.router_bias is None else self.router_bias.float()
+            logits = torch.nn.functional.linear(flat.float(), self.router_weight.float(), bias)
+        else:
+            logits = self._flat_logits(router_logits, x)
+        out = torch.ops.moekit.fused_moe_layer(flat, logits, self._handle)
+        return out.reshape(x.shape)
+
+    def _flat_logits(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        e = self.spec.E
+        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+            got = getattr(logits, "dtype", type(logits).__name__)
+            raise DTypeError(f"router_logits must be a float tensor, got {got}")
+        lead = tuple(x.shape[:-1])
+        if tuple(logits.shape) not in ((*lead, e), (x.numel() // self.spec.H, e)):
+            raise ShapeError(f"router_logits must be [..., E={e}] matching hidden_states {tuple(x.shape)}, "
+                             f"got {tuple(logits.shape)}")
+        if logits.device != self._device:
+            raise DeviceError(f"router_logits are on {logits.device} but the layer is on {self._device}")
+        return logits.reshape(-1, e)
+
+    def run_flat(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The op's body: x `[T, H]` and logits `[T, E]` (already checked) -> `[T, H]`. Host work only."""
+        spec = self.spec
+        plan = self.plan_for(x.shape[0])
+        routing = route(router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias)
+        launch = Launch(spec=spec, config=plan.config, x=x, weights=self._prepared[plan.kernel],
+                        routing=routing, expert_map=self.expert_map)
+        return self._kernels[plan.kernel].run(launch)
+
+    # ----- module plumbing ---------------------------------------------------------------------------
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        # `fn` is never applied to this layer's tensors (a model-wide `.to(dtype)` would cast fp32 biases
+        # or FP32-format weights behind the spec's back). A probe tells what it does: a device change moves
+        # the layer and plans again for the new device; an act-dtype change is refused.
+        probe = fn(torch.empty(0, dtype=self.spec.act_dtype, device=self._device))
+        if probe.dtype != self.spec.act_dtype:
+            raise DTypeError(f"FusedMoE runs in act_dtype {self.spec.act_dtype} and cannot be cast to "
+                             f"{probe.dtype}: build it with a spec of that act_dtype")
+        if _normalize_device(probe.device) != self._device:
+            self._move(_normalize_device(probe.device))
+        return self
+
+    def _move(self, device: torch.device) -> None:
+        """Move weights and router tensors to `device`, drop every plan and prepared copy, plan bucket 1."""
+        self.weights = self.weights.to(device)
+        for name in ("router_weight", "router_bias", "correction_bias", "expert_map"):
+            if self._buffers.get(name) is not None:
+                self._buffers[name] = self._buffers[name].to(device)
+        self._device = device
+        self._device_info = DeviceInfo.of(device)
+        self._plans.clear()
+        self._prepared.clear()
+        self._kernels.clear()
+        self.plan_for(1)  # the new device may refuse the spec: say so now, not at the next forward
+
+    def __setstate__(self, state: dict) -> None:  # unpickling: a new process, a new handle
+        super().__setstate__(state)
+        self._handle = register_layer(self)
+
+    def extra_repr(self) -> str:
+        kernels = ", ".join(f"{b}:{p.kernel}" for b, p in sorted(self._plans.items()))
+        return f"{self.spec.describe()}, device={self._device}, plans={{{kernels}}}"

@@ -1,0 +1,134 @@
+"""`moekit.integrations.transformers`: patched tiny HF models match unpatched logits; unpatch restores all.
+
+Data flow per family: a tiny random GPT-OSS / Mixtral / Qwen3-MoE causal LM (fp32, CPU, 2 layers), its
+expert and router weights redrawn large enough that routing and GPT-OSS's clamp matter -> logits and
+router logits of the unpatched model -> `patch_model` (each MoE block becomes a `MoekitMoEBlock`) ->
+logits again (moekit's CPU kernel, fp32: measured equal to the last bit) -> `unpatch` -> the original
+module objects, parameters and values back, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
+from moekit import SpecError, UnsupportedSpecError  # noqa: E402
+from moekit.integrations.transformers import (  # noqa: E402
+    Family,
+    MoekitMoEBlock,
+    patch_model,
+    unpatch,
+)
+from moekit.kernels.registry import KernelRegistry  # noqa: E402
+from moekit.layer import PlanOptions  # noqa: E402
+from moekit.reference import relative_l2_error  # noqa: E402
+
+H, I, E, VOCAB = 64, 48, 8, 48
+_COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               vocab_size=VOCAB)
+RTOL = 1e-5  # fp32 end to end; measured 0
+
+
+def _config(family: Family):
+    if family is Family.GPT_OSS:
+        return transformers.GptOssConfig(intermediate_size=I, num_local_experts=E, num_experts_per_tok=4,
+                                         **_COMMON)
+    if family is Family.MIXTRAL:
+        return transformers.MixtralConfig(intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
+                                          **_COMMON)
+    return transformers.Qwen3MoeConfig(moe_intermediate_size=I, intermediate_size=2 * I, num_experts=E,
+                                       num_experts_per_tok=4, norm_topk_prob=True, **_COMMON)
+
+
+def _model(family: Family, *, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32).eval()
+    with torch.no_grad():  # the default init (std 0.02) barely routes; GPT-OSS's clamp at 7 should fire
+        for name, p in model.named_parameters():
+            if ".mlp." in name:
+                p.normal_(0.0, 0.2 if name.endswith("bias") else 0.5 if "gate_up" in name else 0.3)
+    return model
+
+
+def _snapshot(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (the Parameter object, a copy of its values)."""
+    return {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+
+
+IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("family", list(Family), ids=[f.value for f in Family])
+def test_patched_logits_match_and_unpatch_restores_exactly(family: Family) -> None:
+    model = _model(family)
+    blocks = {n: m for n, m in model.named_modules() if n.endswith(".mlp")}
+    before = _snapshot(model)
+    with torch.no_grad():
+        expected = model(IDS, output_router_logits=True)
+
+    report = patch_model(model)
+    assert [b.name for b in report.blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(b.family is family and b.kernel == "torch_grouped" for b in report.blocks)
+    assert all(b.released_original for b in report.blocks)
+    assert all(isinstance(model.get_submodule(n), MoekitMoEBlock) for n in blocks)
+    assert "model.layers.0.mlp" in report.explain()
+    # The experts live once, in moekit's layout: the HF experts' storage was released.
+    assert all(p.numel() == 0 for n, (p, _) in before.items() if ".experts." in n)
+    with torch.no_grad():
+        got = model(IDS, output_router_logits=True)
+    err = relative_l2_error(got.logits, expected.logits)
+    print(f"\n{family.value}: patched vs unpatched logits rel L2 {err:.2e}")
+    assert err <= RTOL
+    # Router logits are still recorded (the HF router module runs inside the patched block).
+    assert len(got.router_logits) == 2
+    for a, b in zip(got.router_logits, expected.router_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    assert unpatch(model) == 2
+    assert all(model.get_submodule(n) is m for n, m in blocks.items())
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (param, values) in before.items():
+        assert after[name] is param, name  # the same Parameter objects
+        assert param.stride() == values.stride() and torch.equal(param, values), name
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, expected.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", [Family.GPT_OSS, Family.QWEN3_MOE], ids=["gpt_oss", "qwen3_moe"])
+def test_greedy_generation_is_unchanged(family: Family) -> None:
+    model = _model(family, seed=1)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = model.generate(IDS[:1], **kwargs)
+    patch_model(model)
+    torch.testing.assert_close(model.generate(IDS[:1], **kwargs), expected, rtol=0, atol=0)
+    unpatch(model)
+
+
+def test_keeping_originals_and_patch_errors() -> None:
+    model = _model(Family.MIXTRAL)
+    before = _snapshot(model)
+    report = patch_model(model, release_originals=False)
+    assert not any(b.released_original for b in report.blocks)
+    assert all(torch.equal(p, v) for p, v in before.values())
+    with pytest.raises(SpecError, match="already patched"):
+        patch_model(model)
+    unpatch(model)
+    assert unpatch(model) == 0
+    with pytest.raises(SpecError, match="no Hugging Face MoE block"):
+        patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(SpecError, match="itself an MoE block"):
+        patch_model(model.model.layers[0].mlp)
+
+
+def test_a_block_that_cannot_be_planned_leaves_the_model_unpatched() -> None:
+    model = _model(Family.GPT_OSS)
+    before = _snapshot(model)
+    refusing = PlanOptions(registry=KernelRegistry([CudaOnlyGroupedKernel()]), allow_reference=False)
+    with pytest.raises(UnsupportedSpecError, match="no registered kernel"):
+        patch_model(model, options=refusing)
+    assert not any(isinstance(m, MoekitMoEBlock) for m in model.modules())
+    assert all(torch.equal(p, v) and p.numel() > 0 for p, v in before.values())
