@@ -102,7 +102,7 @@ def _graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Tensor | 
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up outside the graph: compilation, allocator
+        for _ in range(2 if fn is not None else 0):  # warm-up outside the graph: compilation, allocator
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()

@@ -99,7 +99,7 @@ def warmup_token_counts(bucket: int, *, spec: MoESpec, block_m: int | None) -> t
     alone would leave the other variants to compile inside a later forward (or a CUDA-graph capture).
     """
     if block_m is not None:
-        # Only Triton plans have a block_m, so Triton is importable here (the package imports it).
+        # Only Triton plans pass a block_m, so Triton is importable here (the package imports it).
         from moekit.kernels.triton.align import max_blocks_bound
     lo, hi = (0, 1) if bucket <= 1 else (bucket // 2 + 1, bucket)
     chosen: dict[tuple, int] = {}
@@ -282,7 +282,7 @@ class FusedMoE(torch.nn.Module):
                 p = self.plan_for(bucket)
                 plans.append(p)
                 if execute:
-                    block_m = getattr(p.config, "block_m", None)
+                    block_m = p.config.block_m if p.kernel == "triton_fused" else None
                     for t in warmup_token_counts(bucket, spec=self.spec, block_m=block_m):
                         x = torch.zeros(t, self.spec.H, dtype=self.spec.act_dtype, device=self._device)
                         logits = torch.zeros(t, self.spec.E, dtype=torch.float32, device=self._device)

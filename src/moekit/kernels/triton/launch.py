@@ -118,21 +118,32 @@ def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str |
 
 
 def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
-    """A capable config without tuning: tiles grow with the tokens each expert sees on average."""
+    """A capable config without tuning: tiles grow with the tokens each expert sees on average.
+
+    Chosen from a sweep on an H200 (graph replay, gpt-oss-20b / Qwen3-30B-A3B / DeepSeek-V3 with
+    E = 16, T = 1..4096); a tuned table should replace it.
+    """
     per_expert = max(num_tokens, 1) * spec.K / spec.E_local
     if spec.act_dtype == torch.float32 and spec.act_quant is ActivationQuant.NONE:
         # fp32 dots run on FMA units (exact-comparison path): small tiles keep registers in check.
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
-    # Decode (few tokens per expert) streams weights: block_m = 16 wastes the least MMA work and
-    # block_n = 64 gives many programs in flight per expert.
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 128 else 128
-    quantized = spec.weight_format.is_quantized
-    block_n = 64 if block_m <= 32 or spec.weight_format is WeightFormat.MXFP4 else 128
-    block_k = 128 if quantized and block_m <= 64 else 64
-    return TritonMoEConfig(
-        block_m=block_m, block_n=block_n, block_k=block_k, group_m=1 if block_m <= 32 else 8,
-        num_warps=8 if block_m >= 128 else 4, num_stages=3,
-    )
+    fmt = spec.weight_format
+    if fmt is WeightFormat.MXFP4:
+        if per_expert <= 16:  # decode streams weights: more, smaller programs hide the decode latency
+            return TritonMoEConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=4)
+        if per_expert <= 48:
+            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    if fmt is WeightFormat.FP8_E4M3:
+        # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
+        if per_expert <= 16:
+            return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
+        return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+    if per_expert <= 8:
+        return TritonMoEConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=3)
+    if per_expert <= 32:
+        return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+    return TritonMoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 @dataclass(frozen=True)
