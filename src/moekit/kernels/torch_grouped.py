@@ -105,7 +105,9 @@ class TorchGroupedKernel(Kernel):
         xs = fake_quant_activation(xs.float(), spec.act_quant).to(spec.act_dtype)
         w13 = weights.w13.to(spec.act_dtype)
         w2 = weights.w2.to(spec.act_dtype)
-        counts = torch.bincount(sorted_expert, minlength=weights.num_experts)
+        # scatter_add keeps the count on the device (bincount reads its max on the host: a sync).
+        counts = torch.zeros(weights.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, sorted_expert, torch.ones_like(sorted_expert))
         gemm = _grouped_gemm if launch.config.use_grouped_mm else _looped_gemm
         h = gemm(xs, w13, counts).float()
         if weights.b13 is not None:
