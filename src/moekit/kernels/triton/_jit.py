@@ -1,7 +1,8 @@
 """Triton JIT code of the fused-MoE path; host code lives in `align.py` and `launch.py`.
 
 Data flow of one layer (P = T*K (token, k) pairs, pair p = t*K + k):
-  align.py (sort pairs by local expert, pad each expert to BLOCK_M)
+  _align_pairs (or align.py's torch ops for large P): pairs sorted by local expert, each expert padded
+  to BLOCK_M rows
   -> [_quant_fp8_rows: x -> fp8 [T, H] + fp32 scales; W8A8 only]
   -> _moe_gemm1: gathered x rows @ w13[e]^T (+ b13) -> gated activation -> h [P, I] (pair order)
   -> [_quant_fp8_rows: h -> fp8 [P, I] + scales; W8A8 only]
