@@ -1,8 +1,8 @@
 """moekit: capability-checked Mixture-of-Experts layers for NVIDIA Hopper, with a PyTorch reference.
 
-Data flow: `MoESpec` (what math) -> `ExpertWeights` (typed storage) + `route` (which experts) ->
-`fused_moe_reference` (the specification, any device). Later layers (planner, kernels, module) build
-on these without redefining any parameter.
+Data flow: `MoESpec` (what math) -> `plan` (which capable kernel and config, resolved once, with the
+reasons for every refusal) -> `prepare_weights` (load-time repacking) -> `fused_moe` (runs the plan;
+`route` gives it the experts) -> checked against `fused_moe_reference` (the specification, any device).
 """
 
 from moekit.errors import (
@@ -19,6 +19,8 @@ from moekit.errors import (
     TunedTableError,
     UnsupportedSpecError,
 )
+from moekit.ops import fused_moe, prepare_weights
+from moekit.plan import ConfigSource, Plan, plan
 from moekit.presets import PRESETS, preset
 from moekit.reference import fused_moe_reference
 from moekit.routing import RoutingResult, route
@@ -40,6 +42,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "ConfigSource",
+    "Plan",
+    "fused_moe",
+    "plan",
+    "prepare_weights",
     "Activation",
     "ActivationQuant",
     "ActivationSpec",
