@@ -327,7 +327,7 @@ class FusedMoE(torch.nn.Module):
             raise DTypeError(f"hidden_states have dtype {x.dtype} but the layer's act_dtype is "
                              f"{spec.act_dtype}")
         if x.device != self._device:
-            raise DeviceError(f"hidden_states are on {x.device} but the layer was built on {self._device}")
+            raise DeviceError(f"hidden_states are on {x.device} but the layer is on {self._device}")
         flat = x.reshape(-1, spec.H)
         if router_logits is None:
             if self.router_weight is None:
