@@ -7,7 +7,7 @@ They carry a high priority, so a planner that skipped the capability check would
 
 from dataclasses import dataclass, replace
 
-from moekit.kernels.base import Capabilities, DeviceKind, Kernel, KernelConfig, Launch, Problem
+from moekit.kernels.base import DeviceKind, Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.reference_kernel import ReferenceKernel
 from moekit.kernels.torch_grouped import TorchGroupedKernel
 from moekit.reference import fused_moe_reference
@@ -30,15 +30,23 @@ class SiluGeluOnlyKernel(Kernel):
     name = "silu_gelu_only"
     priority = 100
     config_type = TileConfig
-    capabilities = replace(_EVERYTHING, activations=frozenset({Activation.SILU, Activation.GELU}),
-                           honours_alpha=False, devices=frozenset(DeviceKind))
+    capabilities = replace(
+        _EVERYTHING,
+        activations=frozenset({Activation.SILU, Activation.GELU}),
+        honours_alpha=False,
+        devices=frozenset(DeviceKind),
+    )
 
     def default_config(self, spec: MoESpec, problem: Problem) -> TileConfig:
         return TileConfig()
 
     def run(self, launch: Launch):
-        wrong = replace(launch.spec, activation=ActivationSpec(Activation.SILU, limit=launch.spec.activation.limit))
-        return fused_moe_reference(launch.x, launch.weights, launch.routing, spec=wrong, expert_map=launch.expert_map)
+        wrong = replace(
+            launch.spec, activation=ActivationSpec(Activation.SILU, limit=launch.spec.activation.limit)
+        )
+        return fused_moe_reference(
+            launch.x, launch.weights, launch.routing, spec=wrong, expert_map=launch.expert_map
+        )
 
 
 class ConcatOnlyKernel(Kernel):

@@ -63,12 +63,20 @@ def make_layer(*, seed: int, layer: int = 3, naming: CheckpointNaming = Checkpoi
     w13 = torch.stack([gate, up], dim=2).reshape(E, 2 * I, H)  # row 2j gate j, row 2j+1 up j
     w2 = torch.randn(E, H, I, generator=g) * row_scale(H)
     weights = ExpertWeights.from_float(
-        w13=w13, w2=w2, b13=torch.randn(E, 2 * I, generator=g).bfloat16(),
-        b2=torch.randn(E, H, generator=g).bfloat16(), format=WeightFormat.MXFP4,
+        w13=w13,
+        w2=w2,
+        b13=torch.randn(E, 2 * I, generator=g).bfloat16(),
+        b2=torch.randn(E, H, generator=g).bfloat16(),
+        format=WeightFormat.MXFP4,
         gate_layout=GateLayout.INTERLEAVED,
     )
-    return GptOssLayer(weights=weights, router_weight=torch.randn(E, H, generator=g).bfloat16(),
-                       router_bias=torch.randn(E, generator=g).bfloat16(), naming=naming, layer=layer)
+    return GptOssLayer(
+        weights=weights,
+        router_weight=torch.randn(E, H, generator=g).bfloat16(),
+        router_bias=torch.randn(E, generator=g).bfloat16(),
+        naming=naming,
+        layer=layer,
+    )
 
 
 def assert_same_layer(a: GptOssLayer, b: GptOssLayer) -> None:
@@ -122,8 +130,10 @@ def test_directory_of_shards(tmp_path: Path, naming: CheckpointNaming) -> None:
     layers = {n: make_layer(seed=10 + n, layer=n, naming=naming) for n in range(3)}
     for n, lay in layers.items():
         write(tmp_path / f"shard-{n}.safetensors", gpt_oss_layer_tensors(lay, layer=n, naming=naming))
-    other = {CheckpointNaming.OPENAI: "block.0.attn.norm.scale",
-             CheckpointNaming.HF: "model.layers.0.self_attn.sinks"}
+    other = {
+        CheckpointNaming.OPENAI: "block.0.attn.norm.scale",
+        CheckpointNaming.HF: "model.layers.0.self_attn.sinks",
+    }
     write(tmp_path / "other.safetensors", {other[naming]: torch.ones(H)})  # non-MoE tensors are ignored
     for n in (0, 2):
         assert_same_layer(layers[n], load_gpt_oss_layer(tmp_path, layer=n))
@@ -256,8 +266,13 @@ def test_wrong_shape_names_tensor_and_expected_shape(tmp_path: Path, hf_tensors,
 
 @pytest.mark.parametrize(
     ("role", "dtype", "expected"),
-    [("w13", torch.int8, "U8"), ("w2_scale", torch.float32, "U8"), ("b13", torch.int32, "float"),
-     ("router_weight", torch.float64, "float"), ("w2", torch.bfloat16, "U8")],
+    [
+        ("w13", torch.int8, "U8"),
+        ("w2_scale", torch.float32, "U8"),
+        ("b13", torch.int32, "float"),
+        ("router_weight", torch.float64, "float"),
+        ("w2", torch.bfloat16, "U8"),
+    ],
 )
 def test_wrong_dtype_names_tensor(tmp_path: Path, hf_tensors, role: str, dtype: torch.dtype, expected: str):
     hf_tensors[KEYS[role]] = hf_tensors[KEYS[role]].to(dtype)
@@ -300,10 +315,13 @@ def test_naming_detection_failures(tmp_path: Path, hf_tensors) -> None:
 
 
 def test_dequantized_hf_checkpoint_gets_a_hint(tmp_path: Path) -> None:
-    path = write(tmp_path / "m.safetensors", {
-        "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(E, H, 2 * I),
-        "model.layers.0.mlp.experts.down_proj": torch.zeros(E, I, H),
-    })
+    path = write(
+        tmp_path / "m.safetensors",
+        {
+            "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(E, H, 2 * I),
+            "model.layers.0.mlp.experts.down_proj": torch.zeros(E, I, H),
+        },
+    )
     with pytest.raises(CheckpointError, match="dequantized float experts"):
         load_gpt_oss_layer(path, layer=0)
 
@@ -328,11 +346,21 @@ def test_save_refuses_incomplete_concat_or_dequantized_layers(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match=r"missing \['b2'\]"):
         save_gpt_oss_layer(tmp_path / "m.safetensors", partial, layer=0, naming=CheckpointNaming.HF)
     with pytest.raises(LayoutMismatchError, match="INTERLEAVED"):
-        GptOssLayer(weights=layer.weights.to_layout(GateLayout.CONCAT), router_weight=layer.router_weight,
-                    router_bias=layer.router_bias, naming=CheckpointNaming.HF, layer=0)
+        GptOssLayer(
+            weights=layer.weights.to_layout(GateLayout.CONCAT),
+            router_weight=layer.router_weight,
+            router_bias=layer.router_bias,
+            naming=CheckpointNaming.HF,
+            layer=0,
+        )
     with pytest.raises(LayoutMismatchError, match="CHECKPOINT packing"):
-        GptOssLayer(weights=layer.weights.dequantized(torch.float32), router_weight=layer.router_weight,
-                    router_bias=layer.router_bias, naming=CheckpointNaming.HF, layer=0)
+        GptOssLayer(
+            weights=layer.weights.dequantized(torch.float32),
+            router_weight=layer.router_weight,
+            router_bias=layer.router_bias,
+            naming=CheckpointNaming.HF,
+            layer=0,
+        )
     # A mapping of roles is written as given and loads back identically.
     path = tmp_path / "m.safetensors"
     save_gpt_oss_layer(path, layer.tensors(), layer=0, naming=CheckpointNaming.OPENAI)

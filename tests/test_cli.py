@@ -20,8 +20,9 @@ def test_help_lists_the_commands(capsys):
 
 def test_main_job_runs_default_layer_and_self_checks():
     # The README's main job, in a fresh process, as a user runs it (gpt-oss-20b shapes on this CPU).
-    proc = subprocess.run([sys.executable, "-m", "moekit.cli", "run", "--json"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moekit.cli", "run", "--json"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["spec"].startswith("E=32 K=4 H=2880 I=2880 MXFP4")
@@ -46,8 +47,24 @@ def test_explain_json_shows_refusals_on_cpu(capsys):
 
 
 def test_explain_spec_flags_override_the_preset(capsys):
-    assert main(["explain", "--preset", "gpt-oss-20b", "--layout", "concat", "--activation", "silu",
-                 "--no-limit", "--device", "cpu", "--json"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--preset",
+                "gpt-oss-20b",
+                "--layout",
+                "concat",
+                "--activation",
+                "silu",
+                "--no-limit",
+                "--device",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert "SILU no clamp CONCAT" in json.loads(capsys.readouterr().out)["spec"]
 
 
@@ -60,8 +77,23 @@ def test_errors_print_one_clear_line_and_exit_2(capsys):
 
 
 def test_check_runs_every_capable_kernel_and_lists_refusals(capsys):
-    assert main(["check", "--preset", "qwen3-30b-a3b", "--tokens", "0,3", "--max-experts", "4", "--device",
-                 "cpu", "--json"]) == 0
+    assert (
+        main(
+            [
+                "check",
+                "--preset",
+                "qwen3-30b-a3b",
+                "--tokens",
+                "0,3",
+                "--max-experts",
+                "4",
+                "--device",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     records = json.loads(capsys.readouterr().out)
     ran = {(r["kernel"], r["tokens"]) for r in records if r["refused"] is None}
     assert {("reference", 3), ("torch_grouped", 3), ("torch_grouped", 0)} <= ran
@@ -81,9 +113,26 @@ def test_bench_needs_a_gpu_and_says_so(capsys):
 def test_bench_plot_writes_a_png(tmp_path):
     from moekit.bench import BenchRecord, plot_records
 
-    records = [BenchRecord(preset="p", kernel=k, config={}, tokens=t, experts_hit=1, us=10.0 * t, weight_bytes=1,
-                           flops=1.0, roofline_us=5.0, pct_roofline=50.0, tb_per_s=1.0, tflops=1.0, rel_l2=1e-3,
-                           ok=True) for k in ("a", "b") for t in (1, 2, 4)]
+    records = [
+        BenchRecord(
+            preset="p",
+            kernel=k,
+            config={},
+            tokens=t,
+            experts_hit=1,
+            us=10.0 * t,
+            weight_bytes=1,
+            flops=1.0,
+            roofline_us=5.0,
+            pct_roofline=50.0,
+            tb_per_s=1.0,
+            tflops=1.0,
+            rel_l2=1e-3,
+            ok=True,
+        )
+        for k in ("a", "b")
+        for t in (1, 2, 4)
+    ]
     path = tmp_path / "bench.png"
     plot_records(records, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,9 +17,17 @@ from moekit import ActivationSpec, GateLayout, MoESpec, WeightFormat
 from moekit.layer import FusedMoE
 from moekit.synthetic import random_layer
 
-SPEC = MoESpec(num_experts=8, top_k=4, hidden_size=64, intermediate_size=48, weight_format=WeightFormat.MXFP4,
-               act_dtype=torch.float32, activation=ActivationSpec.gpt_oss(),
-               gate_layout=GateLayout.INTERLEAVED, has_bias=True)
+SPEC = MoESpec(
+    num_experts=8,
+    top_k=4,
+    hidden_size=64,
+    intermediate_size=48,
+    weight_format=WeightFormat.MXFP4,
+    act_dtype=torch.float32,
+    activation=ActivationSpec.gpt_oss(),
+    gate_layout=GateLayout.INTERLEAVED,
+    has_bias=True,
+)
 
 
 class TinyModel(torch.nn.Module):
@@ -89,8 +97,9 @@ def test_mark_dynamic_leading_dims_compile_once_across_buckets(model: TinyModel)
 
 def test_given_router_logits_compile(model: TinyModel) -> None:
     moe = model.moe
-    compiled = torch.compile(lambda x, logits: moe(x, router_logits=logits), fullgraph=True, dynamic=True,
-                             backend="aot_eager")
+    compiled = torch.compile(
+        lambda x, logits: moe(x, router_logits=logits), fullgraph=True, dynamic=True, backend="aot_eager"
+    )
     with torch.no_grad():
         x, logits = _tokens(7, seed=7), torch.randn(7, SPEC.E)
         torch.testing.assert_close(compiled(x, logits), moe(x, router_logits=logits), rtol=0, atol=0)

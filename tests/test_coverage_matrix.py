@@ -38,8 +38,11 @@ FORMATS = [
     (WeightFormat.FP8_E4M3, Fp8Scale.PER_CHANNEL, ActivationQuant.FP8_PER_TOKEN, torch.float32),
     (WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128, torch.float32),
 ]
-ACTIVATIONS = [ActivationSpec(kind, alpha=1.702 if kind is Activation.SWIGLU_OAI else None, limit=limit)
-               for kind in Activation for limit in (None, 0.5)]  # 0.5 clamps a good share of values
+ACTIVATIONS = [
+    ActivationSpec(kind, alpha=1.702 if kind is Activation.SWIGLU_OAI else None, limit=limit)
+    for kind in Activation
+    for limit in (None, 0.5)
+]  # 0.5 clamps a good share of values
 # Relative L2 error allowed against the fp32 reference, by activation dtype. fp32 paths differ only by
 # summation order; bf16 rounds x, h and the output to 8 bits.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -53,10 +56,21 @@ def _specs():
             continue  # not expressible: a 128-row scale block would mix gate and up rows of 2 scales
         top_k = 1 if placement is RouterWeightPlacement.INPUT else 2
         # H=160: MXFP4 ragged (5 groups), FP8 blocks ragged (2 of 128); I=72 ragged too.
-        yield MoESpec(num_experts=6, top_k=top_k, hidden_size=160, intermediate_size=72, weight_format=fmt,
-                      fp8_scale=scale, act_quant=quant, act_dtype=dtype, activation=act, gate_layout=layout,
-                      has_bias=bias, router_weight_placement=placement,
-                      routing=moekit.RoutingSpec(moekit.RoutingMethod.SOFTMAX_TOPK, renormalize=False))
+        yield MoESpec(
+            num_experts=6,
+            top_k=top_k,
+            hidden_size=160,
+            intermediate_size=72,
+            weight_format=fmt,
+            fp8_scale=scale,
+            act_quant=quant,
+            act_dtype=dtype,
+            activation=act,
+            gate_layout=layout,
+            has_bias=bias,
+            router_weight_placement=placement,
+            routing=moekit.RoutingSpec(moekit.RoutingMethod.SOFTMAX_TOPK, renormalize=False),
+        )
 
 
 SPECS = list(_specs())
@@ -78,8 +92,13 @@ def test_coverage_matrix(kernel_name):
         logits = x.float() @ layer.router_weight.float().T
         routing = moekit.route(logits, top_k=spec.K, spec=spec.routing)
         expected = moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
-        out = fused_moe(x, prepare_weights(layer.weights, result, registry=registry), routing, plan=result,
-                        registry=registry)
+        out = fused_moe(
+            x,
+            prepare_weights(layer.weights, result, registry=registry),
+            routing,
+            plan=result,
+            registry=registry,
+        )
         err = relative_l2_error(out, expected)
         assert err <= TOLERANCE[spec.act_dtype], f"{kernel_name} on {spec.describe()}: rel L2 {err:.2e}"
         ran += 1
@@ -91,5 +110,7 @@ def test_coverage_matrix(kernel_name):
 
 def test_matrix_covers_the_combinations():
     assert len(SPECS) == (len(FORMATS) * len(ACTIVATIONS) * 2 * 2 * 2) - (len(ACTIVATIONS) * 2 * 2)
-    assert any(s.gate_layout is GateLayout.INTERLEAVED and s.weight_format is WeightFormat.MXFP4 for s in SPECS)
+    assert any(
+        s.gate_layout is GateLayout.INTERLEAVED and s.weight_format is WeightFormat.MXFP4 for s in SPECS
+    )
     assert {replace(s.activation, limit=None) for s in SPECS} == {replace(a, limit=None) for a in ACTIVATIONS}

@@ -46,8 +46,14 @@ from moekit.spec import Activation, Fp8Scale  # noqa: E402
 
 H, I, E, T = 64, 48, 8, 40  # H != I so a transposed weight cannot pass; I = 48 leaves a ragged MXFP4 block
 RTOL_FP32 = 1e-5
-_LAYER = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              vocab_size=32)
+_LAYER = dict(
+    hidden_size=H,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=32,
+)
 
 
 def make_config(kind: str, *, intermediate: int = I, norm_topk_prob: bool = True):
@@ -60,14 +66,24 @@ def make_config(kind: str, *, intermediate: int = I, norm_topk_prob: bool = True
             intermediate_size=intermediate, num_local_experts=E, num_experts_per_tok=2, **_LAYER
         )
     return transformers.Qwen3MoeConfig(
-        moe_intermediate_size=intermediate, intermediate_size=2 * intermediate, num_experts=E,
-        num_experts_per_tok=4, norm_topk_prob=norm_topk_prob, **_LAYER,
+        moe_intermediate_size=intermediate,
+        intermediate_size=2 * intermediate,
+        num_experts=E,
+        num_experts_per_tok=4,
+        norm_topk_prob=norm_topk_prob,
+        **_LAYER,
     )
 
 
 # Standard deviations per parameter: GPT-OSS's gate_up is large enough that the clamp at 7 fires.
-_STD = {"gate_up_proj": 0.6, "down_proj": 0.1, "gate_up_proj_bias": 0.5, "down_proj_bias": 0.5, "weight": 0.3,
-        "bias": 0.2}
+_STD = {
+    "gate_up_proj": 0.6,
+    "down_proj": 0.1,
+    "gate_up_proj_bias": 0.5,
+    "down_proj_bias": 0.5,
+    "weight": 0.3,
+    "bias": 0.2,
+}
 
 
 def make_block(config, *, impl: str, seed: int) -> torch.nn.Module:
@@ -188,13 +204,21 @@ def test_mxfp4_checkpoint_parity_with_transformers_loader(tmp_path: Path) -> Non
     config = make_config("gpt_oss", intermediate=96)
     block = make_block(config, impl="eager", seed=5)
     quant = from_hf_moe_block(block, config=config, format=WeightFormat.MXFP4)
-    layer = GptOssLayer(weights=quant.weights, router_weight=quant.router_weight,
-                        router_bias=quant.router_bias, naming=CheckpointNaming.HF, layer=0)
+    layer = GptOssLayer(
+        weights=quant.weights,
+        router_weight=quant.router_weight,
+        router_bias=quant.router_bias,
+        naming=CheckpointNaming.HF,
+        layer=0,
+    )
     full = transformers.GptOssForCausalLM(config)
     tensors = {k: v for k, v in full.state_dict().items() if ".mlp." not in k}
     tensors |= gpt_oss_layer_tensors(layer, layer=0, naming=CheckpointNaming.HF)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(tmp_path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     saved = transformers.GptOssConfig.from_dict(config.to_dict())
     saved.quantization_config = {"quant_method": "mxfp4"}
     saved.save_pretrained(tmp_path)
@@ -242,17 +266,35 @@ def test_reference_matches_per_token_loop(fmt, fp8_scale, bias, layout, activati
     g = torch.Generator().manual_seed(7)
     gate = torch.randn(E, I, H, generator=g) * 0.6
     up = torch.rand(E, I, H, generator=g) - 0.4  # distinct from gate in distribution, not just values
-    rows = torch.stack([gate, up], 2).reshape(E, 2 * I, H) if layout is GateLayout.INTERLEAVED else torch.cat(
-        [gate, up], 1)
+    rows = (
+        torch.stack([gate, up], 2).reshape(E, 2 * I, H)
+        if layout is GateLayout.INTERLEAVED
+        else torch.cat([gate, up], 1)
+    )
     biases = dict(b13=torch.randn(E, 2 * I, generator=g), b2=torch.randn(E, H, generator=g)) if bias else {}
-    weights = ExpertWeights.from_float(w13=rows, w2=torch.randn(E, H, I, generator=g) * 0.2, format=fmt,
-                                       gate_layout=layout, fp8_scale=fp8_scale, **biases)
-    spec = MoESpec(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, weight_format=fmt,
-                   fp8_scale=fp8_scale, act_dtype=torch.float32, activation=activation, gate_layout=layout,
-                   has_bias=bias, routing=RoutingSpec(RoutingMethod.TOPK_SOFTMAX))
+    weights = ExpertWeights.from_float(
+        w13=rows,
+        w2=torch.randn(E, H, I, generator=g) * 0.2,
+        format=fmt,
+        gate_layout=layout,
+        fp8_scale=fp8_scale,
+        **biases,
+    )
+    spec = MoESpec(
+        num_experts=E,
+        top_k=2,
+        hidden_size=H,
+        intermediate_size=I,
+        weight_format=fmt,
+        fp8_scale=fp8_scale,
+        act_dtype=torch.float32,
+        activation=activation,
+        gate_layout=layout,
+        has_bias=bias,
+        routing=RoutingSpec(RoutingMethod.TOPK_SOFTMAX),
+    )
     x = torch.randn(12, H, generator=g)
     routing = route(torch.randn(12, E, generator=g), top_k=2, spec=spec.routing)
     got = fused_moe_reference(x, weights, routing, spec=spec)
     expected = fused_moe_per_token_loop(x, weights, routing, spec=spec)
     assert relative_l2_error(got, expected) < RTOL_FP32
-

@@ -27,20 +27,34 @@ from moekit.layer import PlanOptions  # noqa: E402
 from moekit.reference import relative_l2_error  # noqa: E402
 
 H, I, E, VOCAB = 64, 48, 8, 48
-_COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               vocab_size=VOCAB)
+_COMMON = dict(
+    hidden_size=H,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+)
 RTOL = 1e-5  # fp32 end to end; measured 0
 
 
 def _config(family: Family):
     if family is Family.GPT_OSS:
-        return transformers.GptOssConfig(intermediate_size=I, num_local_experts=E, num_experts_per_tok=4,
-                                         **_COMMON)
+        return transformers.GptOssConfig(
+            intermediate_size=I, num_local_experts=E, num_experts_per_tok=4, **_COMMON
+        )
     if family is Family.MIXTRAL:
-        return transformers.MixtralConfig(intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
-                                          **_COMMON)
-    return transformers.Qwen3MoeConfig(moe_intermediate_size=I, intermediate_size=2 * I, num_experts=E,
-                                       num_experts_per_tok=4, norm_topk_prob=True, **_COMMON)
+        return transformers.MixtralConfig(
+            intermediate_size=I, num_local_experts=E, num_experts_per_tok=2, **_COMMON
+        )
+    return transformers.Qwen3MoeConfig(
+        moe_intermediate_size=I,
+        intermediate_size=2 * I,
+        num_experts=E,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        **_COMMON,
+    )
 
 
 def _model(family: Family, *, seed: int = 0):

@@ -43,23 +43,56 @@ from moekit.reference import relative_l2_error
 from moekit.synthetic import random_layer, random_tokens
 from moekit.tuned import token_bucket
 
-FP32 = MoESpec(num_experts=8, top_k=2, hidden_size=64, intermediate_size=48, weight_format=WeightFormat.FP32,
-               act_dtype=torch.float32)
-GPT_OSS_SMALL = MoESpec(num_experts=8, top_k=4, hidden_size=80, intermediate_size=48,
-                        weight_format=WeightFormat.MXFP4, act_dtype=torch.float32,
-                        activation=ActivationSpec.gpt_oss(),
-                        gate_layout=GateLayout.INTERLEAVED, has_bias=True)
+FP32 = MoESpec(
+    num_experts=8,
+    top_k=2,
+    hidden_size=64,
+    intermediate_size=48,
+    weight_format=WeightFormat.FP32,
+    act_dtype=torch.float32,
+)
+GPT_OSS_SMALL = MoESpec(
+    num_experts=8,
+    top_k=4,
+    hidden_size=80,
+    intermediate_size=48,
+    weight_format=WeightFormat.MXFP4,
+    act_dtype=torch.float32,
+    activation=ActivationSpec.gpt_oss(),
+    gate_layout=GateLayout.INTERLEAVED,
+    has_bias=True,
+)
 SPECS = {
     # name: (spec, tolerance, why)
     "fp32-concat": (FP32, 1e-6, "exact-comparison path, SILU, CONCAT"),
     "gpt-oss-mxfp4": (GPT_OSS_SMALL, 1e-6, "MXFP4 + biases + SWIGLU_OAI, ragged MXFP4 tails (H=80, I=48)"),
-    "bf16-swiglu-alpha1": (replace(FP32, weight_format=WeightFormat.BF16, act_dtype=torch.bfloat16,
-                                   has_bias=True, activation=ActivationSpec(Activation.SWIGLU_OAI, alpha=1.0,
-                                                                            limit=3.0)),
-                           1e-2, "bf16 activations and biases, a non-default alpha and limit"),
-    "deepseek-grouped": (replace(FP32, num_experts=16, top_k=4, routing=RoutingSpec(
-        RoutingMethod.SIGMOID_GROUPED, n_group=4, topk_group=2, has_correction_bias=True,
-        routed_scaling_factor=2.5)), 1e-6, "sigmoid grouped routing, correction bias, scaling factor"),
+    "bf16-swiglu-alpha1": (
+        replace(
+            FP32,
+            weight_format=WeightFormat.BF16,
+            act_dtype=torch.bfloat16,
+            has_bias=True,
+            activation=ActivationSpec(Activation.SWIGLU_OAI, alpha=1.0, limit=3.0),
+        ),
+        1e-2,
+        "bf16 activations and biases, a non-default alpha and limit",
+    ),
+    "deepseek-grouped": (
+        replace(
+            FP32,
+            num_experts=16,
+            top_k=4,
+            routing=RoutingSpec(
+                RoutingMethod.SIGMOID_GROUPED,
+                n_group=4,
+                topk_group=2,
+                has_correction_bias=True,
+                routed_scaling_factor=2.5,
+            ),
+        ),
+        1e-6,
+        "sigmoid grouped routing, correction bias, scaling factor",
+    ),
     "expert-parallel": (replace(FP32, num_local_experts=4), 1e-6, "E_local=4 of E=8 through an expert map"),
 }
 EXPERT_MAP = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
@@ -69,8 +102,15 @@ def _layer(spec: MoESpec, *, seed: int = 0, **kwargs) -> tuple[FusedMoE, object]
     layer = random_layer(spec, seed=seed)
     expert_map = EXPERT_MAP if spec.uses_expert_map else None
     bias = torch.randn(spec.E, generator=torch.Generator().manual_seed(seed)) * 0.1 if spec.has_bias else None
-    moe = FusedMoE(spec=spec, weights=layer.weights, router_weight=layer.router_weight, router_bias=bias,
-                   correction_bias=layer.correction_bias, expert_map=expert_map, **kwargs)
+    moe = FusedMoE(
+        spec=spec,
+        weights=layer.weights,
+        router_weight=layer.router_weight,
+        router_bias=bias,
+        correction_bias=layer.correction_bias,
+        expert_map=expert_map,
+        **kwargs,
+    )
     return moe, layer
 
 
@@ -79,8 +119,12 @@ def _expected(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor | None = None
     if logits is None:
         bias = None if moe.router_bias is None else moe.router_bias.float()
         logits = torch.nn.functional.linear(flat.float(), moe.router_weight.float(), bias)
-    routing = route(logits.reshape(-1, moe.spec.E), top_k=moe.spec.K, spec=moe.spec.routing,
-                    correction_bias=moe.correction_bias)
+    routing = route(
+        logits.reshape(-1, moe.spec.E),
+        top_k=moe.spec.K,
+        spec=moe.spec.routing,
+        correction_bias=moe.correction_bias,
+    )
     out = fused_moe_reference(flat, moe.weights, routing, spec=moe.spec, expert_map=moe.expert_map)
     return out.reshape(x.shape)
 
@@ -95,15 +139,22 @@ def test_construction_plans_bucket_one_and_prepares_its_kernel() -> None:
     assert "bucket 1" in moe.explain() and "torch_grouped" in repr(moe)
 
 
-@pytest.mark.parametrize("registry", [
-    KernelRegistry([CudaOnlyGroupedKernel()]),  # a capable kernel that this device refuses
-    default_registry().without("torch_grouped"),  # the real registry: Triton (CUDA only) is all that is left
-], ids=["cuda_only_kernel", "default_without_torch_grouped"])
+@pytest.mark.parametrize(
+    "registry",
+    [
+        KernelRegistry([CudaOnlyGroupedKernel()]),  # a capable kernel that this device refuses
+        default_registry().without(
+            "torch_grouped"
+        ),  # the real registry: Triton (CUDA only) is all that is left
+    ],
+    ids=["cuda_only_kernel", "default_without_torch_grouped"],
+)
 def test_unsupported_spec_fails_at_construction_with_the_planners_message(registry: KernelRegistry) -> None:
     options = PlanOptions(registry=registry, allow_reference=False)
     with pytest.raises(UnsupportedSpecError) as from_planner:
-        plan(GPT_OSS_SMALL, num_tokens=1, device=DeviceInfo.of("cpu"), registry=registry,
-             allow_reference=False)
+        plan(
+            GPT_OSS_SMALL, num_tokens=1, device=DeviceInfo.of("cpu"), registry=registry, allow_reference=False
+        )
     before = set(live_handles())
     with pytest.raises(UnsupportedSpecError) as from_layer:
         _layer(GPT_OSS_SMALL, options=options)
@@ -167,12 +218,16 @@ def test_workspace_bytes_grows_with_tokens_and_covers_the_output() -> None:
 
 
 # ----- errors before any compute ---------------------------------------------------------------------------
-@pytest.mark.parametrize(("make_input", "error"), [
-    (lambda: torch.zeros(4, FP32.H + 1), ShapeError),  # wrong hidden size
-    (lambda: torch.zeros(4, FP32.H, dtype=torch.bfloat16), DTypeError),  # wrong act dtype
-    (lambda: torch.zeros(4, FP32.H, device="meta"), DeviceError),  # another device
-    (lambda: torch.zeros(()), ShapeError),  # a scalar
-], ids=["hidden", "dtype", "device", "scalar"])
+@pytest.mark.parametrize(
+    ("make_input", "error"),
+    [
+        (lambda: torch.zeros(4, FP32.H + 1), ShapeError),  # wrong hidden size
+        (lambda: torch.zeros(4, FP32.H, dtype=torch.bfloat16), DTypeError),  # wrong act dtype
+        (lambda: torch.zeros(4, FP32.H, device="meta"), DeviceError),  # another device
+        (lambda: torch.zeros(()), ShapeError),  # a scalar
+    ],
+    ids=["hidden", "dtype", "device", "scalar"],
+)
 def test_bad_hidden_states_raise_before_compute(make_input, error, monkeypatch) -> None:
     moe, _ = _layer(FP32)
     monkeypatch.setattr(FusedMoE, "run_flat", lambda *a: pytest.fail("computed despite bad input"))
@@ -190,11 +245,16 @@ def test_bad_router_inputs_raise() -> None:
     with pytest.raises(ShapeError, match="router_weight"):
         FusedMoE(spec=FP32, weights=layer.weights, router_weight=layer.router_weight.T)
     with pytest.raises(SpecError, match="correction_bias"):
-        FusedMoE(spec=FP32, weights=layer.weights, router_weight=layer.router_weight,
-                 correction_bias=torch.zeros(8))
+        FusedMoE(
+            spec=FP32,
+            weights=layer.weights,
+            router_weight=layer.router_weight,
+            correction_bias=torch.zeros(8),
+        )
     with pytest.raises(SpecError, match="expert_map"):
-        FusedMoE(spec=replace(FP32, num_local_experts=8), weights=layer.weights,
-                 router_weight=layer.router_weight)
+        FusedMoE(
+            spec=replace(FP32, num_local_experts=8), weights=layer.weights, router_weight=layer.router_weight
+        )
     no_router = FusedMoE(spec=FP32, weights=layer.weights, router_weight=None)
     with pytest.raises(SpecError, match="router_logits"):
         no_router(x)
@@ -236,8 +296,13 @@ def test_copies_get_their_own_handle_and_freed_layers_leave_the_registry() -> No
 def test_from_gpt_oss_checkpoint_in_both_namings(naming: CheckpointNaming, tmp_path) -> None:
     layer = random_layer(replace(GPT_OSS_SMALL, act_dtype=torch.bfloat16), seed=5)
     router_bias = (torch.randn(GPT_OSS_SMALL.E) * 0.1).to(torch.bfloat16)
-    saved = GptOssLayer(weights=layer.weights, router_weight=layer.router_weight, router_bias=router_bias,
-                        naming=naming, layer=3)
+    saved = GptOssLayer(
+        weights=layer.weights,
+        router_weight=layer.router_weight,
+        router_bias=router_bias,
+        naming=naming,
+        layer=3,
+    )
     path = save_gpt_oss_layer(tmp_path / "model.safetensors", saved, layer=3, naming=naming)
     moe = FusedMoE.from_gpt_oss_checkpoint(path, 3, act_dtype=torch.float32)
     assert moe.spec == saved.spec_for(act_dtype=torch.float32)

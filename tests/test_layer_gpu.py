@@ -24,8 +24,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 is set in this process: Triton would not compile for the GPU",
-                allow_module_level=True)
+    pytest.skip(
+        "TRITON_INTERPRET=1 is set in this process: Triton would not compile for the GPU",
+        allow_module_level=True,
+    )
 pytest.importorskip("triton")
 
 from moekit import fused_moe_reference, preset, route  # noqa: E402
@@ -55,10 +57,16 @@ def _compiled_kernel_count() -> int:
 def mxfp4_layer(tmp_path_factory) -> FusedMoE:
     layer = random_layer(SPEC_20B, seed=0, device=DEVICE)
     bias = (0.1 * torch.randn(SPEC_20B.E, device=DEVICE)).to(torch.bfloat16)
-    saved = GptOssLayer(weights=layer.weights, router_weight=layer.router_weight, router_bias=bias,
-                        naming=CheckpointNaming.HF, layer=0)
-    path = save_gpt_oss_layer(tmp_path_factory.mktemp("ckpt") / "model.safetensors", saved, layer=0,
-                              naming=CheckpointNaming.HF)
+    saved = GptOssLayer(
+        weights=layer.weights,
+        router_weight=layer.router_weight,
+        router_bias=bias,
+        naming=CheckpointNaming.HF,
+        layer=0,
+    )
+    path = save_gpt_oss_layer(
+        tmp_path_factory.mktemp("ckpt") / "model.safetensors", saved, layer=0, naming=CheckpointNaming.HF
+    )
     moe = FusedMoE.from_gpt_oss_checkpoint(path, 0, device=DEVICE)
     assert moe.plans[1].kernel == "triton_fused"
     return moe
@@ -75,8 +83,15 @@ def test_patched_hf_gpt_oss_20b_layer_matches_unpatched() -> None:
     from moekit.integrations.transformers import patch_model, unpatch
 
     config = transformers.GptOssConfig(
-        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
-        num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=2048,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=1,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=2048,
         layer_types=["full_attention"],
     )
     torch.manual_seed(0)
@@ -105,8 +120,10 @@ def test_patched_hf_gpt_oss_20b_layer_matches_unpatched() -> None:
     ref = fused_moe_reference(hidden[0].float(), moe.weights, routing, spec=fp32_spec)
     err_hf, err_moekit = relative_l2_error(expected_block[0], ref), relative_l2_error(got_block[0], ref)
     err_logits = relative_l2_error(got_logits, expected_logits)
-    print(f"\nblock vs fp32 reference: HF {err_hf:.2e}, moekit {err_moekit:.2e}; "
-          f"logits moekit vs HF {err_logits:.2e}")
+    print(
+        f"\nblock vs fp32 reference: HF {err_hf:.2e}, moekit {err_moekit:.2e}; "
+        f"logits moekit vs HF {err_logits:.2e}"
+    )
     assert err_moekit <= max(2 * err_hf, 1e-2)
     assert relative_l2_error(got_block, expected_block) < 2e-2
     assert err_logits < 2e-2

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fake_kernels import ConcatOnlyKernel, CudaOnlyGroupedKernel, SiluGeluOnlyKernel, TileConfig
 
 import moekit
+from fake_kernels import ConcatOnlyKernel, CudaOnlyGroupedKernel, SiluGeluOnlyKernel, TileConfig
 from moekit import MoESpec, PlanFallbackError, UnsupportedSpecError
 from moekit.cli_spec import SIMULATED_DEVICES
 from moekit.kernels.registry import default_registry
@@ -26,12 +26,15 @@ REGISTRY = default_registry().with_kernels(SiluGeluOnlyKernel(), ConcatOnlyKerne
 H200 = SIMULATED_DEVICES["h200"]
 GPT_OSS_120B = moekit.preset("gpt-oss-120b")
 # The same math at a size the CPU runs in milliseconds (fp32 activations for exact comparisons).
-SMALL_120B = replace(GPT_OSS_120B, num_experts=8, hidden_size=64, intermediate_size=96, act_dtype=torch.float32)
+SMALL_120B = replace(
+    GPT_OSS_120B, num_experts=8, hidden_size=64, intermediate_size=96, act_dtype=torch.float32
+)
 
 
 def _row(spec, *, kernel, config, device, tokens=1):
-    row = row_to_json(spec=spec, device=device, triton=triton_version(), tokens=tokens, kernel=kernel,
-                      config=TileConfig())
+    row = row_to_json(
+        spec=spec, device=device, triton=triton_version(), tokens=tokens, kernel=kernel, config=TileConfig()
+    )
     row["config"] = config
     return row
 
@@ -44,11 +47,14 @@ def _table(tmp_path, rows, name="user.json"):
 
 BAD_TABLES = {
     "a_no_row": lambda spec, dev: [],
-    "b_kernel_lacks_swiglu_oai": lambda spec, dev: [_row(spec, kernel="silu_gelu_only", config={}, device=dev)],
+    "b_kernel_lacks_swiglu_oai": lambda spec, dev: [
+        _row(spec, kernel="silu_gelu_only", config={}, device=dev)
+    ],
     "c_kernel_reads_concat_only": lambda spec, dev: [_row(spec, kernel="concat_only", config={}, device=dev)],
     "d_kernel_does_not_exist": lambda spec, dev: [_row(spec, kernel="vllm_fused_moe", config={}, device=dev)],
     "e_config_invalid_for_kernel": lambda spec, dev: [
-        _row(spec, kernel="torch_grouped", config={"block_m": 16}, device=dev)],
+        _row(spec, kernel="torch_grouped", config={"block_m": 16}, device=dev)
+    ],
     "f_malformed_file": None,
 }
 
@@ -75,10 +81,13 @@ def test_gpt_oss_120b_bad_tables_resolve_to_capable_kernel(tmp_path, case):
     assert "concat_only: reads gate layout CONCAT, not INTERLEAVED" in text
     if case != "a_no_row":
         assert str(table) in text, text  # the bad row (or file) is named in explain
-    expected_reason = {"b_kernel_lacks_swiglu_oai": "activation SWIGLU_OAI", "c_kernel_reads_concat_only":
-                       "gate layout CONCAT", "d_kernel_does_not_exist": "unknown kernel 'vllm_fused_moe'",
-                       "e_config_invalid_for_kernel": "unknown fields ['block_m']",
-                       "f_malformed_file": "unreadable table"}.get(case)
+    expected_reason = {
+        "b_kernel_lacks_swiglu_oai": "activation SWIGLU_OAI",
+        "c_kernel_reads_concat_only": "gate layout CONCAT",
+        "d_kernel_does_not_exist": "unknown kernel 'vllm_fused_moe'",
+        "e_config_invalid_for_kernel": "unknown fields ['block_m']",
+        "f_malformed_file": "unreadable table",
+    }.get(case)
     if expected_reason:
         assert expected_reason in text
     with pytest.raises(PlanFallbackError, match="strict planning refused a fallback"):
@@ -91,15 +100,20 @@ def test_bad_tables_keep_identical_numerics(tmp_path, case):
     layer = random_layer(spec, seed=3)
     x = random_tokens(spec, 7, seed=4)
     routing = moekit.route(x @ layer.router_weight.T, top_k=spec.K, spec=spec.routing)
-    clean = plan(spec, num_tokens=7, device="cpu", tuned=_table(tmp_path, [], "empty.json"), registry=REGISTRY)
-    expected = fused_moe(x, prepare_weights(layer.weights, clean, registry=REGISTRY), routing, plan=clean,
-                         registry=REGISTRY)
+    clean = plan(
+        spec, num_tokens=7, device="cpu", tuned=_table(tmp_path, [], "empty.json"), registry=REGISTRY
+    )
+    expected = fused_moe(
+        x, prepare_weights(layer.weights, clean, registry=REGISTRY), routing, plan=clean, registry=REGISTRY
+    )
     reference = moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
     torch.testing.assert_close(expected, reference, rtol=2e-5, atol=2e-6)  # fp32: a capable kernel
-    result = plan(spec, num_tokens=7, device="cpu", tuned=_write_case(tmp_path, case, spec, "cpu"),
-                  registry=REGISTRY)
-    out = fused_moe(x, prepare_weights(layer.weights, result, registry=REGISTRY), routing, plan=result,
-                    registry=REGISTRY)
+    result = plan(
+        spec, num_tokens=7, device="cpu", tuned=_write_case(tmp_path, case, spec, "cpu"), registry=REGISTRY
+    )
+    out = fused_moe(
+        x, prepare_weights(layer.weights, result, registry=REGISTRY), routing, plan=result, registry=REGISTRY
+    )
     assert result.kernel == clean.kernel
     assert torch.equal(out, expected)
 
@@ -112,8 +126,9 @@ def test_incapable_kernels_would_have_been_wrong():
     routing = moekit.route(x @ layer.router_weight.T, top_k=spec.K, spec=spec.routing)
     reference = moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
     for kernel in (SiluGeluOnlyKernel(), ConcatOnlyKernel()):
-        launch = moekit.kernels.base.Launch(spec=spec, config=TileConfig(), x=x, weights=layer.weights,
-                                            routing=routing, expert_map=None)
+        launch = moekit.kernels.base.Launch(
+            spec=spec, config=TileConfig(), x=x, weights=layer.weights, routing=routing, expert_map=None
+        )
         assert moekit.reference.relative_l2_error(kernel.run(launch), reference) > 0.05
 
 
@@ -125,13 +140,26 @@ def test_good_row_is_used_and_strict_accepts_it(tmp_path):
 
 
 def test_nearest_bucket_is_a_visible_fallback(tmp_path):
-    table = _table(tmp_path, [_row(GPT_OSS_120B, kernel="reference", config={}, device=H200.name, tokens=8),
-                              _row(GPT_OSS_120B, kernel="torch_grouped", config={"use_grouped_mm": True},
-                                   device=H200.name, tokens=128)])
+    table = _table(
+        tmp_path,
+        [
+            _row(GPT_OSS_120B, kernel="reference", config={}, device=H200.name, tokens=8),
+            _row(
+                GPT_OSS_120B,
+                kernel="torch_grouped",
+                config={"use_grouped_mm": True},
+                device=H200.name,
+                tokens=128,
+            ),
+        ],
+    )
     result = plan(GPT_OSS_120B, num_tokens=20, device=H200, tuned=table, registry=REGISTRY)
     assert result.bucket == 32 and result.kernel == "reference"  # log2 distance 2 beats 2 (tie: smaller)
     assert result.source is ConfigSource.NEAREST_BUCKET
-    assert plan(GPT_OSS_120B, num_tokens=100, device=H200, tuned=table, registry=REGISTRY).kernel == "torch_grouped"
+    assert (
+        plan(GPT_OSS_120B, num_tokens=100, device=H200, tuned=table, registry=REGISTRY).kernel
+        == "torch_grouped"
+    )
     with pytest.raises(PlanFallbackError, match="nearest token bucket"):
         plan(GPT_OSS_120B, num_tokens=20, device=H200, tuned=table, registry=REGISTRY, strict=True)
 
@@ -139,7 +167,9 @@ def test_nearest_bucket_is_a_visible_fallback(tmp_path):
 def test_row_for_a_kernel_refused_on_this_device_is_rejected_at_plan_time(tmp_path):
     # A row valid for the spec, but its kernel cannot run on this device (here: the CPU).
     spec = replace(SMALL_120B, activation=moekit.ActivationSpec(moekit.Activation.SILU))
-    table = _table(tmp_path, [_row(spec, kernel="torch_grouped", config={"use_grouped_mm": False}, device="cpu")])
+    table = _table(
+        tmp_path, [_row(spec, kernel="torch_grouped", config={"use_grouped_mm": False}, device="cpu")]
+    )
     registry = default_registry().without("torch_grouped").with_kernels(CudaOnlyGroupedKernel())
     result = plan(spec, num_tokens=1, device="cpu", tuned=table, registry=registry)
     assert result.kernel == "reference" and result.source is ConfigSource.DEFAULT
@@ -156,8 +186,13 @@ def test_unsupported_spec_names_every_candidate_and_the_nearest_alternative():
     assert "nearest supported alternative: convert w13 to CONCAT layout" in message
     assert "kernel concat_only supports it" in message
     with pytest.raises(UnsupportedSpecError, match="allow the reference kernel"):
-        plan(SMALL_120B, num_tokens=1, device="cpu", registry=registry.without("concat_only"),
-             allow_reference=False)
+        plan(
+            SMALL_120B,
+            num_tokens=1,
+            device="cpu",
+            registry=registry.without("concat_only"),
+            allow_reference=False,
+        )
 
 
 def test_packing_mismatch_is_an_error_not_a_reinterpretation():

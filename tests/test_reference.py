@@ -30,16 +30,25 @@ from moekit.reference import relative_l2_error
 from moekit.spec import Activation, ActivationSpec
 from moekit.synthetic import random_layer, random_tokens
 
-SMALL_OSS = MoESpec(num_experts=8, top_k=2, hidden_size=64, intermediate_size=48, weight_format=WeightFormat.MXFP4,
-                    activation=ActivationSpec.gpt_oss(), gate_layout=GateLayout.INTERLEAVED, has_bias=True,
-                    act_dtype=torch.float32)
+SMALL_OSS = MoESpec(
+    num_experts=8,
+    top_k=2,
+    hidden_size=64,
+    intermediate_size=48,
+    weight_format=WeightFormat.MXFP4,
+    activation=ActivationSpec.gpt_oss(),
+    gate_layout=GateLayout.INTERLEAVED,
+    has_bias=True,
+    act_dtype=torch.float32,
+)
 
 
 def _setup(spec, t=5, seed=0):
     layer = random_layer(spec, seed=seed)
     x = random_tokens(spec, t, seed=seed + 1)
-    routing = route(torch.randn(t, spec.E, generator=torch.Generator().manual_seed(seed)), top_k=spec.K,
-                    spec=spec.routing)
+    routing = route(
+        torch.randn(t, spec.E, generator=torch.Generator().manual_seed(seed)), top_k=spec.K, spec=spec.routing
+    )
     return layer.weights, x, routing
 
 
@@ -59,7 +68,9 @@ def test_layout_conversion_preserves_the_function():
 
 def test_concat_weights_where_spec_says_interleaved_is_refused():
     weights, x, routing = _setup(SMALL_OSS)
-    with pytest.raises(LayoutMismatchError, match="CONCAT gate layout but the spec says INTERLEAVED.*to_layout"):
+    with pytest.raises(
+        LayoutMismatchError, match="CONCAT gate layout but the spec says INTERLEAVED.*to_layout"
+    ):
         fused_moe_reference(x, weights.to_layout(GateLayout.CONCAT), routing, spec=SMALL_OSS)
 
 
@@ -81,18 +92,32 @@ def test_expert_parallel_shards_sum_to_the_whole():
     for rank, owned in enumerate(([0, 2, 4, 6], [1, 3, 5, 7])):
         expert_map = torch.full((spec.E,), -1, dtype=torch.int32)
         expert_map[owned] = torch.arange(4, dtype=torch.int32)
-        local = replace(weights, w13=weights.w13[owned], w2=weights.w2[owned], b13=weights.b13[owned],
-                        b2=weights.b2[owned])
-        part = fused_moe_reference(x, local, routing, spec=replace(spec, num_local_experts=4), expert_map=expert_map)
+        local = replace(
+            weights,
+            w13=weights.w13[owned],
+            w2=weights.w2[owned],
+            b13=weights.b13[owned],
+            b2=weights.b2[owned],
+        )
+        part = fused_moe_reference(
+            x, local, routing, spec=replace(spec, num_local_experts=4), expert_map=expert_map
+        )
         assert part.abs().sum() > 0, f"rank {rank} contributed nothing"
         total += part
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
 
 
 def test_router_weight_on_input_for_k1():
-    spec = MoESpec(num_experts=4, top_k=1, hidden_size=32, intermediate_size=16, weight_format=WeightFormat.FP32,
-                   act_dtype=torch.float32, router_weight_placement=RouterWeightPlacement.INPUT,
-                   routing=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=False))  # weights != 1 at K=1
+    spec = MoESpec(
+        num_experts=4,
+        top_k=1,
+        hidden_size=32,
+        intermediate_size=16,
+        weight_format=WeightFormat.FP32,
+        act_dtype=torch.float32,
+        router_weight_placement=RouterWeightPlacement.INPUT,
+        routing=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=False),
+    )  # weights != 1 at K=1
     weights, x, routing = _setup(spec)
     assert (routing.weights < 1).all()
     out = fused_moe_reference(x, weights, routing, spec=spec)
@@ -151,14 +176,28 @@ def test_nan_scale_bytes_are_caught_on_request():
 def test_weight_container_refuses_inconsistent_parts():
     w = torch.randn(2, 8, 16)
     with pytest.raises(ShapeError, match="both biases"):
-        ExpertWeights(format=WeightFormat.FP32, gate_layout=GateLayout.CONCAT, w13=w, w2=torch.randn(2, 16, 4),
-                      b13=torch.zeros(2, 8))
+        ExpertWeights(
+            format=WeightFormat.FP32,
+            gate_layout=GateLayout.CONCAT,
+            w13=w,
+            w2=torch.randn(2, 16, 4),
+            b13=torch.zeros(2, 8),
+        )
     with pytest.raises(FormatError, match="take no scales"):
-        ExpertWeights(format=WeightFormat.FP32, gate_layout=GateLayout.CONCAT, w13=w, w2=torch.randn(2, 16, 4),
-                      w13_scale=torch.ones(2))
+        ExpertWeights(
+            format=WeightFormat.FP32,
+            gate_layout=GateLayout.CONCAT,
+            w13=w,
+            w2=torch.randn(2, 16, 4),
+            w13_scale=torch.ones(2),
+        )
     with pytest.raises(ShapeError, match="2I rows"):
-        ExpertWeights(format=WeightFormat.FP32, gate_layout=GateLayout.CONCAT, w13=torch.randn(2, 7, 16),
-                      w2=torch.randn(2, 16, 4))
+        ExpertWeights(
+            format=WeightFormat.FP32,
+            gate_layout=GateLayout.CONCAT,
+            w13=torch.randn(2, 7, 16),
+            w2=torch.randn(2, 16, 4),
+        )
 
 
 def test_reference_is_fast_enough_at_gpt_oss_20b_size():
@@ -179,5 +218,5 @@ def test_synthetic_mxfp4_tails_are_zero_codes():
     for blocks, in_dim in ((weights.w13, 70), (weights.w2, 48)):
         last = blocks[..., -1, :]
         nibbles = torch.stack([last & 0x0F, last >> 4], dim=-1).flatten(-2)  # element order: low nibble first
-        assert (nibbles[..., in_dim % 32:] == 0).all()
+        assert (nibbles[..., in_dim % 32 :] == 0).all()
         assert (nibbles[..., : in_dim % 32] != 0).any()

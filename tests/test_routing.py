@@ -5,7 +5,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekit import DTypeError, ExpertIdError, RoutingMethod, RoutingResult, RoutingSpec, ShapeError, SpecError, route
+from moekit import (
+    DTypeError,
+    ExpertIdError,
+    RoutingMethod,
+    RoutingResult,
+    RoutingSpec,
+    ShapeError,
+    SpecError,
+    route,
+)
 from moekit.routing import check_expert_map
 
 TOPK_SOFTMAX = RoutingSpec(RoutingMethod.TOPK_SOFTMAX)
@@ -22,8 +31,11 @@ def test_topk_softmax_hand_worked():
 
 def test_ties_go_to_lower_index():
     logits = torch.tensor([[0.5, 2.0, 2.0, 2.0, 1.0]])
-    for spec in (TOPK_SOFTMAX, RoutingSpec(RoutingMethod.SOFTMAX_TOPK),
-                 RoutingSpec(RoutingMethod.SIGMOID_GROUPED)):
+    for spec in (
+        TOPK_SOFTMAX,
+        RoutingSpec(RoutingMethod.SOFTMAX_TOPK),
+        RoutingSpec(RoutingMethod.SIGMOID_GROUPED),
+    ):
         assert route(logits, top_k=2, spec=spec).ids.tolist() == [[1, 2]], spec.method
 
 
@@ -51,7 +63,9 @@ def _deepseek_v3_loop(logits, bias, *, k, n_group, topk_group, factor):
         s = torch.sigmoid(row)
         choice = s + bias.double()
         per = len(row) // n_group
-        group_scores = [sorted(choice[g * per:(g + 1) * per].tolist(), reverse=True)[:2] for g in range(n_group)]
+        group_scores = [
+            sorted(choice[g * per : (g + 1) * per].tolist(), reverse=True)[:2] for g in range(n_group)
+        ]
         group_scores = [sum(v) for v in group_scores]
         keep = sorted(range(n_group), key=lambda g: (-group_scores[g], g))[:topk_group]
         cands = [e for e in range(len(row)) if e // per in keep]
@@ -65,8 +79,13 @@ def _deepseek_v3_loop(logits, bias, *, k, n_group, topk_group, factor):
 def test_sigmoid_grouped_matches_deepseek_v3_loop():
     torch.manual_seed(0)
     logits, bias = torch.randn(9, 64), torch.randn(64) * 0.3
-    spec = RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=8, topk_group=3, has_correction_bias=True,
-                       routed_scaling_factor=2.5)
+    spec = RoutingSpec(
+        RoutingMethod.SIGMOID_GROUPED,
+        n_group=8,
+        topk_group=3,
+        has_correction_bias=True,
+        routed_scaling_factor=2.5,
+    )
     r = route(logits, top_k=6, spec=spec, correction_bias=bias)
     ids, w = _deepseek_v3_loop(logits, bias, k=6, n_group=8, topk_group=3, factor=2.5)
     assert torch.equal(r.ids.long(), ids)

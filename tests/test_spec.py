@@ -48,15 +48,25 @@ def test_spec_is_frozen_and_hashable():
         (dict(weight_format=WeightFormat.FP8_E4M3), "need fp8_scale"),
         (dict(fp8_scale=Fp8Scale.PER_CHANNEL), "only applies to FP8_E4M3, not BF16"),
         (dict(act_quant=ActivationQuant.FP8_PER_TOKEN), "needs FP8_E4M3 weights"),
-        (dict(weight_format=WeightFormat.FP8_E4M3, fp8_scale=Fp8Scale.PER_CHANNEL,
-              act_quant=ActivationQuant.FP8_PER_GROUP_128), "pairs with BLOCK_128"),
+        (
+            dict(
+                weight_format=WeightFormat.FP8_E4M3,
+                fp8_scale=Fp8Scale.PER_CHANNEL,
+                act_quant=ActivationQuant.FP8_PER_GROUP_128,
+            ),
+            "pairs with BLOCK_128",
+        ),
         (dict(act_dtype=torch.int8), "act_dtype must be one of"),
         (dict(router_weight_placement=RouterWeightPlacement.INPUT), "only defined for K=1, got K=2"),
         (dict(num_local_experts=9), "num_local_experts must be None or in [1, E=8], got 9"),
-        (dict(routing=RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=3, topk_group=1)),
-         "E=8 is not divisible by n_group=3"),
-        (dict(routing=RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=8, topk_group=1)),
-         "exceeds the experts in the 1 groups kept"),
+        (
+            dict(routing=RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=3, topk_group=1)),
+            "E=8 is not divisible by n_group=3",
+        ),
+        (
+            dict(routing=RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=8, topk_group=1)),
+            "exceeds the experts in the 1 groups kept",
+        ),
     ],
 )
 def test_spec_refuses(kwargs, fragment):

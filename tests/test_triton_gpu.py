@@ -18,8 +18,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 is set in this process: Triton would not compile for the GPU",
-                allow_module_level=True)
+    pytest.skip(
+        "TRITON_INTERPRET=1 is set in this process: Triton would not compile for the GPU",
+        allow_module_level=True,
+    )
 pytest.importorskip("triton")
 
 from moekit import (  # noqa: E402
@@ -51,20 +53,47 @@ SPECS = {
     # name: (spec, why)
     "gpt-oss-20b": (preset("gpt-oss-20b"), "MXFP4, SWIGLU_OAI alpha/limit, INTERLEAVED, biases, H=I=2880"),
     "qwen3-30b-a3b": (preset("qwen3-30b-a3b"), "bf16, E=128, K=8, SILU, CONCAT"),
-    "deepseek-v3-e16": (replace(preset("deepseek-v3"), num_experts=16),
-                        "FP8 128x128 blocks + per-1x128 W8A8, H=7168, E reduced to 16"),
-    "ragged-bf16": (MoESpec(num_experts=8, top_k=2, hidden_size=2880, intermediate_size=704, has_bias=True,
-                            activation=ActivationSpec(Activation.GELU, limit=5.0)),
-                    "I=704 (not a multiple of 128), GELU with a clamp"),
-    "ragged-mxfp4": (MoESpec(num_experts=8, top_k=4, hidden_size=200, intermediate_size=704,
-                             weight_format=WeightFormat.MXFP4, activation=ActivationSpec.gpt_oss(),
-                             gate_layout=GateLayout.INTERLEAVED, has_bias=True),
-                     "H=200: ragged MXFP4 tail (200 % 32 = 8) in GEMM1"),
-    "ragged-fp8-token": (MoESpec(num_experts=8, top_k=2, hidden_size=704, intermediate_size=200,
-                                 weight_format=WeightFormat.FP8_E4M3, fp8_scale=Fp8Scale.PER_CHANNEL,
-                                 act_quant=ActivationQuant.FP8_PER_TOKEN,
-                                 activation=ActivationSpec(Activation.SILU)),
-                         "I=200, per-channel FP8 weights with per-token activations"),
+    "deepseek-v3-e16": (
+        replace(preset("deepseek-v3"), num_experts=16),
+        "FP8 128x128 blocks + per-1x128 W8A8, H=7168, E reduced to 16",
+    ),
+    "ragged-bf16": (
+        MoESpec(
+            num_experts=8,
+            top_k=2,
+            hidden_size=2880,
+            intermediate_size=704,
+            has_bias=True,
+            activation=ActivationSpec(Activation.GELU, limit=5.0),
+        ),
+        "I=704 (not a multiple of 128), GELU with a clamp",
+    ),
+    "ragged-mxfp4": (
+        MoESpec(
+            num_experts=8,
+            top_k=4,
+            hidden_size=200,
+            intermediate_size=704,
+            weight_format=WeightFormat.MXFP4,
+            activation=ActivationSpec.gpt_oss(),
+            gate_layout=GateLayout.INTERLEAVED,
+            has_bias=True,
+        ),
+        "H=200: ragged MXFP4 tail (200 % 32 = 8) in GEMM1",
+    ),
+    "ragged-fp8-token": (
+        MoESpec(
+            num_experts=8,
+            top_k=2,
+            hidden_size=704,
+            intermediate_size=200,
+            weight_format=WeightFormat.FP8_E4M3,
+            fp8_scale=Fp8Scale.PER_CHANNEL,
+            act_quant=ActivationQuant.FP8_PER_TOKEN,
+            activation=ActivationSpec(Activation.SILU),
+        ),
+        "I=200, per-channel FP8 weights with per-token activations",
+    ),
 }
 
 
@@ -74,15 +103,17 @@ def _gpu_weights(spec: MoESpec, *, seed: int, std: float = 0.02) -> ExpertWeight
     e, h, i = spec.E_local, spec.H, spec.I
     bias = {}
     if spec.has_bias:
-        bias = dict(b13=(0.05 * torch.randn(e, 2 * i, generator=gen, device=DEVICE)).to(spec.act_dtype),
-                    b2=(0.05 * torch.randn(e, h, generator=gen, device=DEVICE)).to(spec.act_dtype))
+        bias = dict(
+            b13=(0.05 * torch.randn(e, 2 * i, generator=gen, device=DEVICE)).to(spec.act_dtype),
+            b2=(0.05 * torch.randn(e, h, generator=gen, device=DEVICE)).to(spec.act_dtype),
+        )
     common = dict(format=spec.weight_format, gate_layout=spec.gate_layout, **bias)
 
     def mxfp4(n, k):
         groups = mxfp4_groups(k)
         blocks = torch.randint(0, 256, (e, n, groups, 16), generator=gen, device=DEVICE, dtype=torch.uint8)
         if k % 32:  # the padded tail of the last group holds zero codes, as a quantizer writes it
-            blocks[:, :, -1, (k % 32) // 2:] = 0
+            blocks[:, :, -1, (k % 32) // 2 :] = 0
         center = 127 + round(math.log2(std / 2.73))  # 2.73 = RMS of the E2M1 values
         scales = torch.randint(center - 1, center + 2, (e, n, groups), generator=gen, device=DEVICE)
         return blocks, scales.to(torch.uint8)
@@ -172,8 +203,10 @@ def test_fp8_activation_quantization_is_bit_exact(quant, dtype):
     bad = data.view(torch.uint8) != ref.data.view(torch.uint8)
     if bad.any():
         i, j = bad.nonzero()[0].tolist()
-        raise AssertionError(f"{int(bad.sum())} codes differ; first x[{i}, {j}] = {float(x[i, j])!r}: "
-                             f"{float(data[i, j].float())} vs {float(ref.data[i, j].float())}")
+        raise AssertionError(
+            f"{int(bad.sum())} codes differ; first x[{i}, {j}] = {float(x[i, j])!r}: "
+            f"{float(data[i, j].float())} vs {float(ref.data[i, j].float())}"
+        )
 
 
 def test_deterministic():
@@ -202,13 +235,23 @@ def test_expert_map(t):
 
 @pytest.mark.parametrize("t", [1, 300])
 def test_k1_router_weight_on_input(t):
-    spec = MoESpec(num_experts=16, top_k=1, hidden_size=2048, intermediate_size=704,
-                   router_weight_placement=RouterWeightPlacement.INPUT, routing=RoutingSpec(),
-                   activation=ActivationSpec(Activation.SILU))
+    spec = MoESpec(
+        num_experts=16,
+        top_k=1,
+        hidden_size=2048,
+        intermediate_size=704,
+        router_weight_placement=RouterWeightPlacement.INPUT,
+        routing=RoutingSpec(),
+        activation=ActivationSpec(Activation.SILU),
+    )
     weights = _gpu_weights(spec, seed=5)
     x, routing = _inputs(spec, t, seed=t)
-    _assert_close(_run(spec, weights, x, routing), fused_moe_reference(x, weights, routing, spec=spec), spec,
-                  f"K=1 INPUT T={t}")
+    _assert_close(
+        _run(spec, weights, x, routing),
+        fused_moe_reference(x, weights, routing, spec=spec),
+        spec,
+        f"K=1 INPUT T={t}",
+    )
 
 
 @pytest.mark.parametrize("t", [1, 8, 64, 256])

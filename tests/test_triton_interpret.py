@@ -57,8 +57,11 @@ try:
 except ImportError:  # pragma: no cover - layout of triton internals
     InterpretedFunction = None
 if InterpretedFunction is None or not isinstance(_jit._moe_gemm1, InterpretedFunction):
-    pytest.skip("moekit's Triton kernels were imported without TRITON_INTERPRET=1 in this process; "
-                "run this file in its own pytest process", allow_module_level=True)
+    pytest.skip(
+        "moekit's Triton kernels were imported without TRITON_INTERPRET=1 in this process; "
+        "run this file in its own pytest process",
+        allow_module_level=True,
+    )
 
 pytestmark = pytest.mark.interpret
 
@@ -72,14 +75,39 @@ TINY = TritonMoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=
 # ---------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------
-def _spec(*, fmt=WeightFormat.FP32, scale=None, quant=ActivationQuant.NONE, dtype=torch.float32, e=6, k=2,
-          h=64, i=48, act=None, layout=GateLayout.CONCAT, bias=True,
-          placement=RouterWeightPlacement.OUTPUT, e_local=None) -> MoESpec:
+def _spec(
+    *,
+    fmt=WeightFormat.FP32,
+    scale=None,
+    quant=ActivationQuant.NONE,
+    dtype=torch.float32,
+    e=6,
+    k=2,
+    h=64,
+    i=48,
+    act=None,
+    layout=GateLayout.CONCAT,
+    bias=True,
+    placement=RouterWeightPlacement.OUTPUT,
+    e_local=None,
+) -> MoESpec:
     act = act or ActivationSpec(Activation.SILU)
-    return MoESpec(num_experts=e, top_k=k, hidden_size=h, intermediate_size=i, weight_format=fmt,
-                   fp8_scale=scale, act_dtype=dtype, act_quant=quant, activation=act, gate_layout=layout,
-                   has_bias=bias, router_weight_placement=placement, routing=RoutingSpec(),
-                   num_local_experts=e_local)
+    return MoESpec(
+        num_experts=e,
+        top_k=k,
+        hidden_size=h,
+        intermediate_size=i,
+        weight_format=fmt,
+        fp8_scale=scale,
+        act_dtype=dtype,
+        act_quant=quant,
+        activation=act,
+        gate_layout=layout,
+        has_bias=bias,
+        router_weight_placement=placement,
+        routing=RoutingSpec(),
+        num_local_experts=e_local,
+    )
 
 
 def _weights(spec: MoESpec, gen: torch.Generator) -> ExpertWeights:
@@ -89,10 +117,18 @@ def _weights(spec: MoESpec, gen: torch.Generator) -> ExpertWeights:
     w2 = torch.randn(e, h, i, generator=gen) / math.sqrt(i)
     bias = {}
     if spec.has_bias:
-        bias = dict(b13=(0.3 * torch.randn(e, 2 * i, generator=gen)).to(spec.act_dtype),
-                    b2=(0.3 * torch.randn(e, h, generator=gen)).to(spec.act_dtype))
-    return ExpertWeights.from_float(w13=w13, w2=w2, format=spec.weight_format, gate_layout=spec.gate_layout,
-                                    fp8_scale=spec.fp8_scale, **bias)
+        bias = dict(
+            b13=(0.3 * torch.randn(e, 2 * i, generator=gen)).to(spec.act_dtype),
+            b2=(0.3 * torch.randn(e, h, generator=gen)).to(spec.act_dtype),
+        )
+    return ExpertWeights.from_float(
+        w13=w13,
+        w2=w2,
+        format=spec.weight_format,
+        gate_layout=spec.gate_layout,
+        fp8_scale=spec.fp8_scale,
+        **bias,
+    )
 
 
 def _routing(spec: MoESpec, t: int, gen: torch.Generator) -> RoutingResult:
@@ -163,13 +199,15 @@ def test_align_invariants(t, k, e, e_local, bm, why, use_kernel):
         expert_map[owners] = torch.arange(e_local, dtype=torch.int32)
         n_local = e_local
     with _poisoned_allocations():
-        a = align_routing(ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map,
-                          use_kernel=use_kernel)
+        a = align_routing(
+            ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map, use_kernel=use_kernel
+        )
     local = ids.reshape(-1).long() if expert_map is None else expert_map.long()[ids.reshape(-1).long()]
     assert torch.equal(a.pair_expert, local.to(torch.int32))
     num_pairs = t * k
-    assert a.num_pairs == num_pairs and a.max_blocks == max_blocks_bound(num_pairs=num_pairs,
-                                                                       num_local_experts=n_local, block_m=bm)
+    assert a.num_pairs == num_pairs and a.max_blocks == max_blocks_bound(
+        num_pairs=num_pairs, num_local_experts=n_local, block_m=bm
+    )
     counts = torch.bincount(local[local >= 0], minlength=n_local)
     assert torch.equal(a.expert_counts.long(), counts)
     blocks = int(sum(math.ceil(c / bm) for c in counts.tolist()))
@@ -205,7 +243,7 @@ def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult):
     x = torch.randn(6, 200, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)  # ragged last group
     x[1] = 0.0  # amax 0: scale 1
     # Row 2: amax 448 -> scale 1, so these land exactly on E4M3 midpoints (ties go to even) or subnormals.
-    ties = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 19.0, 232.0, -1.0625, 0.00146484375, -0.0, 2.0 ** -10])
+    ties = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 19.0, 232.0, -1.0625, 0.00146484375, -0.0, 2.0**-10])
     x[2] = 0.5
     x[2, : ties.numel()] = ties
     mult = (torch.rand(6, generator=gen) + 0.5) if with_row_mult else None
@@ -220,16 +258,24 @@ def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult):
 # ---------------------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------------------
-ACTIVATIONS = [ActivationSpec(kind, alpha=1.702 if kind is Activation.SWIGLU_OAI else None, limit=limit)
-               for kind in Activation for limit in (None, 0.75)]  # 0.75 clamps a good share of values
+ACTIVATIONS = [
+    ActivationSpec(kind, alpha=1.702 if kind is Activation.SWIGLU_OAI else None, limit=limit)
+    for kind in Activation
+    for limit in (None, 0.75)
+]  # 0.75 clamps a good share of values
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: a.describe().replace(" ", "_"))
 @pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
-@pytest.mark.parametrize(("bias", "placement"), [(True, RouterWeightPlacement.OUTPUT),
-                                                 (False, RouterWeightPlacement.OUTPUT),
-                                                 (True, RouterWeightPlacement.INPUT)],
-                         ids=["bias-output", "nobias-output", "bias-input"])
+@pytest.mark.parametrize(
+    ("bias", "placement"),
+    [
+        (True, RouterWeightPlacement.OUTPUT),
+        (False, RouterWeightPlacement.OUTPUT),
+        (True, RouterWeightPlacement.INPUT),
+    ],
+    ids=["bias-output", "nobias-output", "bias-input"],
+)
 def test_every_activation_layout_bias_placement_fp32(act, layout, bias, placement):
     # fp32 weights and activations: the kernel's arithmetic is exact up to summation order, so a wrong
     # clamp, a swapped gate/up, a missing bias or a misplaced router weight shows far above 1e-5.
@@ -250,8 +296,13 @@ FORMATS = [
     (WeightFormat.FP8_E4M3, Fp8Scale.PER_TENSOR, ActivationQuant.FP8_PER_TOKEN, torch.float32, "W8A8 token"),
     (WeightFormat.FP8_E4M3, Fp8Scale.PER_CHANNEL, ActivationQuant.FP8_PER_TOKEN, torch.float16, "W8A8 fp16"),
     (WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_TOKEN, torch.float32, "W8A8 mixed"),
-    (WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128, torch.float32,
-     "DeepSeek-V3 W8A8"),
+    (
+        WeightFormat.FP8_E4M3,
+        Fp8Scale.BLOCK_128,
+        ActivationQuant.FP8_PER_GROUP_128,
+        torch.float32,
+        "DeepSeek-V3 W8A8",
+    ),
 ]
 # Per format: one row per layout, alternating activation/limit/bias/placement so that every format meets
 # clamped and unclamped, biased and unbiased, INPUT and OUTPUT placement. H=200 / I=136 (ragged against
@@ -259,8 +310,13 @@ FORMATS = [
 FORMAT_VARIANTS = [
     dict(layout=GateLayout.CONCAT, act=ActivationSpec(Activation.SILU, limit=0.75), bias=False, k=2),
     dict(layout=GateLayout.INTERLEAVED, act=ActivationSpec.gpt_oss(), bias=True, h=200, i=136, k=3),
-    dict(layout=GateLayout.INTERLEAVED, act=ActivationSpec(Activation.GELU_TANH), bias=True, k=1,
-         placement=RouterWeightPlacement.INPUT),
+    dict(
+        layout=GateLayout.INTERLEAVED,
+        act=ActivationSpec(Activation.GELU_TANH),
+        bias=True,
+        k=1,
+        placement=RouterWeightPlacement.INPUT,
+    ),
 ]
 
 
@@ -310,8 +366,9 @@ def test_all_tokens_on_one_expert(k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_expert_map_drops_other_ranks(k):
     # 8 global experts, 4 on this rank; about half of the pairs belong to other ranks and add zero.
-    spec = _spec(dtype=torch.float32, e=8, e_local=4, k=k, layout=GateLayout.INTERLEAVED,
-                 act=ActivationSpec.gpt_oss())
+    spec = _spec(
+        dtype=torch.float32, e=8, e_local=4, k=k, layout=GateLayout.INTERLEAVED, act=ActivationSpec.gpt_oss()
+    )
     expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
     got, expected = _check_layer(spec, t=17, expert_map=expert_map, seed=k)
     assert expected.abs().sum() > 0
@@ -321,8 +378,15 @@ def test_mxfp4_ragged_tail_and_padding_bytes_are_never_data():
     # H = 200 and I = 72 leave 8 elements of padding in the last 32-group of every row. Fill that
     # padding with code 6.0 and put 0xFF (NaN) scale bytes and 0x77 blocks right after each row's
     # last group (the weights are views into wider buffers): none of it may reach the output.
-    spec = _spec(fmt=WeightFormat.MXFP4, dtype=torch.float32, h=200, i=72, layout=GateLayout.INTERLEAVED,
-                 act=ActivationSpec.gpt_oss(), k=2)
+    spec = _spec(
+        fmt=WeightFormat.MXFP4,
+        dtype=torch.float32,
+        h=200,
+        i=72,
+        layout=GateLayout.INTERLEAVED,
+        act=ActivationSpec.gpt_oss(),
+        k=2,
+    )
     clean = _weights(spec, torch.Generator().manual_seed(5))
 
     def dirty(blocks, scales, in_dim):
@@ -332,7 +396,7 @@ def test_mxfp4_ragged_tail_and_padding_bytes_are_never_data():
         wide_b[:, :, :g] = blocks
         wide_s[:, :, :g] = scales
         tail = in_dim % 32
-        wide_b[:, :, g - 1, tail // 2:] = 0x77  # padded elements of the last group (tail is even here)
+        wide_b[:, :, g - 1, tail // 2 :] = 0x77  # padded elements of the last group (tail is even here)
         return wide_b[:, :, :g], wide_s[:, :, :g]
 
     w13, s13 = dirty(clean.w13, clean.w13_scale, spec.H)
@@ -344,16 +408,30 @@ def test_mxfp4_ragged_tail_and_padding_bytes_are_never_data():
 
 def test_default_configs_run():
     for t in (1, 17):
-        spec = _spec(fmt=WeightFormat.MXFP4, dtype=torch.float16, layout=GateLayout.INTERLEAVED,
-                     act=ActivationSpec.gpt_oss())
+        spec = _spec(
+            fmt=WeightFormat.MXFP4,
+            dtype=torch.float16,
+            layout=GateLayout.INTERLEAVED,
+            act=ActivationSpec.gpt_oss(),
+        )
         _check_layer(spec, t=t, config=default_config(spec, t))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # configs and capabilities (no kernels)
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_n=48), dict(block_k=0), dict(group_m=3),
-                                 dict(num_warps=32), dict(num_stages=0), dict(block_m=True)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_m=8),
+        dict(block_n=48),
+        dict(block_k=0),
+        dict(group_m=3),
+        dict(num_warps=32),
+        dict(num_stages=0),
+        dict(block_m=True),
+    ],
+)
 def test_bad_configs_are_refused(bad):
     with pytest.raises(SpecError):
         TritonMoEConfig(**bad)

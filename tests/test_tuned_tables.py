@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import filelock
 import pytest
-from fake_kernels import SiluGeluOnlyKernel
 
 import moekit
+from fake_kernels import SiluGeluOnlyKernel
 from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
 from moekit.plan import ConfigSource, plan
@@ -23,7 +23,9 @@ CONFIG = default_registry().get("torch_grouped").default_config(SPEC, Problem(1,
 
 
 def _row(tokens=1, kernel="torch_grouped", config=None, spec=SPEC, device="cpu"):
-    row = row_to_json(spec=spec, device=device, triton=triton_version(), tokens=tokens, kernel=kernel, config=CONFIG)
+    row = row_to_json(
+        spec=spec, device=device, triton=triton_version(), tokens=tokens, kernel=kernel, config=CONFIG
+    )
     if config is not None:
         row["config"] = config
     return row
@@ -35,7 +37,17 @@ def _write(path, rows):
 
 
 def test_token_buckets():
-    assert [token_bucket(t) for t in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+    assert [token_bucket(t) for t in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [
+        1,
+        1,
+        2,
+        4,
+        4,
+        8,
+        1024,
+        1024,
+        2048,
+    ]
 
 
 def test_each_bad_row_is_reported_once_by_name_and_the_rest_loads(tmp_path):
@@ -52,7 +64,8 @@ def test_each_bad_row_is_reported_once_by_name_and_the_rest_loads(tmp_path):
         missing_field,
         bad_spec,
         "not a row",
-        _row(tokens=128), _row(tokens=128),  # duplicate key: ambiguous, neither used
+        _row(tokens=128),
+        _row(tokens=128),  # duplicate key: ambiguous, neither used
         _row(tokens=256),  # good
     ]
     tables = load_tables([_write(tmp_path / "t.json", rows)], registry=REGISTRY)
@@ -60,18 +73,27 @@ def test_each_bad_row_is_reported_once_by_name_and_the_rest_loads(tmp_path):
     origins = [r.origin.rsplit("#", 1)[1] for r in tables.rejected]
     assert origins == ["row 1", "row 2", "row 3", "row 4", "row 5", "row 6", "row 7", "row 8", "row 9"]
     reasons = " | ".join(r.reason for r in tables.rejected)
-    for fragment in ("unknown kernel 'no_such_kernel'", "use_grouped_mm must be a bool",
-                     "unknown fields ['block_m']", "activation SWIGLU_OAI not in GELU/SILU",
-                     "missing fields ['kernel']", "'relu' is not a valid Activation", "a row must be an object",
-                     "duplicate key"):
+    for fragment in (
+        "unknown kernel 'no_such_kernel'",
+        "use_grouped_mm must be a bool",
+        "unknown fields ['block_m']",
+        "activation SWIGLU_OAI not in GELU/SILU",
+        "missing fields ['kernel']",
+        "'relu' is not a valid Activation",
+        "a row must be an object",
+        "duplicate key",
+    ):
         assert fragment in reasons
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("{not json", "unreadable table"),
-    (json.dumps({"schema_version": 99, "rows": []}), "schema_version=99"),
-    (json.dumps([1, 2]), "got schema_version='list'"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("{not json", "unreadable table"),
+        (json.dumps({"schema_version": 99, "rows": []}), "schema_version=99"),
+        (json.dumps([1, 2]), "got schema_version='list'"),
+    ],
+)
 def test_malformed_files_are_reported_and_other_tables_still_load(tmp_path, text, fragment):
     bad = tmp_path / "bad.json"
     bad.write_text(text)
@@ -83,8 +105,10 @@ def test_malformed_files_are_reported_and_other_tables_still_load(tmp_path, text
 
 
 def test_precedence_shipped_then_env_then_argument(tmp_path, monkeypatch):
-    env_table = _write(tmp_path / "env.json", [_row(tokens=1, config={"use_grouped_mm": True}),
-                                                 _row(tokens=2, config={"use_grouped_mm": True})])
+    env_table = _write(
+        tmp_path / "env.json",
+        [_row(tokens=1, config={"use_grouped_mm": True}), _row(tokens=2, config={"use_grouped_mm": True})],
+    )
     arg_table = _write(tmp_path / "arg.json", [_row(tokens=1, kernel="reference", config={})])
     monkeypatch.setenv(ENV_VAR, str(env_table))
     p1 = plan(SPEC, num_tokens=1, device="cpu", tuned=arg_table)

@@ -19,6 +19,7 @@ from moekit.errors import (
     TunedTableError,
     UnsupportedSpecError,
 )
+from moekit.layer import FusedMoE, PlanOptions, WarmupReport
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import ConfigSource, Plan, plan
 from moekit.presets import PRESETS, preset
@@ -43,6 +44,9 @@ __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
     "ConfigSource",
+    "FusedMoE",
+    "PlanOptions",
+    "WarmupReport",
     "Plan",
     "fused_moe",
     "plan",

@@ -77,7 +77,6 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     k = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm_s = _median_seconds(lambda: m @ k, device, repeats=10)
-    del a, b, m, k
     return Ceilings(copy_bytes_per_s=2 * n / copy_s, bf16_flops_per_s=2 * 8192**3 / mm_s)
 
 
@@ -120,8 +119,10 @@ def _flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: 
     (graph[flush; fn] x n - graph[flush] x n) / n, medians of event-timed replays."""
     with_fn, _ = _graph(fn, device, repeats=repeats, flush=flush)
     only_flush, _ = _graph(None, device, repeats=repeats, flush=flush)
-    return (_median_seconds(with_fn.replay, device, repeats=1) - _median_seconds(only_flush.replay, device,
-                                                                                   repeats=1)) / repeats
+    return (
+        _median_seconds(with_fn.replay, device, repeats=1)
+        - _median_seconds(only_flush.replay, device, repeats=1)
+    ) / repeats
 
 
 def bench_preset(
@@ -188,10 +189,20 @@ def _record(name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings) -> Ben
     flops = 2.0 * t * spec.K * 3 * spec.H * spec.I
     roofline = max((weight_bytes + act_bytes) / ceilings.copy_bytes_per_s, flops / ceilings.bf16_flops_per_s)
     return BenchRecord(
-        preset=name, kernel=chosen.kernel, config=chosen.config.as_dict(), tokens=t, experts_hit=hit,
-        us=seconds * 1e6, weight_bytes=weight_bytes, flops=flops, roofline_us=roofline * 1e6,
-        pct_roofline=100 * roofline / seconds, tb_per_s=weight_bytes / seconds / 1e12,
-        tflops=flops / seconds / 1e12, rel_l2=rel, ok=rel <= TOLERANCE[spec.act_dtype],
+        preset=name,
+        kernel=chosen.kernel,
+        config=chosen.config.as_dict(),
+        tokens=t,
+        experts_hit=hit,
+        us=seconds * 1e6,
+        weight_bytes=weight_bytes,
+        flops=flops,
+        roofline_us=roofline * 1e6,
+        pct_roofline=100 * roofline / seconds,
+        tb_per_s=weight_bytes / seconds / 1e12,
+        tflops=flops / seconds / 1e12,
+        rel_l2=rel,
+        ok=rel <= TOLERANCE[spec.act_dtype],
     )
 
 

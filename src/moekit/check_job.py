@@ -50,8 +50,12 @@ def check_preset(
 ) -> list[CheckRecord]:
     spec = preset(name)
     if max_experts is not None and spec.E > max_experts:
-        spec = replace(spec, num_experts=max_experts, top_k=min(spec.K, max_experts),
-                       routing=_shrunk_routing(spec, max_experts))
+        spec = replace(
+            spec,
+            num_experts=max_experts,
+            top_k=min(spec.K, max_experts),
+            routing=_shrunk_routing(spec, max_experts),
+        )
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     records: list[CheckRecord] = []
@@ -59,12 +63,16 @@ def check_preset(
     for kernel in default_registry():
         reason = kernel.supports(spec, Problem(num_tokens=max(tokens), device=info))
         if reason is not None:
-            records.append(CheckRecord(name, spec.describe(), kernel.name, 0, None, tolerance, refused=reason))
+            records.append(
+                CheckRecord(name, spec.describe(), kernel.name, 0, None, tolerance, refused=reason)
+            )
             if progress:
                 progress(len(tokens))
             continue
         base = plan(spec, num_tokens=max(tokens), device=info)
-        chosen = replace(base, kernel=kernel.name, config=kernel.default_config(spec, Problem(max(tokens), info)))
+        chosen = replace(
+            base, kernel=kernel.name, config=kernel.default_config(spec, Problem(max(tokens), info))
+        )
         weights = prepare_weights(layer.weights, chosen)
         for t in tokens:
             x = random_tokens(spec, t, seed=t, device=device)
@@ -74,8 +82,11 @@ def check_preset(
             per_t = replace(chosen, num_tokens=t, config=kernel.default_config(spec, Problem(t, info)))
             poison_allocator(device, num_bytes=4 * t * spec.K * (2 * spec.I + spec.H) + (1 << 20))
             out = fused_moe(x, weights, routing, plan=per_t)
-            records.append(CheckRecord(name, spec.describe(), kernel.name, t, relative_l2_error(out, expected),
-                                       tolerance))
+            records.append(
+                CheckRecord(
+                    name, spec.describe(), kernel.name, t, relative_l2_error(out, expected), tolerance
+                )
+            )
             if progress:
                 progress(1)
         del weights

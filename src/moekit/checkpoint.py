@@ -129,8 +129,10 @@ class GptOssLayer:
         w = self.weights
         if not isinstance(w, ExpertWeights) or w.format is not WeightFormat.MXFP4:
             got = w.format.name if isinstance(w, ExpertWeights) else type(w).__name__
-            raise DTypeError(f"GptOssLayer.weights must be MXFP4 ExpertWeights, got {got}; "
-                             "quantize with ExpertWeights.from_float(format=WeightFormat.MXFP4, ...)")
+            raise DTypeError(
+                f"GptOssLayer.weights must be MXFP4 ExpertWeights, got {got}; "
+                "quantize with ExpertWeights.from_float(format=WeightFormat.MXFP4, ...)"
+            )
         if w.packing is not WeightPacking.CHECKPOINT:
             raise LayoutMismatchError(
                 f"GptOssLayer holds MXFP4 blocks and scales in CHECKPOINT packing, got {w.packing.name}; "
@@ -164,10 +166,15 @@ class GptOssLayer:
         """The `MoESpec` of this layer: E, H, I from the tensors; K=4 and SWIGLU_OAI alpha 1.702 limit 7.0
         as both gpt-oss-20b and gpt-oss-120b use (pass `top_k` / `activation` for other configs)."""
         return MoESpec(
-            num_experts=self.weights.num_experts, top_k=top_k, hidden_size=self.weights.H,
-            intermediate_size=self.weights.I, weight_format=WeightFormat.MXFP4, act_dtype=act_dtype,
+            num_experts=self.weights.num_experts,
+            top_k=top_k,
+            hidden_size=self.weights.H,
+            intermediate_size=self.weights.I,
+            weight_format=WeightFormat.MXFP4,
+            act_dtype=act_dtype,
             activation=ActivationSpec.gpt_oss() if activation is None else activation,
-            gate_layout=GateLayout.INTERLEAVED, has_bias=True,
+            gate_layout=GateLayout.INTERLEAVED,
+            has_bias=True,
             routing=RoutingSpec(RoutingMethod.TOPK_SOFTMAX),
         )
 
@@ -219,8 +226,10 @@ def _resolve(path: Path) -> _Files:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = sorted(set(weight_map.values()))
-        return _Files({k: path / v for k, v in weight_map.items()},
-                      searched=f"index {index} ({len(files)} files: {', '.join(files)})")
+        return _Files(
+            {k: path / v for k, v in weight_map.items()},
+            searched=f"index {index} ({len(files)} files: {', '.join(files)})",
+        )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} holds no *.safetensors file and no {INDEX_FILE}")
@@ -278,9 +287,14 @@ def _expected_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int,
         raise CheckpointError(f"cannot infer E, 2I, H from the tensor shapes {shapes}; 2I must be even")
     g_h, g_i = mxfp4_groups(h), mxfp4_groups(two_i // 2)
     return {
-        "w13": (e, two_i, g_h, 16), "w13_scale": (e, two_i, g_h), "b13": (e, two_i),
-        "w2": (e, h, g_i, 16), "w2_scale": (e, h, g_i), "b2": (e, h),
-        "router_weight": (e, h), "router_bias": (e,),
+        "w13": (e, two_i, g_h, 16),
+        "w13_scale": (e, two_i, g_h),
+        "b13": (e, two_i),
+        "w2": (e, h, g_i, 16),
+        "w2_scale": (e, h, g_i),
+        "b2": (e, h),
+        "router_weight": (e, h),
+        "router_bias": (e,),
     }
 
 
@@ -290,8 +304,10 @@ def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, 
     if missing:
         hint = ""
         if any(k.removesuffix("_blocks") in files.key_to_file for k in missing if k.endswith("_blocks")):
-            hint = (" The checkpoint stores dequantized float experts instead; build the weights with "
-                    "ExpertWeights.from_float or moekit.hf_convert.")
+            hint = (
+                " The checkpoint stores dequantized float experts instead; build the weights with "
+                "ExpertWeights.from_float or moekit.hf_convert."
+            )
         raise CheckpointError(f"missing tensor(s) {missing} in {files.searched}.{hint}")
     shapes: dict[str, tuple[int, ...]] = {}
     by_file: dict[Path, list[str]] = {}
@@ -371,12 +387,23 @@ def load_gpt_oss_layer(
         except FormatError as exc:
             raise CheckpointError(str(exc)) from exc
     weights = ExpertWeights(
-        format=WeightFormat.MXFP4, gate_layout=GateLayout.INTERLEAVED,
-        w13=tensors["w13"], w13_scale=tensors["w13_scale"], w2=tensors["w2"], w2_scale=tensors["w2_scale"],
-        b13=tensors["b13"], b2=tensors["b2"], hidden_size=shapes["w2"][1],
+        format=WeightFormat.MXFP4,
+        gate_layout=GateLayout.INTERLEAVED,
+        w13=tensors["w13"],
+        w13_scale=tensors["w13_scale"],
+        w2=tensors["w2"],
+        w2_scale=tensors["w2_scale"],
+        b13=tensors["b13"],
+        b2=tensors["b2"],
+        hidden_size=shapes["w2"][1],
     )
-    return GptOssLayer(weights=weights, router_weight=tensors["router_weight"],
-                       router_bias=tensors["router_bias"], naming=naming, layer=layer)
+    return GptOssLayer(
+        weights=weights,
+        router_weight=tensors["router_weight"],
+        router_bias=tensors["router_bias"],
+        naming=naming,
+        layer=layer,
+    )
 
 
 def gpt_oss_layer_tensors(

@@ -34,55 +34,90 @@ against a pure-PyTorch reference.
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moekit", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="moekit", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = sub.add_parser("run", help="run one MoE layer on random tokens, time it and self-check it",
-                         description="Build a layer (a preset with random weights, or a checkpoint layer), "
-                                     "route random tokens through it, time it and check it against an "
-                                     "independent float64 spelling of the math.")
-    run.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
-                     help=f"model shapes to build with random weights (default: {DEFAULT_PRESET})")
-    run.add_argument("--checkpoint", type=Path, default=None,
-                     help="a GPT-OSS safetensors file or directory (OpenAI or Hugging Face naming)")
+    run = sub.add_parser(
+        "run",
+        help="run one MoE layer on random tokens, time it and self-check it",
+        description="Build a layer (a preset with random weights, or a checkpoint layer), "
+        "route random tokens through it, time it and check it against an "
+        "independent float64 spelling of the math.",
+    )
+    run.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        choices=sorted(PRESETS),
+        help=f"model shapes to build with random weights (default: {DEFAULT_PRESET})",
+    )
+    run.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="a GPT-OSS safetensors file or directory (OpenAI or Hugging Face naming)",
+    )
     run.add_argument("--layer", type=int, default=0, help="layer index in --checkpoint (default: 0)")
     run.add_argument("--tokens", type=int, default=4, help="tokens in the batch, T (default: 4)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     run.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
-    explain = sub.add_parser("explain", help="show which kernel and config a spec gets, and what was refused",
-                             description="Plan a layer the way moekit does when it is built, and print the "
-                                         "chosen kernel, where its config came from, every refused "
-                                         "candidate with its reason, and every rejected tuned row. Start "
-                                         "from a preset; any spec flag overrides that field.")
-    explain.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
-                         help=f"model spec to start from (default: {DEFAULT_PRESET})")
+    explain = sub.add_parser(
+        "explain",
+        help="show which kernel and config a spec gets, and what was refused",
+        description="Plan a layer the way moekit does when it is built, and print the "
+        "chosen kernel, where its config came from, every refused "
+        "candidate with its reason, and every rejected tuned row. Start "
+        "from a preset; any spec flag overrides that field.",
+    )
+    explain.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        choices=sorted(PRESETS),
+        help=f"model spec to start from (default: {DEFAULT_PRESET})",
+    )
     explain.add_argument("--tokens", type=int, default=1, help="tokens per forward, T (default: 1)")
-    explain.add_argument("--device", default=None,
-                         help="cpu, cuda, or a simulated GPU to plan for without one: "
-                              + ", ".join(sorted(SIMULATED_DEVICES)) + " (default: cuda if present, else cpu)")
-    explain.add_argument("--table", type=Path, default=None, help="a tuned table to merge over the shipped ones")
+    explain.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, or a simulated GPU to plan for without one: "
+        + ", ".join(sorted(SIMULATED_DEVICES))
+        + " (default: cuda if present, else cpu)",
+    )
+    explain.add_argument(
+        "--table", type=Path, default=None, help="a tuned table to merge over the shipped ones"
+    )
     explain.add_argument("--strict", action="store_true", help="fail instead of falling back")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
     add_spec_flags(explain)
 
-    check = sub.add_parser("check", help="check every capable kernel on this device against the reference",
-                           description="For a preset (or all presets), run every registered kernel that can "
-                                       "compute the spec on this device, at several token counts, and compare "
-                                       "with the fp32 reference. Kernels that refuse are listed with the reason.")
+    check = sub.add_parser(
+        "check",
+        help="check every capable kernel on this device against the reference",
+        description="For a preset (or all presets), run every registered kernel that can "
+        "compute the spec on this device, at several token counts, and compare "
+        "with the fp32 reference. Kernels that refuse are listed with the reason.",
+    )
     check.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     check.add_argument("--all", action="store_true", help="check every preset")
     check.add_argument("--tokens", default="1,7,64", help="comma-separated token counts (default: 1,7,64)")
-    check.add_argument("--max-experts", type=int, default=None,
-                       help="cap E so the weights fit (default: none on a GPU, 8 on a CPU)")
+    check.add_argument(
+        "--max-experts",
+        type=int,
+        default=None,
+        help="cap E so the weights fit (default: none on a GPU, 8 on a CPU)",
+    )
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
     check.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
-    bench = sub.add_parser("bench", help="time whole layers on the GPU against the roofline and the baseline",
-                           description="Per preset and token count: microseconds per layer (CUDA-graph replay, "
-                                       "L2 flushed), TB/s, TFLOP/s, %% of the roofline measured in the same run, "
-                                       "and the ratio to the unfused torch._grouped_mm baseline. Needs CUDA.")
+    bench = sub.add_parser(
+        "bench",
+        help="time whole layers on the GPU against the roofline and the baseline",
+        description="Per preset and token count: microseconds per layer (CUDA-graph replay, "
+        "L2 flushed), TB/s, TFLOP/s, %% of the roofline measured in the same run, "
+        "and the ratio to the unfused torch._grouped_mm baseline. Needs CUDA.",
+    )
     bench.add_argument("--preset", default="gpt-oss-120b", help="comma-separated presets")
     bench.add_argument("--tokens", default=",".join(str(t) for t in (1, 8, 64, 512, 4096)))
     bench.add_argument("--json", type=Path, default=None, help="write every figure to this file")
@@ -93,8 +128,14 @@ def _build_parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     from moekit.run_job import run_job
 
-    report = run_job(preset_name=args.preset, checkpoint=args.checkpoint, layer=args.layer,
-                     num_tokens=args.tokens, seed=args.seed, device=args.device)
+    report = run_job(
+        preset_name=args.preset,
+        checkpoint=args.checkpoint,
+        layer=args.layer,
+        num_tokens=args.tokens,
+        seed=args.seed,
+        device=args.device,
+    )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return 0 if report.check_passed else 1
@@ -109,8 +150,11 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     clock = "CUDA events, mean of 20" if report.device.startswith("cuda") else "wall clock, one call"
     table.add_row("forward time", f"{report.seconds * 1e3:.3f} ms ({clock})")
     verdict = "[green]PASS[/green]" if report.check_passed else "[red]FAIL[/red]"
-    table.add_row("self-check", f"{verdict}: rel L2 {report.check_rel_l2:.2e} <= {report.check_tolerance:g} "
-                                f"vs {report.check_against} on {report.check_tokens} tokens")
+    table.add_row(
+        "self-check",
+        f"{verdict}: rel L2 {report.check_rel_l2:.2e} <= {report.check_tolerance:g} "
+        f"vs {report.check_against} on {report.check_tokens} tokens",
+    )
     console.print(table)
     return 0 if report.check_passed else 1
 
@@ -119,8 +163,9 @@ def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
     from moekit.plan import plan
 
     spec = spec_from_flags(args)
-    result = plan(spec, num_tokens=args.tokens, device=resolve_device(args.device), tuned=args.table,
-                  strict=args.strict)
+    result = plan(
+        spec, num_tokens=args.tokens, device=resolve_device(args.device), tuned=args.table, strict=args.strict
+    )
     if args.json:
         print(json.dumps(plan_as_dict(result), indent=2))
     else:
@@ -154,8 +199,13 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
         task = progress.add_task("checking", total=len(names) * len(default_registry()) * len(tokens))
         for name in names:
             progress.update(task, description=f"checking {name}")
-            records += check_preset(name, tokens=tokens, device=device, max_experts=cap,
-                                    progress=lambda n: progress.advance(task, n))
+            records += check_preset(
+                name,
+                tokens=tokens,
+                device=device,
+                max_experts=cap,
+                progress=lambda n: progress.advance(task, n),
+            )
     if args.json:
         print(json.dumps([dict(r.__dict__, passed=r.passed) for r in records], indent=1))
     else:
@@ -168,7 +218,9 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
                 table.add_row(r.preset, r.kernel, "-", "-", "-", f"[yellow]refused[/yellow]: {r.refused}")
             else:
                 verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
-                table.add_row(r.preset, r.kernel, str(r.tokens), f"{r.rel_l2:.2e}", f"{r.tolerance:g}", verdict)
+                table.add_row(
+                    r.preset, r.kernel, str(r.tokens), f"{r.rel_l2:.2e}", f"{r.tolerance:g}", verdict
+                )
         console.print(table)
     return 0 if all(r.passed for r in records) else 1
 
@@ -182,8 +234,10 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         raise SpecError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
-    console.print(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
-                  f"bf16 matmul {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+    console.print(
+        f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
+        f"bf16 matmul {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s"
+    )
     records = []
     for name in args.preset.split(","):
         records += bench_preset(name, tokens=_tokens(args.tokens), ceilings=ceilings, device=device)
@@ -191,8 +245,16 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     for col in ("preset", "T", "kernel", "µs", "TB/s", "TFLOP/s", "% roofline", "rel L2"):
         table.add_column(col)
     for r in records:
-        table.add_row(r.preset, str(r.tokens), r.kernel, f"{r.us:.1f}", f"{r.tb_per_s:.2f}", f"{r.tflops:.1f}",
-                      f"{r.pct_roofline:.0f}", f"{r.rel_l2:.1e}")
+        table.add_row(
+            r.preset,
+            str(r.tokens),
+            r.kernel,
+            f"{r.us:.1f}",
+            f"{r.tb_per_s:.2f}",
+            f"{r.tflops:.1f}",
+            f"{r.pct_roofline:.0f}",
+            f"{r.rel_l2:.1e}",
+        )
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(records_as_json(records, ceilings), indent=1))

@@ -58,8 +58,12 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
 def spec_from_flags(args: argparse.Namespace):
     spec = preset(args.preset)
     fields: dict = {}
-    for flag, name in (("experts", "num_experts"), ("top_k", "top_k"), ("hidden", "hidden_size"),
-                       ("intermediate", "intermediate_size")):
+    for flag, name in (
+        ("experts", "num_experts"),
+        ("top_k", "top_k"),
+        ("hidden", "hidden_size"),
+        ("intermediate", "intermediate_size"),
+    ):
         if getattr(args, flag) is not None:
             fields[name] = getattr(args, flag)
     if args.weight_format:
@@ -82,7 +86,9 @@ def spec_from_flags(args: argparse.Namespace):
     act = spec.activation
     if args.activation or args.alpha is not None or args.limit is not None or args.no_limit:
         kind = Activation(args.activation) if args.activation else act.kind
-        alpha = args.alpha if args.alpha is not None else (act.alpha if kind is Activation.SWIGLU_OAI else None)
+        alpha = (
+            args.alpha if args.alpha is not None else (act.alpha if kind is Activation.SWIGLU_OAI else None)
+        )
         if kind is Activation.SWIGLU_OAI and alpha is None:
             alpha = 1.702
         limit = None if args.no_limit else args.limit if args.limit is not None else act.limit
@@ -96,14 +102,22 @@ def resolve_device(name: str | None) -> DeviceInfo:
     if name.lower() in SIMULATED_DEVICES:
         return SIMULATED_DEVICES[name.lower()]
     if name == "cuda" and not torch.cuda.is_available():
-        raise SpecError(f"no CUDA device here; plan for a simulated one with --device {{{','.join(SIMULATED_DEVICES)}}}")
+        raise SpecError(
+            f"no CUDA device here; plan for a simulated one with --device {{{','.join(SIMULATED_DEVICES)}}}"
+        )
     return DeviceInfo.of(name)
 
 
 def plan_as_dict(p: Plan) -> dict:
     return {
-        "spec": p.spec.describe(), "num_tokens": p.num_tokens, "bucket": p.bucket, "device": p.device.describe(),
-        "kernel": p.kernel, "config": p.config.as_dict(), "source": p.source.name, "row_origin": p.row_origin,
+        "spec": p.spec.describe(),
+        "num_tokens": p.num_tokens,
+        "bucket": p.bucket,
+        "device": p.device.describe(),
+        "kernel": p.kernel,
+        "config": p.config.as_dict(),
+        "source": p.source.name,
+        "row_origin": p.row_origin,
         "refused": [{"kernel": r.kernel, "reason": r.reason} for r in p.refused],
         "rejected_rows": [{"origin": r.origin, "reason": r.reason} for r in p.rejected_rows],
         "tables": list(p.table_sources),

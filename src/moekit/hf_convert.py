@@ -86,8 +86,9 @@ def spec_from_hf_config(
     if model_type == "gpt_oss":
         alpha = getattr(config, "swiglu_alpha", None)
         activation = ActivationSpec(
-            Activation.SWIGLU_OAI, alpha=_GPT_OSS_ALPHA_BEFORE_V5 if alpha is None else float(alpha),
-            limit=None if config.swiglu_limit is None else float(config.swiglu_limit),
+            Activation.SWIGLU_OAI,
+            alpha=_GPT_OSS_ALPHA_BEFORE_V5 if alpha is None else float(alpha),
+            limit=None if _swiglu_limit(config) is None else float(_swiglu_limit(config)),
         )
         sizes = dict(num_experts=config.num_local_experts, intermediate_size=config.intermediate_size)
         routing = RoutingSpec(RoutingMethod.TOPK_SOFTMAX)
@@ -107,9 +108,16 @@ def spec_from_hf_config(
             routing = RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=bool(config.norm_topk_prob))
         source_layout, has_bias = GateLayout.CONCAT, False
     return MoESpec(
-        top_k=config.num_experts_per_tok, hidden_size=config.hidden_size, **sizes,
-        weight_format=weight_format, fp8_scale=fp8_scale, act_dtype=act_dtype, activation=activation,
-        gate_layout=source_layout if gate_layout is None else gate_layout, has_bias=has_bias, routing=routing,
+        top_k=config.num_experts_per_tok,
+        hidden_size=config.hidden_size,
+        **sizes,
+        weight_format=weight_format,
+        fp8_scale=fp8_scale,
+        act_dtype=act_dtype,
+        activation=activation,
+        gate_layout=source_layout if gate_layout is None else gate_layout,
+        has_bias=has_bias,
+        routing=routing,
     )
 
 
@@ -154,8 +162,14 @@ def _build(
             choices = [f.name for f in WeightFormat]
             raise DTypeError(f"cannot keep dtype {w13.dtype}; pass format= (one of {choices})")
     return ExpertWeights.from_float(
-        w13=w13, w2=w2.contiguous().clone(), b13=b13, b2=None if b2 is None else b2.detach().clone(),
-        format=format, gate_layout=target, fp8_scale=fp8_scale, mxfp4_rule=mxfp4_rule,
+        w13=w13,
+        w2=w2.contiguous().clone(),
+        b13=b13,
+        b2=None if b2 is None else b2.detach().clone(),
+        format=format,
+        gate_layout=target,
+        fp8_scale=fp8_scale,
+        mxfp4_rule=mxfp4_rule,
     )
 
 
@@ -173,14 +187,27 @@ def from_hf_gpt_oss_experts(
     b13 = _float_param(experts, "gate_up_proj_bias", rank=2)  # [E, 2I]
     b2 = _float_param(experts, "down_proj_bias", rank=2)  # [E, H]
     e, h, two_i = gate_up.shape
-    for name, t, shape in (("down_proj", down, (e, two_i // 2, h)), ("gate_up_proj_bias", b13, (e, two_i)),
-                           ("down_proj_bias", b2, (e, h))):
+    for name, t, shape in (
+        ("down_proj", down, (e, two_i // 2, h)),
+        ("gate_up_proj_bias", b13, (e, two_i)),
+        ("down_proj_bias", b2, (e, h)),
+    ):
         if tuple(t.shape) != shape:
-            raise ShapeError(f"GptOssExperts.{name} has shape {tuple(t.shape)}, expected {shape} "
-                             f"(from gate_up_proj [E, H, 2I] = {tuple(gate_up.shape)})")
-    return _build(w13=gate_up.transpose(1, 2), w2=down.transpose(1, 2), b13=b13, b2=b2,
-                  source=GateLayout.INTERLEAVED, target=gate_layout, format=format, fp8_scale=fp8_scale,
-                  mxfp4_rule=mxfp4_rule)
+            raise ShapeError(
+                f"GptOssExperts.{name} has shape {tuple(t.shape)}, expected {shape} "
+                f"(from gate_up_proj [E, H, 2I] = {tuple(gate_up.shape)})"
+            )
+    return _build(
+        w13=gate_up.transpose(1, 2),
+        w2=down.transpose(1, 2),
+        b13=b13,
+        b2=b2,
+        source=GateLayout.INTERLEAVED,
+        target=gate_layout,
+        format=format,
+        fp8_scale=fp8_scale,
+        mxfp4_rule=mxfp4_rule,
+    )
 
 
 def _concat_experts(
@@ -210,8 +237,17 @@ def from_hf_mixtral_experts(
 ) -> ExpertWeights:
     """HF `MixtralExperts` (or a 4.x ModuleList of w1/w3/w2 MLPs) -> `ExpertWeights`, no biases."""
     w13, w2 = _concat_experts(experts, legacy_names=("w1", "w3", "w2"))
-    return _build(w13=w13, w2=w2, b13=None, b2=None, source=GateLayout.CONCAT, target=gate_layout,
-                  format=format, fp8_scale=fp8_scale, mxfp4_rule=mxfp4_rule)
+    return _build(
+        w13=w13,
+        w2=w2,
+        b13=None,
+        b2=None,
+        source=GateLayout.CONCAT,
+        target=gate_layout,
+        format=format,
+        fp8_scale=fp8_scale,
+        mxfp4_rule=mxfp4_rule,
+    )
 
 
 def from_hf_qwen3_moe_experts(
@@ -224,8 +260,17 @@ def from_hf_qwen3_moe_experts(
 ) -> ExpertWeights:
     """HF `Qwen3MoeExperts` (or a 4.x ModuleList of gate/up/down_proj MLPs) -> `ExpertWeights`, no biases."""
     w13, w2 = _concat_experts(experts, legacy_names=("gate_proj", "up_proj", "down_proj"))
-    return _build(w13=w13, w2=w2, b13=None, b2=None, source=GateLayout.CONCAT, target=gate_layout,
-                  format=format, fp8_scale=fp8_scale, mxfp4_rule=mxfp4_rule)
+    return _build(
+        w13=w13,
+        w2=w2,
+        b13=None,
+        b2=None,
+        source=GateLayout.CONCAT,
+        target=gate_layout,
+        format=format,
+        fp8_scale=fp8_scale,
+        mxfp4_rule=mxfp4_rule,
+    )
 
 
 @dataclass(frozen=True)
@@ -240,8 +285,10 @@ class HfMoeLayer:
     def __post_init__(self) -> None:
         self.weights.validate(self.spec)
         if tuple(self.router_weight.shape) != (self.spec.E, self.spec.H):
-            raise ShapeError(f"router weight has shape {tuple(self.router_weight.shape)}, expected "
-                             f"({self.spec.E}, {self.spec.H})")
+            raise ShapeError(
+                f"router weight has shape {tuple(self.router_weight.shape)}, expected "
+                f"({self.spec.E}, {self.spec.H})"
+            )
         if self.router_bias is not None and tuple(self.router_bias.shape) != (self.spec.E,):
             raise ShapeError(
                 f"router bias has shape {tuple(self.router_bias.shape)}, expected ({self.spec.E},)"
@@ -276,8 +323,11 @@ def from_hf_moe_block(
     """
     model_type = _model_type(config)
     router = block.router if model_type == "gpt_oss" else block.gate
-    convert = {"gpt_oss": from_hf_gpt_oss_experts, "mixtral": from_hf_mixtral_experts,
-               "qwen3_moe": from_hf_qwen3_moe_experts}[model_type]
+    convert = {
+        "gpt_oss": from_hf_gpt_oss_experts,
+        "mixtral": from_hf_mixtral_experts,
+        "qwen3_moe": from_hf_qwen3_moe_experts,
+    }[model_type]
     kwargs = dict(format=format, fp8_scale=fp8_scale, mxfp4_rule=mxfp4_rule)
     if gate_layout is not None:
         kwargs["gate_layout"] = gate_layout
@@ -285,8 +335,22 @@ def from_hf_moe_block(
     router_weight = router.weight.detach().clone()
     bias = getattr(router, "bias", None)
     spec = spec_from_hf_config(
-        config, weight_format=weights.format, fp8_scale=weights.fp8_scale, gate_layout=weights.gate_layout,
+        config,
+        weight_format=weights.format,
+        fp8_scale=weights.fp8_scale,
+        gate_layout=weights.gate_layout,
         act_dtype=router_weight.dtype if act_dtype is None else act_dtype,
     )
-    return HfMoeLayer(spec=spec, weights=weights, router_weight=router_weight,
-                      router_bias=None if bias is None else bias.detach().clone())
+    return HfMoeLayer(
+        spec=spec,
+        weights=weights,
+        router_weight=router_weight,
+        router_bias=None if bias is None else bias.detach().clone(),
+    )
+
+
+def _swiglu_limit(config) -> float | None:
+    """The clamp limit the HF GPT-OSS experts apply. Older transformers (5.17) configs have no
+    `swiglu_limit` field and their experts then clamp at 7.0 (`getattr(config, "swiglu_limit", 7.0)`):
+    mirror that, so the spec computes what the user's model computes."""
+    return getattr(config, "swiglu_limit", 7.0)

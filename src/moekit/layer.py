@@ -10,7 +10,7 @@ Data flow:
     `torch.ops.moekit.fused_moe_layer(x, logits, handle)` -> reshape to [..., H].
   inside the op (eager, compiled, or while a CUDA graph is captured): bucket = token_bucket(T) from the
     host-side shape -> that bucket's plan (planned and its kernel's weights prepared on first use) ->
-    `route` (spec.routing, correction bias) -> one typed `Launch` -> `kernel.run`.
+    `route` (spec.routing, correction bias) -> `moekit.fused_moe` (one typed `Launch` -> `kernel.run`).
   warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
     token counts that give distinct Triton specializations, so no planning, repacking or compilation is
     left for a forward that is being captured or served.
@@ -36,9 +36,9 @@ import torch
 
 from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
 from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
-from moekit.kernels.base import DeviceInfo, Kernel, Launch
+from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
-from moekit.ops import prepare_weights
+from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import Plan, resolve_tables
 from moekit.plan import plan as make_plan
 from moekit.routing import check_expert_map, route
@@ -58,8 +58,9 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool) or not isinstance(self.allow_reference, bool):
-            raise SpecError(f"strict and allow_reference must be bools, got {self.strict!r}, "
-                            f"{self.allow_reference!r}")
+            raise SpecError(
+                f"strict and allow_reference must be bools, got {self.strict!r}, {self.allow_reference!r}"
+            )
         if self.registry is not None and not isinstance(self.registry, KernelRegistry):
             raise SpecError(f"registry must be a KernelRegistry or None, got {type(self.registry).__name__}")
         if self.tuned is not None and not isinstance(self.tuned, TunedTables | str | Path):
@@ -146,16 +147,24 @@ class FusedMoE(torch.nn.Module):
         self._device = dev
         router_weight = self._router_tensor(router_weight, "router_weight", (spec.E, spec.H))
         self.register_buffer("router_weight", router_weight, persistent=False)
-        self.register_buffer("router_bias", self._router_tensor(router_bias, "router_bias", (spec.E,)),
-                             persistent=False)
+        self.register_buffer(
+            "router_bias", self._router_tensor(router_bias, "router_bias", (spec.E,)), persistent=False
+        )
         if spec.routing.has_correction_bias != (correction_bias is not None):
-            raise SpecError(f"spec.routing.has_correction_bias={spec.routing.has_correction_bias} but "
-                            f"correction_bias was {'given' if correction_bias is not None else 'not given'}")
-        self.register_buffer("correction_bias", self._router_tensor(correction_bias, "correction_bias",
-                                                                     (spec.E,)), persistent=False)
+            raise SpecError(
+                f"spec.routing.has_correction_bias={spec.routing.has_correction_bias} but "
+                f"correction_bias was {'given' if correction_bias is not None else 'not given'}"
+            )
+        self.register_buffer(
+            "correction_bias",
+            self._router_tensor(correction_bias, "correction_bias", (spec.E,)),
+            persistent=False,
+        )
         if spec.uses_expert_map != (expert_map is not None):
-            raise SpecError(f"spec.num_local_experts={spec.num_local_experts} "
-                            f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map")
+            raise SpecError(
+                f"spec.num_local_experts={spec.num_local_experts} "
+                f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
+            )
         if expert_map is not None:
             expert_map = expert_map.to(dev)
             check_expert_map(expert_map, num_experts=spec.E, num_local_experts=spec.E_local)
@@ -178,8 +187,9 @@ class FusedMoE(torch.nn.Module):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise DTypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
         if tuple(t.shape) != shape:
-            raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected {shape} for spec "
-                             f"({self.spec.describe()})")
+            raise ShapeError(
+                f"{name} has shape {tuple(t.shape)}, expected {shape} for spec ({self.spec.describe()})"
+            )
         return t.detach().to(self._device)
 
     # ----- constructors ------------------------------------------------------------------------------
@@ -199,9 +209,14 @@ class FusedMoE(torch.nn.Module):
         from moekit.checkpoint import load_gpt_oss_layer
 
         loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device)
-        return cls(spec=loaded.spec_for(top_k=top_k, act_dtype=act_dtype), weights=loaded.weights,
-                   router_weight=loaded.router_weight, router_bias=loaded.router_bias, device=device,
-                   options=options)
+        return cls(
+            spec=loaded.spec_for(top_k=top_k, act_dtype=act_dtype),
+            weights=loaded.weights,
+            router_weight=loaded.router_weight,
+            router_bias=loaded.router_bias,
+            device=device,
+            options=options,
+        )
 
     @classmethod
     def from_hf_module(
@@ -220,8 +235,14 @@ class FusedMoE(torch.nn.Module):
         from moekit.integrations.transformers import hf_layer_of
 
         hf = hf_layer_of(module, config=config)
-        return cls(spec=hf.spec, weights=hf.weights, router_weight=hf.router_weight,
-                   router_bias=hf.router_bias, device=device, options=options)
+        return cls(
+            spec=hf.spec,
+            weights=hf.weights,
+            router_weight=hf.router_weight,
+            router_bias=hf.router_bias,
+            device=device,
+            options=options,
+        )
 
     # ----- planning ----------------------------------------------------------------------------------
     @property
@@ -247,8 +268,15 @@ class FusedMoE(torch.nn.Module):
         if found is not None:
             return found
         opts = self.options
-        new = make_plan(self.spec, num_tokens=bucket, device=self._device_info, tuned=self._tables,
-                        strict=opts.strict, registry=self._registry, allow_reference=opts.allow_reference)
+        new = make_plan(
+            self.spec,
+            num_tokens=bucket,
+            device=self._device_info,
+            tuned=self._tables,
+            strict=opts.strict,
+            registry=self._registry,
+            allow_reference=opts.allow_reference,
+        )
         self._prepare(new)
         self._plans[bucket] = new
         return new
@@ -298,18 +326,13 @@ class FusedMoE(torch.nn.Module):
     def workspace_bytes(self, num_tokens: int) -> int:
         """Device memory one forward of `num_tokens` allocates beyond the weights (output included).
 
-        The Triton kernel reports its own workspace; for other kernels it is estimated from the fp32
-        intermediates of T*K (token, expert) pairs: h [2I], activation [I], y and its unsorted copy [2H].
+        The kernel reports its own workspace (`Kernel.workspace_bytes`); the layer adds router logits,
+        routing results and the output.
         """
         plan = self.plan_for(num_tokens)
         spec, pairs = self.spec, num_tokens * self.spec.K
         act = torch.empty((), dtype=spec.act_dtype).element_size()
-        if plan.kernel == "triton_fused":
-            from moekit.kernels.triton import workspace_bytes as triton_workspace_bytes
-
-            kernel_bytes = triton_workspace_bytes(spec=spec, num_tokens=num_tokens)
-        else:
-            kernel_bytes = pairs * (2 * spec.I + spec.I + 2 * spec.H) * 4 + pairs * spec.H * act
+        kernel_bytes = self._kernels[plan.kernel].workspace_bytes(spec, num_tokens)
         layer_bytes = num_tokens * spec.E * 4 + pairs * 8 + num_tokens * spec.H * act  # logits, routing, out
         return kernel_bytes + layer_bytes
 
@@ -324,8 +347,9 @@ class FusedMoE(torch.nn.Module):
             got = getattr(x, "shape", type(x).__name__)
             raise ShapeError(f"hidden_states must be [..., H={spec.H}], got {got}")
         if x.dtype != spec.act_dtype:
-            raise DTypeError(f"hidden_states have dtype {x.dtype} but the layer's act_dtype is "
-                             f"{spec.act_dtype}")
+            raise DTypeError(
+                f"hidden_states have dtype {x.dtype} but the layer's act_dtype is {spec.act_dtype}"
+            )
         if x.device != self._device:
             raise DeviceError(f"hidden_states are on {x.device} but the layer is on {self._device}")
         flat = x.reshape(-1, spec.H)
@@ -346,8 +370,10 @@ class FusedMoE(torch.nn.Module):
             raise DTypeError(f"router_logits must be a float tensor, got {got}")
         lead = tuple(x.shape[:-1])
         if tuple(logits.shape) not in ((*lead, e), (x.numel() // self.spec.H, e)):
-            raise ShapeError(f"router_logits must be [..., E={e}] matching hidden_states {tuple(x.shape)}, "
-                             f"got {tuple(logits.shape)}")
+            raise ShapeError(
+                f"router_logits must be [..., E={e}] matching hidden_states {tuple(x.shape)}, "
+                f"got {tuple(logits.shape)}"
+            )
         if logits.device != self._device:
             raise DeviceError(f"router_logits are on {logits.device} but the layer is on {self._device}")
         return logits.reshape(-1, e)
@@ -357,9 +383,17 @@ class FusedMoE(torch.nn.Module):
         spec = self.spec
         plan = self.plan_for(x.shape[0])
         routing = route(router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias)
-        launch = Launch(spec=spec, config=plan.config, x=x, weights=self._prepared[plan.kernel],
-                        routing=routing, expert_map=self.expert_map)
-        return self._kernels[plan.kernel].run(launch)
+        # Ids from `route` are in range by construction, and the expert map was checked at construction:
+        # skip the value checks, which would synchronize with the device.
+        return fused_moe(
+            x,
+            self._prepared[plan.kernel],
+            routing,
+            plan=plan,
+            expert_map=self.expert_map,
+            registry=self._registry,
+            check_values=False,
+        )
 
     # ----- module plumbing ---------------------------------------------------------------------------
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
@@ -368,8 +402,10 @@ class FusedMoE(torch.nn.Module):
         # the layer and plans again for the new device; an act-dtype change is refused.
         probe = fn(torch.empty(0, dtype=self.spec.act_dtype, device=self._device))
         if probe.dtype != self.spec.act_dtype:
-            raise DTypeError(f"FusedMoE runs in act_dtype {self.spec.act_dtype} and cannot be cast to "
-                             f"{probe.dtype}: build it with a spec of that act_dtype")
+            raise DTypeError(
+                f"FusedMoE runs in act_dtype {self.spec.act_dtype} and cannot be cast to "
+                f"{probe.dtype}: build it with a spec of that act_dtype"
+            )
         if _normalize_device(probe.device) != self._device:
             self._move(_normalize_device(probe.device))
         return self

@@ -26,7 +26,9 @@ def kernel_of(plan: Plan, registry: KernelRegistry | None = None) -> Kernel:
     return kernel
 
 
-def prepare_weights(weights: ExpertWeights, plan: Plan, *, registry: KernelRegistry | None = None) -> ExpertWeights:
+def prepare_weights(
+    weights: ExpertWeights, plan: Plan, *, registry: KernelRegistry | None = None
+) -> ExpertWeights:
     """Repack `weights` once, at load time, into the packing the plan's kernel reads."""
     weights.validate(plan.spec)
     return kernel_of(plan, registry).prepare_weights(weights, plan.spec)
@@ -44,12 +46,21 @@ def fused_moe(
     plan: Plan,
     expert_map: torch.Tensor | None = None,
     registry: KernelRegistry | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
-    """Run the MoE layer as `plan` says; returns `[T, H]` in `plan.spec.act_dtype`."""
+    """Run the MoE layer as `plan` says; returns `[T, H]` in `plan.spec.act_dtype`.
+
+    `check_values=False` skips the checks that read device memory (expert ids, expert map) and so
+    synchronize: for callers whose routing is produced by `moekit.route` (ids valid by construction),
+    such as `FusedMoE`. They are skipped anyway while a CUDA graph is being captured."""
     spec = plan.spec
     kernel = kernel_of(plan, registry)
-    check_inputs(x, weights, routing, spec=spec, expert_map=expert_map, check_values=not _capturing(x))
+    check_inputs(
+        x, weights, routing, spec=spec, expert_map=expert_map, check_values=check_values and not _capturing(x)
+    )
     if (reason := kernel.weights_reason(weights)) is not None:
         raise LayoutMismatchError(f"{reason}; call moekit.prepare_weights(weights, plan) once at load time")
-    launch = Launch(spec=spec, config=plan.config, x=x, weights=weights, routing=routing, expert_map=expert_map)
+    launch = Launch(
+        spec=spec, config=plan.config, x=x, weights=weights, routing=routing, expert_map=expert_map
+    )
     return kernel.run(launch)

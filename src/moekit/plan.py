@@ -135,9 +135,19 @@ def plan(
         else:
             chosen, config, origin = row_kernel, row.config, row.origin
             source = ConfigSource.TUNED_ROW if exact else ConfigSource.NEAREST_BUCKET
-    result = Plan(spec=spec, num_tokens=num_tokens, bucket=bucket, device=info, kernel=chosen.name,
-                  config=config, source=source, row_origin=origin, refused=tuple(refused),
-                  rejected_rows=tuple(rejected), table_sources=tables.sources)
+    result = Plan(
+        spec=spec,
+        num_tokens=num_tokens,
+        bucket=bucket,
+        device=info,
+        kernel=chosen.name,
+        config=config,
+        source=source,
+        row_origin=origin,
+        refused=tuple(refused),
+        rejected_rows=tuple(rejected),
+        table_sources=tables.sources,
+    )
     if strict and (source is not ConfigSource.TUNED_ROW or rejected):
         what = "rejected tuned rows" if source is ConfigSource.TUNED_ROW else source.value
         raise PlanFallbackError(f"strict planning refused a fallback ({what}):\n{result.explain()}")
@@ -148,20 +158,32 @@ def plan(
 def _alternatives(spec: MoESpec) -> list[tuple[str, MoESpec]]:
     options: list[tuple[str, MoESpec]] = []
     other = GateLayout.CONCAT if spec.gate_layout is GateLayout.INTERLEAVED else GateLayout.INTERLEAVED
-    options.append((f"convert w13 to {other.name} layout (weights.to_layout(GateLayout.{other.name}))",
-                    replace(spec, gate_layout=other)))
+    options.append(
+        (
+            f"convert w13 to {other.name} layout (weights.to_layout(GateLayout.{other.name}))",
+            replace(spec, gate_layout=other),
+        )
+    )
     if spec.act_quant is not ActivationQuant.NONE:
-        options.append(("run FP8 weights with unquantized activations (act_quant=NONE)",
-                        replace(spec, act_quant=ActivationQuant.NONE)))
+        options.append(
+            (
+                "run FP8 weights with unquantized activations (act_quant=NONE)",
+                replace(spec, act_quant=ActivationQuant.NONE),
+            )
+        )
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         if dtype != spec.act_dtype:
             options.append((f"use act_dtype={dtype}", replace(spec, act_dtype=dtype)))
     return options
 
 
-def _unsupported_message(spec: MoESpec, problem: Problem, refused: list[Refusal], registry: KernelRegistry) -> str:
-    lines = [f"no registered kernel can compute this spec on {problem.device.describe()}:",
-             f"  spec: {spec.describe()}"]
+def _unsupported_message(
+    spec: MoESpec, problem: Problem, refused: list[Refusal], registry: KernelRegistry
+) -> str:
+    lines = [
+        f"no registered kernel can compute this spec on {problem.device.describe()}:",
+        f"  spec: {spec.describe()}",
+    ]
     lines += [f"  - {r.kernel}: {r.reason}" for r in refused]
     for advice, alternative in _alternatives(spec):
         takers = [k.name for k in registry if k.supports(alternative, problem) is None]

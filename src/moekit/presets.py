@@ -21,8 +21,13 @@ from moekit.spec import (
 )
 
 _GPT_OSS = dict(
-    top_k=4, hidden_size=2880, intermediate_size=2880, weight_format=WeightFormat.MXFP4,
-    activation=ActivationSpec.gpt_oss(), gate_layout=GateLayout.INTERLEAVED, has_bias=True,
+    top_k=4,
+    hidden_size=2880,
+    intermediate_size=2880,
+    weight_format=WeightFormat.MXFP4,
+    activation=ActivationSpec.gpt_oss(),
+    gate_layout=GateLayout.INTERLEAVED,
+    has_bias=True,
     routing=RoutingSpec(RoutingMethod.TOPK_SOFTMAX),
 )
 _QWEN3_ROUTING = RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True)
@@ -31,17 +36,47 @@ _SILU = ActivationSpec(Activation.SILU)
 PRESETS: dict[str, MoESpec] = {
     "gpt-oss-120b": MoESpec(num_experts=128, **_GPT_OSS),
     "gpt-oss-20b": MoESpec(num_experts=32, **_GPT_OSS),
-    "qwen3-30b-a3b": MoESpec(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768,
-                             activation=_SILU, routing=_QWEN3_ROUTING),
-    "qwen3-235b-a22b": MoESpec(num_experts=128, top_k=8, hidden_size=4096, intermediate_size=1536,
-                               activation=_SILU, routing=_QWEN3_ROUTING),
-    "mixtral-8x7b": MoESpec(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336,
-                            activation=_SILU, routing=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True)),
-    "deepseek-v3": MoESpec(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048,
-                           weight_format=WeightFormat.FP8_E4M3, fp8_scale=Fp8Scale.BLOCK_128,
-                           act_quant=ActivationQuant.FP8_PER_GROUP_128, activation=_SILU,
-                           routing=RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=8, topk_group=4,
-                                               has_correction_bias=True, routed_scaling_factor=2.5)),
+    "qwen3-30b-a3b": MoESpec(
+        num_experts=128,
+        top_k=8,
+        hidden_size=2048,
+        intermediate_size=768,
+        activation=_SILU,
+        routing=_QWEN3_ROUTING,
+    ),
+    "qwen3-235b-a22b": MoESpec(
+        num_experts=128,
+        top_k=8,
+        hidden_size=4096,
+        intermediate_size=1536,
+        activation=_SILU,
+        routing=_QWEN3_ROUTING,
+    ),
+    "mixtral-8x7b": MoESpec(
+        num_experts=8,
+        top_k=2,
+        hidden_size=4096,
+        intermediate_size=14336,
+        activation=_SILU,
+        routing=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True),
+    ),
+    "deepseek-v3": MoESpec(
+        num_experts=256,
+        top_k=8,
+        hidden_size=7168,
+        intermediate_size=2048,
+        weight_format=WeightFormat.FP8_E4M3,
+        fp8_scale=Fp8Scale.BLOCK_128,
+        act_quant=ActivationQuant.FP8_PER_GROUP_128,
+        activation=_SILU,
+        routing=RoutingSpec(
+            RoutingMethod.SIGMOID_GROUPED,
+            n_group=8,
+            topk_group=4,
+            has_correction_bias=True,
+            routed_scaling_factor=2.5,
+        ),
+    ),
 }
 DEFAULT_PRESET = "gpt-oss-20b"
 

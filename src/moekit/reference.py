@@ -19,7 +19,14 @@ import torch
 from moekit.errors import DeviceError, DTypeError, ShapeError, SpecError
 from moekit.formats import dequantize_fp8_activation, quantize_fp8_activation
 from moekit.routing import RoutingResult, check_expert_map
-from moekit.spec import Activation, ActivationQuant, ActivationSpec, GateLayout, MoESpec, RouterWeightPlacement
+from moekit.spec import (
+    Activation,
+    ActivationQuant,
+    ActivationSpec,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+)
 from moekit.weights import ExpertWeights
 
 
@@ -162,7 +169,9 @@ def fused_moe_per_token_loop(
             if weights.b13 is not None:
                 h = h + weights.b13[expert].double()
             gate, up = split_gate_up(h.unsqueeze(0), spec.gate_layout)
-            a = fake_quant_activation(apply_activation(gate, up, spec.activation).float(), spec.act_quant).double()
+            a = fake_quant_activation(
+                apply_activation(gate, up, spec.activation).float(), spec.act_quant
+            ).double()
             y = torch.mv(w2, a[0])
             if weights.b2 is not None:
                 y = y + weights.b2[expert].double()

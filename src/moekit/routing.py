@@ -74,7 +74,9 @@ def route(
 ) -> RoutingResult:
     """Select `top_k` experts per token from router logits `[T, E]` as `spec` says."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise ShapeError(f"router logits must be a float [T, E] tensor, got {getattr(logits, 'shape', logits)!r}")
+        raise ShapeError(
+            f"router logits must be a float [T, E] tensor, got {getattr(logits, 'shape', logits)!r}"
+        )
     num_experts = logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise SpecError(f"top_k must be in [1, E={num_experts}], got {top_k}")

@@ -49,12 +49,21 @@ class RunReport:
 
     def as_dict(self) -> dict:
         return {
-            "source": self.source, "spec": self.spec.describe(), "device": self.device,
-            "kernel": self.plan.kernel, "config": self.plan.config.as_dict(), "config_source": self.plan.source.name,
-            "num_tokens": self.num_tokens, "experts_hit": self.experts_hit,
-            "prepare_seconds": self.prepare_seconds, "seconds": self.seconds,
-            "check_against": self.check_against, "check_tokens": self.check_tokens, "check_rel_l2": self.check_rel_l2,
-            "check_tolerance": self.check_tolerance, "check_passed": self.check_passed,
+            "source": self.source,
+            "spec": self.spec.describe(),
+            "device": self.device,
+            "kernel": self.plan.kernel,
+            "config": self.plan.config.as_dict(),
+            "config_source": self.plan.source.name,
+            "num_tokens": self.num_tokens,
+            "experts_hit": self.experts_hit,
+            "prepare_seconds": self.prepare_seconds,
+            "seconds": self.seconds,
+            "check_against": self.check_against,
+            "check_tokens": self.check_tokens,
+            "check_rel_l2": self.check_rel_l2,
+            "check_tolerance": self.check_tolerance,
+            "check_passed": self.check_passed,
         }
 
 
@@ -73,12 +82,24 @@ def _load_layer(*, preset_name: str, checkpoint: Path | None, layer: int, seed: 
         from moekit.checkpoint import load_gpt_oss_layer
 
         loaded = load_gpt_oss_layer(checkpoint, layer=layer)
-        return _Layer(f"checkpoint {checkpoint} layer {layer} ({loaded.naming.name} naming)", loaded.spec_for(),
-                      loaded.weights, loaded.router_weight, loaded.router_bias, None)
+        return _Layer(
+            f"checkpoint {checkpoint} layer {layer} ({loaded.naming.name} naming)",
+            loaded.spec_for(),
+            loaded.weights,
+            loaded.router_weight,
+            loaded.router_bias,
+            None,
+        )
     spec = preset(preset_name)
     synthetic = random_layer(spec, seed=seed)
-    return _Layer(f"preset {preset_name} (random weights, seed {seed})", spec, synthetic.weights,
-                  synthetic.router_weight, None, synthetic.correction_bias)
+    return _Layer(
+        f"preset {preset_name} (random weights, seed {seed})",
+        spec,
+        synthetic.weights,
+        synthetic.router_weight,
+        None,
+        synthetic.correction_bias,
+    )
 
 
 def _time_forward(fn, device: torch.device, *, repeats: int) -> float:
@@ -121,8 +142,9 @@ def run_job(
     correction = None if loaded.correction_bias is None else loaded.correction_bias.to(dev)
     routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=correction)
     out = fused_moe(x, weights, routing, plan=chosen)
-    seconds = _time_forward(lambda: fused_moe(x, weights, routing, plan=chosen), dev,
-                            repeats=20 if dev.type == "cuda" else 1)
+    seconds = _time_forward(
+        lambda: fused_moe(x, weights, routing, plan=chosen), dev, repeats=20 if dev.type == "cuda" else 1
+    )
     if chosen.kernel == "reference":  # check the oracle itself against an independent float64 spelling
         n_check = min(2, num_tokens)
         sub = RoutingResult(weights=routing.weights[:n_check], ids=routing.ids[:n_check])
@@ -133,8 +155,16 @@ def run_job(
         expected = fused_moe_reference(x, loaded.weights.to(dev), routing, spec=spec)
         rel, against = relative_l2_error(out, expected), "fp32 reference"
     return RunReport(
-        source=loaded.source, spec=spec, device=str(dev), plan=chosen, num_tokens=num_tokens,
-        experts_hit=int(routing.ids.unique().numel()), prepare_seconds=prepare_seconds, seconds=seconds,
-        check_against=against, check_tokens=n_check, check_rel_l2=rel,
+        source=loaded.source,
+        spec=spec,
+        device=str(dev),
+        plan=chosen,
+        num_tokens=num_tokens,
+        experts_hit=int(routing.ids.unique().numel()),
+        prepare_seconds=prepare_seconds,
+        seconds=seconds,
+        check_against=against,
+        check_tokens=n_check,
+        check_rel_l2=rel,
         check_tolerance=SELF_CHECK_TOLERANCE[spec.act_dtype],
     )

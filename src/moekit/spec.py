@@ -153,16 +153,22 @@ class RoutingSpec:
         if not isinstance(self.method, RoutingMethod):
             raise SpecError(f"RoutingSpec.method must be a RoutingMethod, got {self.method!r}")
         if not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
-            raise SpecError(f"routed_scaling_factor must be finite and > 0, got {self.routed_scaling_factor!r}")
+            raise SpecError(
+                f"routed_scaling_factor must be finite and > 0, got {self.routed_scaling_factor!r}"
+            )
         grouped = self.method is RoutingMethod.SIGMOID_GROUPED
-        if not grouped and (self.n_group is not None or self.topk_group is not None or self.has_correction_bias):
+        if not grouped and (
+            self.n_group is not None or self.topk_group is not None or self.has_correction_bias
+        ):
             raise SpecError(
                 f"n_group={self.n_group}, topk_group={self.topk_group}, "
                 f"has_correction_bias={self.has_correction_bias} only apply to SIGMOID_GROUPED, "
                 f"not {self.method.name}"
             )
         if self.method is RoutingMethod.TOPK_SOFTMAX and not self.renormalize:
-            raise SpecError("TOPK_SOFTMAX always normalizes over the K selected; renormalize=False is not defined")
+            raise SpecError(
+                "TOPK_SOFTMAX always normalizes over the K selected; renormalize=False is not defined"
+            )
         if grouped:
             if (self.n_group is None) != (self.topk_group is None):
                 raise SpecError(
@@ -215,7 +221,9 @@ class MoESpec:
                 f"FP8_E4M3 weights need fp8_scale (one of {[s.name for s in Fp8Scale]}), got {self.fp8_scale!r}"
             )
         if not is_fp8 and self.fp8_scale is not None:
-            raise SpecError(f"fp8_scale={self.fp8_scale.name} only applies to FP8_E4M3, not {self.weight_format.name}")
+            raise SpecError(
+                f"fp8_scale={self.fp8_scale.name} only applies to FP8_E4M3, not {self.weight_format.name}"
+            )
         if self.act_quant is not ActivationQuant.NONE and not is_fp8:
             raise SpecError(
                 f"act_quant={self.act_quant.name} (W8A8) needs FP8_E4M3 weights, got {self.weight_format.name}; "
@@ -233,7 +241,9 @@ class MoESpec:
         if e_local is not None and (
             not isinstance(e_local, int) or isinstance(e_local, bool) or not 1 <= e_local <= self.num_experts
         ):
-            raise SpecError(f"num_local_experts must be None or in [1, E={self.num_experts}], got {e_local!r}")
+            raise SpecError(
+                f"num_local_experts must be None or in [1, E={self.num_experts}], got {e_local!r}"
+            )
         if self.routing.method is RoutingMethod.SIGMOID_GROUPED and self.routing.n_group is not None:
             n_group = self.routing.n_group
             if self.num_experts % n_group:

@@ -29,7 +29,9 @@ class SyntheticLayer:
     correction_bias: torch.Tensor | None  # [E] fp32, SIGMOID_GROUPED with bias only
 
 
-def _mxfp4_matrix(e: int, n: int, k: int, *, std: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _mxfp4_matrix(
+    e: int, n: int, k: int, *, std: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     groups = mxfp4_groups(k)
     blocks = torch.randint(0, 256, (e, n, groups, 16), generator=gen, dtype=torch.uint8, device=gen.device)
     if k % 32:  # padded tail elements of the last group must be zero codes, as a quantizer writes them
@@ -40,12 +42,16 @@ def _mxfp4_matrix(e: int, n: int, k: int, *, std: float, gen: torch.Generator) -
             first_pad_byte += 1
         blocks[:, :, -1, first_pad_byte:] = 0
     center = 127 + round(math.log2(std / _FP4_RMS))
-    scales = torch.randint(center - 1, center + 2, (e, n, groups), generator=gen, dtype=torch.int32, device=gen.device)
+    scales = torch.randint(
+        center - 1, center + 2, (e, n, groups), generator=gen, dtype=torch.int32, device=gen.device
+    )
     return blocks, scales.to(torch.uint8)
 
 
 def _fp8_matrix(e: int, n: int, k: int, spec: MoESpec, *, std: float, gen: torch.Generator):
-    data = (torch.randn(e, n, k, generator=gen, device=gen.device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    data = (
+        (torch.randn(e, n, k, generator=gen, device=gen.device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    )
     shape = fp8_weight_scale_shape(lead=(e,), n=n, k=k, granularity=spec.fp8_scale)
     scale = (std / 64) * (0.75 + 0.5 * torch.rand(shape, generator=gen, device=gen.device))
     return data, scale.float()
@@ -61,24 +67,47 @@ def random_layer(
     fmt = spec.weight_format
     bias = {}
     if spec.has_bias:
-        bias = dict(b13=torch.randn(e, 2 * i, generator=gen, device=dev) * 0.05,
-                    b2=torch.randn(e, h, generator=gen, device=dev) * 0.05)
+        bias = dict(
+            b13=torch.randn(e, 2 * i, generator=gen, device=dev) * 0.05,
+            b2=torch.randn(e, h, generator=gen, device=dev) * 0.05,
+        )
         bias = {n: t.to(spec.act_dtype) for n, t in bias.items()}
     if fmt is WeightFormat.MXFP4:
         w13, s13 = _mxfp4_matrix(e, 2 * i, h, std=weight_std, gen=gen)
         w2, s2 = _mxfp4_matrix(e, h, i, std=weight_std, gen=gen)
-        weights = ExpertWeights(format=fmt, gate_layout=spec.gate_layout, w13=w13, w13_scale=s13, w2=w2,
-                                w2_scale=s2, hidden_size=h, **bias)
+        weights = ExpertWeights(
+            format=fmt,
+            gate_layout=spec.gate_layout,
+            w13=w13,
+            w13_scale=s13,
+            w2=w2,
+            w2_scale=s2,
+            hidden_size=h,
+            **bias,
+        )
     elif fmt is WeightFormat.FP8_E4M3:
         w13, s13 = _fp8_matrix(e, 2 * i, h, spec, std=weight_std, gen=gen)
         w2, s2 = _fp8_matrix(e, h, i, spec, std=weight_std, gen=gen)
-        weights = ExpertWeights(format=fmt, gate_layout=spec.gate_layout, w13=w13, w13_scale=s13, w2=w2,
-                                w2_scale=s2, fp8_scale=spec.fp8_scale, **bias)
+        weights = ExpertWeights(
+            format=fmt,
+            gate_layout=spec.gate_layout,
+            w13=w13,
+            w13_scale=s13,
+            w2=w2,
+            w2_scale=s2,
+            fp8_scale=spec.fp8_scale,
+            **bias,
+        )
     else:
         w13 = torch.randn(e, 2 * i, h, generator=gen, device=dev) * weight_std
         w2 = torch.randn(e, h, i, generator=gen, device=dev) * weight_std
-        weights = ExpertWeights(format=fmt, gate_layout=spec.gate_layout, w13=w13.to(fmt.float_dtype),
-                                w2=w2.to(fmt.float_dtype), **bias)
+        weights = ExpertWeights(
+            format=fmt,
+            gate_layout=spec.gate_layout,
+            w13=w13.to(fmt.float_dtype),
+            w2=w2.to(fmt.float_dtype),
+            **bias,
+        )
     router = (torch.randn(spec.E, h, generator=gen, device=dev) / math.sqrt(h)).to(spec.act_dtype)
     correction = None
     if spec.routing.has_correction_bias:
@@ -92,4 +121,3 @@ def random_tokens(
     """Activations `[T, H]` with unit-scale entries, in the spec's activation dtype."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(num_tokens, spec.H, generator=gen, device=gen.device).to(spec.act_dtype)
-

@@ -87,12 +87,17 @@ def _spec_from_row(row: dict) -> MoESpec:
         raise ValueError(f"'spec' must be an object, got {f!r}")
     e = row["E"]
     return MoESpec(
-        num_experts=e, top_k=row["K"], hidden_size=row["H"], intermediate_size=row["I"],
+        num_experts=e,
+        top_k=row["K"],
+        hidden_size=row["H"],
+        intermediate_size=row["I"],
         weight_format=WeightFormat(f["weight_format"]),
         fp8_scale=Fp8Scale(f["fp8_scale"]) if f.get("fp8_scale") else None,
-        act_dtype=_DTYPES[f["act_dtype"]], act_quant=ActivationQuant(f["act_quant"]),
+        act_dtype=_DTYPES[f["act_dtype"]],
+        act_quant=ActivationQuant(f["act_quant"]),
         activation=ActivationSpec(Activation(f["activation"]), alpha=f.get("alpha"), limit=f.get("limit")),
-        gate_layout=GateLayout(f["gate_layout"]), has_bias=bool(f["has_bias"]),
+        gate_layout=GateLayout(f["gate_layout"]),
+        has_bias=bool(f["has_bias"]),
         router_weight_placement=RouterWeightPlacement(f["router_weight_placement"]),
         num_local_experts=e if f.get("expert_map") else None,
     )
@@ -153,14 +158,19 @@ class TunedTables:
 
     def rejected_for(self, key: TableKey) -> tuple[RejectedRow, ...]:
         """Rejections that concern this key (same spec/shape/device), plus file-level problems."""
-        return tuple(r for r in self.rejected if r.key is None or r.key.without_bucket() == key.without_bucket())
+        return tuple(
+            r for r in self.rejected if r.key is None or r.key.without_bucket() == key.without_bucket()
+        )
 
 
 def _parse_row(raw: object, *, origin: str, registry: KernelRegistry) -> TunedRow:
     if not isinstance(raw, dict):
         raise TunedTableError(f"a row must be an object, got {type(raw).__name__}")
-    missing = [n for n in ("device", "triton", "spec", "E", "K", "H", "I", "tokens", "kernel", "config")
-               if n not in raw]
+    missing = [
+        n
+        for n in ("device", "triton", "spec", "E", "K", "H", "I", "tokens", "kernel", "config")
+        if n not in raw
+    ]
     if missing:
         raise TunedTableError(f"missing fields {missing}")
     try:
@@ -170,7 +180,9 @@ def _parse_row(raw: object, *, origin: str, registry: KernelRegistry) -> TunedRo
             raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     except (SpecError, KeyError, ValueError, TypeError) as err:
         raise TunedTableError(f"bad spec or shape: {err}") from err
-    key = TableKey.for_spec(spec, device=str(raw["device"]), triton=str(raw["triton"]), bucket=token_bucket(tokens))
+    key = TableKey.for_spec(
+        spec, device=str(raw["device"]), triton=str(raw["triton"]), bucket=token_bucket(tokens)
+    )
     kernel = registry.get(raw["kernel"])
     if kernel is None:
         raise _KeyedError(key, f"unknown kernel {raw['kernel']!r}; registered: {list(registry.names)}")
@@ -195,12 +207,19 @@ def _read_file(path: Path, registry: KernelRegistry) -> tuple[list[TunedRow], li
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         return [], [RejectedRow(str(path), f"unreadable table: {err}")]
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION or not isinstance(
-        data.get("rows"), list
+    if (
+        not isinstance(data, dict)
+        or data.get("schema_version") != SCHEMA_VERSION
+        or not isinstance(data.get("rows"), list)
     ):
         got = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
-        return [], [RejectedRow(str(path), f"not a moekit tuned table of schema_version {SCHEMA_VERSION} "
-                                           f"with a 'rows' list (got schema_version={got!r})")]
+        return [], [
+            RejectedRow(
+                str(path),
+                f"not a moekit tuned table of schema_version {SCHEMA_VERSION} "
+                f"with a 'rows' list (got schema_version={got!r})",
+            )
+        ]
     good: list[TunedRow] = []
     bad: list[RejectedRow] = []
     for index, raw in enumerate(data["rows"]):
@@ -215,14 +234,19 @@ def _read_file(path: Path, registry: KernelRegistry) -> tuple[list[TunedRow], li
     duplicated = {k for k, n in counts.items() if n > 1}
     for row in good:
         if row.key in duplicated:
-            bad.append(RejectedRow(row.origin, "duplicate key in this file (ambiguous; none of them is used)",
-                                   row.key))
+            bad.append(
+                RejectedRow(
+                    row.origin, "duplicate key in this file (ambiguous; none of them is used)", row.key
+                )
+            )
     return [r for r in good if r.key not in duplicated], bad
 
 
 def shipped_table_paths() -> list[Path]:
     folder = resources.files("moekit") / "tables"
-    return sorted(Path(str(p)) for p in folder.iterdir() if p.name.endswith(".json")) if folder.is_dir() else []
+    return (
+        sorted(Path(str(p)) for p in folder.iterdir() if p.name.endswith(".json")) if folder.is_dir() else []
+    )
 
 
 def env_table_paths() -> list[Path]:
@@ -241,9 +265,21 @@ def load_tables(paths: list[Path], *, registry: KernelRegistry) -> TunedTables:
     return TunedTables(rows=rows, rejected=tuple(rejected), sources=tuple(str(p) for p in paths))
 
 
-def row_to_json(*, spec: MoESpec, device: str, triton: str, tokens: int, kernel: str, config: KernelConfig) -> dict:
-    return {"device": device, "triton": triton, "spec": spec_fields(spec), "E": spec.E, "K": spec.K,
-            "H": spec.H, "I": spec.I, "tokens": tokens, "kernel": kernel, "config": config.as_dict()}
+def row_to_json(
+    *, spec: MoESpec, device: str, triton: str, tokens: int, kernel: str, config: KernelConfig
+) -> dict:
+    return {
+        "device": device,
+        "triton": triton,
+        "spec": spec_fields(spec),
+        "E": spec.E,
+        "K": spec.K,
+        "H": spec.H,
+        "I": spec.I,
+        "tokens": tokens,
+        "kernel": kernel,
+        "config": config.as_dict(),
+    }
 
 
 def write_rows(path: Path, new_rows: list[dict], *, lock_timeout_s: float = 60.0) -> None:
@@ -259,8 +295,10 @@ def write_rows(path: Path, new_rows: list[dict], *, lock_timeout_s: float = 60.0
                 raise TunedTableError(f"cannot merge into {path}: it is not a valid table ({err})") from err
 
         def ident(r: dict) -> str:
-            return json.dumps({k: r.get(k) for k in ("device", "triton", "spec", "E", "K", "H", "I", "tokens")},
-                              sort_keys=True)
+            return json.dumps(
+                {k: r.get(k) for k in ("device", "triton", "spec", "E", "K", "H", "I", "tokens")},
+                sort_keys=True,
+            )
 
         replaced = {ident(r) for r in new_rows}
         merged = [r for r in rows if ident(r) not in replaced] + list(new_rows)

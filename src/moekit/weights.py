@@ -44,7 +44,9 @@ class WeightPacking(enum.Enum):
     DEQUANTIZED = "dequantized"
 
 
-def gate_layout_permutation(intermediate_size: int, *, source: GateLayout, target: GateLayout) -> torch.Tensor:
+def gate_layout_permutation(
+    intermediate_size: int, *, source: GateLayout, target: GateLayout
+) -> torch.Tensor:
     """Row index `perm` with `target_rows = source_rows[perm]` for a w13 of 2I rows."""
     i = intermediate_size
     if source is target:
@@ -76,7 +78,9 @@ class ExpertWeights:
         if not isinstance(self.format, WeightFormat):
             raise DTypeError(f"ExpertWeights.format must be a WeightFormat, got {self.format!r}")
         if not isinstance(self.gate_layout, GateLayout):
-            raise LayoutMismatchError(f"ExpertWeights.gate_layout must be a GateLayout, got {self.gate_layout!r}")
+            raise LayoutMismatchError(
+                f"ExpertWeights.gate_layout must be a GateLayout, got {self.gate_layout!r}"
+            )
         self._check_structure()
 
     # ----- derived sizes -------------------------------------------------------------------------
@@ -133,7 +137,9 @@ class ExpertWeights:
             if not isinstance(self.fp8_scale, Fp8Scale):
                 raise DTypeError(f"FP8 weights need fp8_scale (an Fp8Scale), got {self.fp8_scale!r}")
         elif self.fp8_scale is not None:
-            raise DTypeError(f"fp8_scale={self.fp8_scale} given for {fmt.name} weights; it is only for FP8_E4M3")
+            raise DTypeError(
+                f"fp8_scale={self.fp8_scale} given for {fmt.name} weights; it is only for FP8_E4M3"
+            )
         if fmt is WeightFormat.MXFP4 and not self.stores_floats:
             if self.hidden_size is None:
                 raise ShapeError("MXFP4 weights need hidden_size (H): blocks of 32 cannot tell a ragged tail")
@@ -147,7 +153,9 @@ class ExpertWeights:
         elif self.hidden_size is not None and self.hidden_size != self.w13.shape[2]:
             raise ShapeError(f"hidden_size={self.hidden_size} but w13 has {self.w13.shape[2]} columns")
         if self.stores_floats and (self.w13_scale is not None or self.w2_scale is not None):
-            raise FormatError(f"{fmt.name} weights in {self.packing.name} packing take no scales; got w13_scale/w2_scale")
+            raise FormatError(
+                f"{fmt.name} weights in {self.packing.name} packing take no scales; got w13_scale/w2_scale"
+            )
         if not self.stores_floats and (self.w13_scale is None or self.w2_scale is None):
             raise FormatError(f"{fmt.name} weights need both w13_scale and w2_scale")
 
@@ -164,35 +172,51 @@ class ExpertWeights:
         if self.fp8_scale is not spec.fp8_scale:
             raise DTypeError(f"weights have fp8_scale={self.fp8_scale} but the spec says {spec.fp8_scale}")
         if self.has_bias != spec.has_bias:
-            raise ShapeError(f"spec.has_bias={spec.has_bias} but weights {'have' if self.has_bias else 'lack'} biases")
+            raise ShapeError(
+                f"spec.has_bias={spec.has_bias} but weights {'have' if self.has_bias else 'lack'} biases"
+            )
         e, h, i = spec.E_local, spec.H, spec.I
         for name, shape in self.expected_shapes(num_experts=e, hidden=h, intermediate=i).items():
             t = getattr(self, name)
             if tuple(t.shape) != shape:
-                raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected {shape} for spec ({spec.describe()})")
+                raise ShapeError(
+                    f"{name} has shape {tuple(t.shape)}, expected {shape} for spec ({spec.describe()})"
+                )
         for name, t in self.tensors().items():
             expected = self._expected_dtype(name)
             if expected is not None and t.dtype not in expected:
-                raise DTypeError(f"{name} has dtype {t.dtype}, expected one of {expected} for {self.format.name}")
+                raise DTypeError(
+                    f"{name} has dtype {t.dtype}, expected one of {expected} for {self.format.name}"
+                )
             if t.device != self.device:
-                raise DeviceError(f"{name} is on {t.device} but w13 is on {self.device}; move all weights together")
+                raise DeviceError(
+                    f"{name} is on {t.device} but w13 is on {self.device}; move all weights together"
+                )
         if check_nan_scales and self.format is WeightFormat.MXFP4 and not self.stores_floats:
             check_mxfp4_scales(self.w13_scale, name="w13_scale")
             check_mxfp4_scales(self.w2_scale, name="w2_scale")
 
-    def expected_shapes(self, *, num_experts: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    def expected_shapes(
+        self, *, num_experts: int, hidden: int, intermediate: int
+    ) -> dict[str, tuple[int, ...]]:
         e, h, i = num_experts, hidden, intermediate
         shapes: dict[str, tuple[int, ...]]
         if self.stores_floats:
             shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
         elif self.format is WeightFormat.MXFP4:
             gh, gi = mxfp4_groups(h), mxfp4_groups(i)
-            shapes = {"w13": (e, 2 * i, gh, 16), "w2": (e, h, gi, 16), "w13_scale": (e, 2 * i, gh),
-                      "w2_scale": (e, h, gi)}
+            shapes = {
+                "w13": (e, 2 * i, gh, 16),
+                "w2": (e, h, gi, 16),
+                "w13_scale": (e, 2 * i, gh),
+                "w2_scale": (e, h, gi),
+            }
         else:
             shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
             if self.format is WeightFormat.FP8_E4M3:
-                shapes["w13_scale"] = fp8_weight_scale_shape(lead=(e,), n=2 * i, k=h, granularity=self.fp8_scale)
+                shapes["w13_scale"] = fp8_weight_scale_shape(
+                    lead=(e,), n=2 * i, k=h, granularity=self.fp8_scale
+                )
                 shapes["w2_scale"] = fp8_weight_scale_shape(lead=(e,), n=h, k=i, granularity=self.fp8_scale)
         if self.has_bias:
             shapes["b13"] = (e, 2 * i)
@@ -224,7 +248,9 @@ class ExpertWeights:
         if w13_scale is not None and w13_scale.dim() >= 2:  # per-tensor scales [E] have no rows
             w13_scale = w13_scale.index_select(1, perm)
         b13 = None if self.b13 is None else self.b13.index_select(1, perm)
-        return replace(self, gate_layout=target, w13=self.w13.index_select(1, perm), w13_scale=w13_scale, b13=b13)
+        return replace(
+            self, gate_layout=target, w13=self.w13.index_select(1, perm), w13_scale=w13_scale, b13=b13
+        )
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
         """All experts as float `dtype` in DEQUANTIZED packing (a load-time step; memory E*3*H*I*2 bytes)."""
@@ -234,8 +260,15 @@ class ExpertWeights:
             return replace(self, w13=self.w13.to(dtype), w2=self.w2.to(dtype))
         w13 = torch.stack([self.dequantize_w13(e).to(dtype) for e in range(self.num_experts)])
         w2 = torch.stack([self.dequantize_w2(e).to(dtype) for e in range(self.num_experts)])
-        return replace(self, w13=w13, w2=w2, w13_scale=None, w2_scale=None, packing=WeightPacking.DEQUANTIZED,
-                       hidden_size=None)
+        return replace(
+            self,
+            w13=w13,
+            w2=w2,
+            w13_scale=None,
+            w2_scale=None,
+            packing=WeightPacking.DEQUANTIZED,
+            hidden_size=None,
+        )
 
     def to(self, device: torch.device | str) -> ExpertWeights:
         moved = {n: t.to(device) for n, t in self.tensors().items()}
@@ -283,14 +316,26 @@ class ExpertWeights:
         if format is WeightFormat.MXFP4:
             q13 = quantize_mxfp4(w13, rule=mxfp4_rule)
             q2 = quantize_mxfp4(w2, rule=mxfp4_rule)
-            return cls(w13=q13.blocks, w13_scale=q13.scales, w2=q2.blocks, w2_scale=q2.scales,
-                       hidden_size=w13.shape[2], **common)
+            return cls(
+                w13=q13.blocks,
+                w13_scale=q13.scales,
+                w2=q2.blocks,
+                w2_scale=q2.scales,
+                hidden_size=w13.shape[2],
+                **common,
+            )
         if format is WeightFormat.FP8_E4M3:
             if fp8_scale is None:
                 raise FormatError("FP8_E4M3 needs fp8_scale (an Fp8Scale)")
             q13 = quantize_fp8_weight(w13, granularity=fp8_scale)
             q2 = quantize_fp8_weight(w2, granularity=fp8_scale)
-            return cls(w13=q13.data, w13_scale=q13.scale, w2=q2.data, w2_scale=q2.scale, fp8_scale=fp8_scale,
-                       **common)
+            return cls(
+                w13=q13.data,
+                w13_scale=q13.scale,
+                w2=q2.data,
+                w2_scale=q2.scale,
+                fp8_scale=fp8_scale,
+                **common,
+            )
         dtype = format.float_dtype
         return cls(w13=w13.to(dtype), w2=w2.to(dtype), **common)

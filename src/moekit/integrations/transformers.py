@@ -91,8 +91,10 @@ def _hidden_act_of(act_fn: object) -> str:
     for name, fn in _PROBE_ACTIVATIONS.items():
         if torch.allclose(got, fn(z), rtol=1e-9, atol=1e-12):
             return name
-    raise SpecError(f"the experts' activation {type(act_fn).__name__} is none of {list(_PROBE_ACTIVATIONS)}; "
-                    "pass the model's config")
+    raise SpecError(
+        f"the experts' activation {type(act_fn).__name__} is none of {list(_PROBE_ACTIVATIONS)}; "
+        "pass the model's config"
+    )
 
 
 def _config_of_module(module: torch.nn.Module, family: Family, *, config: object | None) -> SimpleNamespace:
@@ -104,15 +106,20 @@ def _config_of_module(module: torch.nn.Module, family: Family, *, config: object
     experts, router = module.experts, getattr(module, family.router_name)
     gate_up = experts.gate_up_proj
     num_experts = gate_up.shape[0]
-    fields = dict(model_type=family.value, num_experts_per_tok=int(router.top_k),
-                  hidden_size=router.weight.shape[1])
+    fields = dict(
+        model_type=family.value, num_experts_per_tok=int(router.top_k), hidden_size=router.weight.shape[1]
+    )
     if family is Family.GPT_OSS:  # gate_up_proj [E, H, 2I]
         if not hasattr(experts, "limit"):
             raise SpecError(f"{type(experts).__name__} has no `limit` attribute: its SwiGLU clamp is unknown")
         alpha = getattr(experts, "alpha", None)  # None: hf_convert's rule for versions that hard-code 1.702
-        return SimpleNamespace(**fields, num_local_experts=num_experts,
-                               intermediate_size=gate_up.shape[2] // 2,
-                               swiglu_alpha=alpha, swiglu_limit=experts.limit)
+        return SimpleNamespace(
+            **fields,
+            num_local_experts=num_experts,
+            intermediate_size=gate_up.shape[2] // 2,
+            swiglu_alpha=alpha,
+            swiglu_limit=experts.limit,
+        )
     try:
         hidden_act = _hidden_act_of(experts.act_fn)
     except SpecError:
@@ -123,8 +130,12 @@ def _config_of_module(module: torch.nn.Module, family: Family, *, config: object
     intermediate = gate_up.shape[1] // 2
     if family is Family.MIXTRAL:
         return SimpleNamespace(**fields, num_local_experts=num_experts, intermediate_size=intermediate)
-    return SimpleNamespace(**fields, num_experts=num_experts, moe_intermediate_size=intermediate,
-                           norm_topk_prob=bool(router.norm_topk_prob))
+    return SimpleNamespace(
+        **fields,
+        num_experts=num_experts,
+        moe_intermediate_size=intermediate,
+        norm_topk_prob=bool(router.norm_topk_prob),
+    )
 
 
 def _config_for(config: object | None, family: Family) -> object | None:
@@ -134,8 +145,10 @@ def _config_for(config: object | None, family: Family) -> object | None:
     for candidate in (config, getattr(config, "get_text_config", lambda: None)()):
         if getattr(candidate, "model_type", None) == family.value:
             return candidate
-    raise SpecError(f"config has model_type {getattr(config, 'model_type', None)!r} but the block is "
-                    f"{family.value}; pass the config of the model that holds the block (or none)")
+    raise SpecError(
+        f"config has model_type {getattr(config, 'model_type', None)!r} but the block is "
+        f"{family.value}; pass the config of the model that holds the block (or none)"
+    )
 
 
 def hf_layer_of(module: torch.nn.Module, *, config: object | None = None) -> HfMoeLayer:
@@ -143,8 +156,9 @@ def hf_layer_of(module: torch.nn.Module, *, config: object | None = None) -> HfM
     family = family_of(module)
     if family is None:
         names = [c for _, c in _BLOCK_CLASSES.values()]
-        raise SpecError(f"{type(module).__name__} is not a supported Hugging Face MoE block; "
-                        f"supported: {names}")
+        raise SpecError(
+            f"{type(module).__name__} is not a supported Hugging Face MoE block; supported: {names}"
+        )
     cfg = _config_of_module(module, family, config=_config_for(config, family))
     return from_hf_moe_block(module, config=cfg)
 
@@ -153,8 +167,12 @@ def _hf_expert_tensors(family: Family, weights: ExpertWeights) -> dict[str, torc
     """The HF experts' parameters rebuilt from moekit weights (the exact inverse of hf_convert)."""
     if family is Family.GPT_OSS:  # [E, H, 2I] interleaved, [E, I, H], biases as is
         w = weights.to_layout(GateLayout.INTERLEAVED)
-        return {"gate_up_proj": w.w13.transpose(1, 2), "gate_up_proj_bias": w.b13,
-                "down_proj": w.w2.transpose(1, 2), "down_proj_bias": w.b2}
+        return {
+            "gate_up_proj": w.w13.transpose(1, 2),
+            "gate_up_proj_bias": w.b13,
+            "down_proj": w.w2.transpose(1, 2),
+            "down_proj_bias": w.b2,
+        }
     w = weights.to_layout(GateLayout.CONCAT)  # [E, 2I, H] gate rows first, [E, H, I]
     return {"gate_up_proj": w.w13, "down_proj": w.w2}
 
@@ -241,8 +259,11 @@ class PatchReport:
 
     def explain(self) -> str:
         lines = [f"moekit patched {len(self.blocks)} MoE block(s):"]
-        lines += [f"  {b.name}: {b.family.value} -> {b.kernel} ({b.spec.describe()})"
-                  + ("" if b.released_original else " [original experts kept]") for b in self.blocks]
+        lines += [
+            f"  {b.name}: {b.family.value} -> {b.kernel} ({b.spec.describe()})"
+            + ("" if b.released_original else " [original experts kept]")
+            for b in self.blocks
+        ]
         return "\n".join(lines)
 
 
@@ -272,8 +293,10 @@ def patch_model(
         names = [c for _, c in _BLOCK_CLASSES.values()]
         raise SpecError(f"no Hugging Face MoE block ({names}) found in {type(model).__name__}")
     if any(name == "" for name, _, _ in targets):
-        raise SpecError("the model is itself an MoE block: patch the model holding it, or use "
-                        "FusedMoE.from_hf_module(block)")
+        raise SpecError(
+            "the model is itself an MoE block: patch the model holding it, or use "
+            "FusedMoE.from_hf_module(block)"
+        )
     config = getattr(model, "config", None)
     done: list[PatchedBlock] = []
     try:
@@ -281,14 +304,26 @@ def patch_model(
             hf = hf_layer_of(block, config=config)
             router = getattr(block, family.router_name)
             # The FusedMoE aliases the HF router's tensors (no copy); the wrapper calls the HF router anyway.
-            moe = FusedMoE(spec=hf.spec, weights=hf.weights, router_weight=router.weight,
-                           router_bias=getattr(router, "bias", None), device=hf.weights.device,
-                           options=options)
+            moe = FusedMoE(
+                spec=hf.spec,
+                weights=hf.weights,
+                router_weight=router.weight,
+                router_bias=getattr(router, "bias", None),
+                device=hf.weights.device,
+                options=options,
+            )
             wrapper = MoekitMoEBlock(original=block, family=family, moe=moe)
             released = release_originals and wrapper.release_original()
             _set_submodule(model, name, wrapper)
-            done.append(PatchedBlock(name=name, family=family, spec=hf.spec, kernel=moe.plan_for(1).kernel,
-                                     released_original=released))
+            done.append(
+                PatchedBlock(
+                    name=name,
+                    family=family,
+                    spec=hf.spec,
+                    kernel=moe.plan_for(1).kernel,
+                    released_original=released,
+                )
+            )
     except BaseException:
         unpatch(model)
         raise

@@ -47,13 +47,19 @@ class DeviceInfo:
         device = torch.device(device)
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            return cls(DeviceKind.CUDA, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+            return cls(
+                DeviceKind.CUDA, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+            )
         if device.type == "cpu":
             return cls(DeviceKind.CPU, "cpu")
         raise ValueError(f"moekit runs on cpu or cuda devices, got {device}")
 
     def describe(self) -> str:
-        cc = f" (sm_{self.compute_capability[0]}{self.compute_capability[1]})" if self.compute_capability else ""
+        cc = (
+            f" (sm_{self.compute_capability[0]}{self.compute_capability[1]})"
+            if self.compute_capability
+            else ""
+        )
         return f"{self.name}{cc}"
 
 
@@ -113,7 +119,9 @@ class Capabilities:
                 return f"runs on {_names(self.devices)}, not {device.kind.name}"
             need = self.min_compute_capability
             if device.kind is DeviceKind.CUDA and need and (device.compute_capability or (0, 0)) < need:
-                return f"needs compute capability >= {need[0]}.{need[1]}, device has {device.compute_capability}"
+                return (
+                    f"needs compute capability >= {need[0]}.{need[1]}, device has {device.compute_capability}"
+                )
         return None
 
 
@@ -136,7 +144,9 @@ def config_from_dict(config_type: type[KernelConfig], data: object, *, kernel: s
     names = {f.name for f in dataclasses.fields(config_type)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise TunedTableError(f"config for kernel {kernel!r} has unknown fields {unknown}; known: {sorted(names)}")
+        raise TunedTableError(
+            f"config for kernel {kernel!r} has unknown fields {unknown}; known: {sorted(names)}"
+        )
     try:
         return config_type(**data)
     except (TypeError, ValueError) as err:
@@ -179,7 +189,9 @@ class Kernel(abc.ABC):
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         """None if `config` is usable for `spec`, else why not (beyond the dataclass's own checks)."""
         if not isinstance(config, self.config_type):
-            return f"config is a {type(config).__name__}, kernel {self.name} takes {self.config_type.__name__}"
+            return (
+                f"config is a {type(config).__name__}, kernel {self.name} takes {self.config_type.__name__}"
+            )
         return None
 
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
@@ -189,9 +201,20 @@ class Kernel(abc.ABC):
     def weights_reason(self, weights: ExpertWeights) -> str | None:
         """None if `run` reads `weights` as they are, else why not (checked before every launch)."""
         if weights.packing not in self.capabilities.packings:
-            return (f"kernel {self.name} reads packings {sorted(p.name for p in self.capabilities.packings)}, "
-                    f"weights are {weights.packing.name}")
+            return (
+                f"kernel {self.name} reads packings {sorted(p.name for p in self.capabilities.packings)}, "
+                f"weights are {weights.packing.name}"
+            )
         return None
+
+    def workspace_bytes(self, spec: MoESpec, num_tokens: int) -> int:
+        """Device memory `run` allocates for `num_tokens` beyond the weights, output excluded.
+
+        Default: the fp32 intermediates of T*K (token, expert) pairs an unfused path keeps: h [2I],
+        activation [I], y and its unsorted copy [2H], plus the gathered input rows [H] in act dtype."""
+        pairs = num_tokens * spec.K
+        act = torch.empty((), dtype=spec.act_dtype).element_size()
+        return pairs * (2 * spec.I + spec.I + 2 * spec.H) * 4 + pairs * spec.H * act
 
     @abc.abstractmethod
     def run(self, launch: Launch) -> torch.Tensor:

@@ -51,5 +51,6 @@ class ReferenceKernel(Kernel):
         return ReferenceConfig()
 
     def run(self, launch: Launch) -> torch.Tensor:
-        return fused_moe_reference(launch.x, launch.weights, launch.routing, spec=launch.spec,
-                                   expert_map=launch.expert_map)
+        return fused_moe_reference(
+            launch.x, launch.weights, launch.routing, spec=launch.spec, expert_map=launch.expert_map
+        )

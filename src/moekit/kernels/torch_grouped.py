@@ -18,7 +18,7 @@ import torch
 
 from moekit.kernels.base import Capabilities, DeviceKind, Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.reference_kernel import EVERY_ACT_DTYPE
-from moekit.reference import fake_quant_activation, apply_activation, split_gate_up
+from moekit.reference import apply_activation, fake_quant_activation, split_gate_up
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -107,7 +107,8 @@ class TorchGroupedKernel(Kernel):
         w2 = weights.w2.to(spec.act_dtype)
         # scatter_add keeps the count on the device (bincount reads its max on the host: a sync).
         counts = torch.zeros(weights.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, sorted_expert, torch.ones_like(sorted_expert))
+            0, sorted_expert, torch.ones_like(sorted_expert)
+        )
         gemm = _grouped_gemm if launch.config.use_grouped_mm else _looped_gemm
         h = gemm(xs, w13, counts).float()
         if weights.b13 is not None:

@@ -16,6 +16,7 @@ from moekit.kernels.triton.launch import (
     default_config,
     triton_fused_moe,
     triton_supports,
+    workspace_bytes,
 )
 from moekit.spec import MoESpec
 
@@ -35,6 +36,15 @@ class TritonFusedKernel(Kernel):
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         return super().validate_config(config, spec) or config.reason_unusable(spec)
 
+    def workspace_bytes(self, spec: MoESpec, num_tokens: int) -> int:
+        return workspace_bytes(spec=spec, num_tokens=num_tokens)
+
     def run(self, launch: Launch) -> torch.Tensor:
-        return triton_fused_moe(launch.x, launch.weights, launch.routing, spec=launch.spec, config=launch.config,
-                                expert_map=launch.expert_map)
+        return triton_fused_moe(
+            launch.x,
+            launch.weights,
+            launch.routing,
+            spec=launch.spec,
+            config=launch.config,
+            expert_map=launch.expert_map,
+        )

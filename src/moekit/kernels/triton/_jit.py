@@ -49,9 +49,15 @@ def _align_pairs(
     expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1]: padded start row of each expert, last = total
     expert_counts_ptr,  # out int32 [NUM_LOCAL]
     seg_start_ptr,  # scratch int32 [NUM_LOCAL + 1]: unpadded start of each expert in sorted order
-    num_pairs, max_blocks, num_experts,
-    NUM_LOCAL: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+    num_pairs,
+    max_blocks,
+    num_experts,
+    NUM_LOCAL: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr,
 ):
     """align.py's routing preparation in one program (P <= BLOCK_P): one launch instead of ~15 torch ops.
 
@@ -189,8 +195,19 @@ def _e2m1_to_f32(nibble):
 
 
 @triton.jit
-def _mxfp4_tiles(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride_wn, stride_sn, stride_sk,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mxfp4_tiles(
+    w_base,
+    s_base,
+    w_rows,
+    w_mask,
+    k0,
+    IN_DIM: tl.constexpr,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> fp32 (even, odd) [BLOCK_K/2, BLOCK_N].
 
     The low nibble of byte j is element 2j, the high nibble element 2j+1: returning the two halves as
@@ -202,11 +219,17 @@ def _mxfp4_tiles(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, strid
     num_groups: tl.constexpr = (IN_DIM + 31) // 32
     j = tl.arange(0, BLOCK_K // 2)
     kb = k0 // 2 + j  # byte index along the row
-    packed = tl.load(w_base + w_rows[None, :] * stride_wn + kb[:, None],
-                     mask=w_mask[None, :] & (kb < num_groups * 16)[:, None], other=0).to(tl.int32)
+    packed = tl.load(
+        w_base + w_rows[None, :] * stride_wn + kb[:, None],
+        mask=w_mask[None, :] & (kb < num_groups * 16)[:, None],
+        other=0,
+    ).to(tl.int32)
     kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # 16 bytes (32 elements) share a scale
-    sbytes = tl.load(s_base + w_rows[None, :] * stride_sn + kg[:, None] * stride_sk,
-                     mask=w_mask[None, :] & (kg < num_groups)[:, None], other=0)
+    sbytes = tl.load(
+        s_base + w_rows[None, :] * stride_sn + kg[:, None] * stride_sk,
+        mask=w_mask[None, :] & (kg < num_groups)[:, None],
+        other=0,
+    )
     scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # [BLOCK_K/32, BLOCK_N]
     scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
     scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
@@ -217,11 +240,31 @@ def _mxfp4_tiles(w_base, s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, strid
 
 @triton.jit
 def _expert_matmul(
-    a_ptr, a_scale_ptr, a_rows, a_mask, stride_am, stride_asm, stride_ask,
-    w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+    a_ptr,
+    a_scale_ptr,
+    a_rows,
+    a_mask,
+    stride_am,
+    stride_asm,
+    stride_ask,
+    w_ptr,
+    w_scale_ptr,
+    expert,
+    w_rows,
+    w_mask,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
     IN_DIM: tl.constexpr,
-    W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    FP8_SCALE: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, :] @ W[expert, w_rows, :]^T with every scale applied.
 
@@ -241,8 +284,19 @@ def _expert_matmul(
         k_mask = ks < IN_DIM
         a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         if W_FORMAT == WFMT_MXFP4:
-            w_even, w_odd = _mxfp4_tiles(w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn,
-                                         stride_wsk, BLOCK_N, BLOCK_K)
+            w_even, w_odd = _mxfp4_tiles(
+                w_base,
+                s_base,
+                w_rows,
+                w_mask,
+                k0,
+                IN_DIM,
+                stride_wn,
+                stride_wsn,
+                stride_wsk,
+                BLOCK_N,
+                BLOCK_K,
+            )
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             if DOT_FP32:
                 acc = tl.dot(a_even.to(tl.float32), w_even, acc, input_precision="ieee")
@@ -251,8 +305,11 @@ def _expert_matmul(
                 acc = tl.dot(a_even, w_even.to(a.dtype), acc)
                 acc = tl.dot(a_odd, w_odd.to(a.dtype), acc)
         else:
-            w = tl.load(w_base + w_rows[None, :] * stride_wn + ks[:, None],
-                        mask=w_mask[None, :] & k_mask[:, None], other=0.0)
+            w = tl.load(
+                w_base + w_rows[None, :] * stride_wn + ks[:, None],
+                mask=w_mask[None, :] & k_mask[:, None],
+                other=0.0,
+            )
         if W_FORMAT == WFMT_FP8:
             if A_QUANT != AQ_NONE:
                 part = tl.dot(a, w)  # fp8 x fp8 on the tensor cores
@@ -263,12 +320,14 @@ def _expert_matmul(
             # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32 (BLOCK_K
             # <= 128), which is also where block scales along K must be applied.
             if FP8_SCALE == FP8S_BLOCK:
-                ws = tl.load(s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
-                             mask=w_mask, other=0.0)
+                ws = tl.load(
+                    s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk, mask=w_mask, other=0.0
+                )
                 part = part * ws[None, :]
             if A_QUANT == AQ_GROUP:
-                sa = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
-                             mask=a_mask, other=0.0)
+                sa = tl.load(
+                    a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask, mask=a_mask, other=0.0
+                )
                 part = part * sa[:, None]
             acc += part
         elif W_FORMAT == WFMT_FLOAT:
@@ -287,8 +346,9 @@ def _expert_matmul(
 
 
 @triton.jit
-def _gated_activation(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                      LIMIT: tl.constexpr):
+def _gated_activation(
+    gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr
+):
     """moekit.reference.apply_activation in fp32 registers."""
     if HAS_LIMIT:  # every activation clamps the same way: gate from above, up on both sides
         gate = tl.minimum(gate, LIMIT)
@@ -327,14 +387,36 @@ def _moe_gemm1(
     block_expert_ptr,  # int32 [num_pid_m]
     num_blocks_ptr,  # int32 [1]
     h_ptr,  # [T*K, I] act dtype (fp32 when W8A8)
-    num_pairs, num_pid_m,
-    stride_xm, stride_xsm, stride_xsk,
-    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_hm,
-    INTER_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-    TOP_K: tl.constexpr, W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr,
-    DOT_FP32: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_ON_INPUT: tl.constexpr,
-    ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    num_pairs,
+    num_pid_m,
+    stride_xm,
+    stride_xsm,
+    stride_xsk,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_be,
+    stride_hm,
+    INTER_SIZE: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    FP8_SCALE: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTE_ON_INPUT: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    ALPHA: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """h[p, n0:n0+BLOCK_N] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block.
 
@@ -355,9 +437,31 @@ def _moe_gemm1(
         w_rows = tl.where(j < BLOCK_N, col, col + INTER_SIZE)
         w_mask = col < INTER_SIZE
     acc = _expert_matmul(
-        x_ptr, x_scale_ptr, tokens, row_mask, stride_xm, stride_xsm, stride_xsk,
-        w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-        HIDDEN, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
+        x_ptr,
+        x_scale_ptr,
+        tokens,
+        row_mask,
+        stride_xm,
+        stride_xsm,
+        stride_xsk,
+        w_ptr,
+        w_scale_ptr,
+        expert,
+        w_rows,
+        w_mask,
+        stride_we,
+        stride_wn,
+        stride_wse,
+        stride_wsn,
+        stride_wsk,
+        HIDDEN,
+        W_FORMAT,
+        FP8_SCALE,
+        A_QUANT,
+        DOT_FP32,
+        BLOCK_M,
+        2 * BLOCK_N,
+        BLOCK_K,
     )
     if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T); K == 1 so pair == token
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
@@ -370,8 +474,11 @@ def _moe_gemm1(
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(h_ptr + pairs[:, None] * stride_hm + offs_n[None, :], out.to(h_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :])
+    tl.store(
+        h_ptr + pairs[:, None] * stride_hm + offs_n[None, :],
+        out.to(h_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :],
+    )
 
 
 @triton.jit
@@ -387,13 +494,30 @@ def _moe_gemm2(
     block_expert_ptr,  # int32 [num_pid_m]
     num_blocks_ptr,  # int32 [1]
     y_ptr,  # [T*K, H] (act dtype, or fp32 for fp32 activations)
-    num_pairs, num_pid_m,
-    stride_hm, stride_hsm, stride_hsk,
-    stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_ym,
-    HIDDEN: tl.constexpr, INTER_SIZE: tl.constexpr,
-    W_FORMAT: tl.constexpr, FP8_SCALE: tl.constexpr, A_QUANT: tl.constexpr, DOT_FP32: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ROUTE_ON_OUTPUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    num_pairs,
+    num_pid_m,
+    stride_hm,
+    stride_hsm,
+    stride_hsk,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_be,
+    stride_ym,
+    HIDDEN: tl.constexpr,
+    INTER_SIZE: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    FP8_SCALE: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTE_ON_OUTPUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """y[p, n0:n0+BLOCK_N] = w[p] * (h[p] @ w2[e]^T + b2[e]) for the pairs of one M-block."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
@@ -403,17 +527,42 @@ def _moe_gemm2(
     w_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_mask = w_rows < HIDDEN
     acc = _expert_matmul(
-        h_ptr, h_scale_ptr, pairs, row_mask, stride_hm, stride_hsm, stride_hsk,
-        w_ptr, w_scale_ptr, expert, w_rows, w_mask, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-        INTER_SIZE, W_FORMAT, FP8_SCALE, A_QUANT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        h_ptr,
+        h_scale_ptr,
+        pairs,
+        row_mask,
+        stride_hm,
+        stride_hsm,
+        stride_hsk,
+        w_ptr,
+        w_scale_ptr,
+        expert,
+        w_rows,
+        w_mask,
+        stride_we,
+        stride_wn,
+        stride_wse,
+        stride_wsn,
+        stride_wsk,
+        INTER_SIZE,
+        W_FORMAT,
+        FP8_SCALE,
+        A_QUANT,
+        DOT_FP32,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
     )
     if HAS_BIAS:  # b2 is added per expert before the router weight, as GPT-OSS does
         bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
     if ROUTE_ON_OUTPUT:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-    tl.store(y_ptr + pairs[:, None] * stride_ym + w_rows[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & w_mask[None, :])
+    tl.store(
+        y_ptr + pairs[:, None] * stride_ym + w_rows[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & w_mask[None, :],
+    )
 
 
 @triton.jit
@@ -421,8 +570,11 @@ def _moe_sum_k(
     y_ptr,  # [T*K, H] per-pair expert outputs (rows of dropped pairs are never written)
     pair_expert_ptr,  # int32 [T*K] local expert of each pair, -1 if another rank owns it
     out_ptr,  # [T, H] act dtype
-    stride_ym, stride_om,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_ym,
+    stride_om,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """out[t] = sum over k = 0..K-1, in that order, of y[t*K + k] (dropped pairs add zero)."""
     t = tl.program_id(0).to(tl.int64)

@@ -89,8 +89,9 @@ def align_routing(
     return _align_torch(ids, num_local_experts=num_local_experts, block_m=block_m, expert_map=expert_map)
 
 
-def _align_kernel(ids: torch.Tensor, *, num_local_experts: int, block_m: int,
-                  expert_map: torch.Tensor | None) -> AlignedRouting:
+def _align_kernel(
+    ids: torch.Tensor, *, num_local_experts: int, block_m: int, expert_map: torch.Tensor | None
+) -> AlignedRouting:
     device, num_pairs, e_local = ids.device, ids.numel(), num_local_experts
     max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
     block_p = triton.next_power_of_2(num_pairs)  # compiles once per power of two, not per T
@@ -114,9 +115,13 @@ def _align_kernel(ids: torch.Tensor, *, num_local_experts: int, block_m: int,
         expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
         expert_counts_ptr=out["expert_counts"],  # int32 [E_local]
         seg_start_ptr=seg_start,  # int32 [E_local + 1]
-        num_pairs=num_pairs, max_blocks=max_blocks,
+        num_pairs=num_pairs,
+        max_blocks=max_blocks,
         num_experts=expert_map.numel() if expert_map is not None else e_local,
-        NUM_LOCAL=e_local, HAS_MAP=expert_map is not None, BLOCK_M=block_m, BLOCK_P=block_p,
+        NUM_LOCAL=e_local,
+        HAS_MAP=expert_map is not None,
+        BLOCK_M=block_m,
+        BLOCK_P=block_p,
         BLOCK_E=triton.next_power_of_2(e_local + 1),
         MAX_BLOCKS=max_blocks_bound(num_pairs=block_p, num_local_experts=e_local, block_m=block_m),
         num_warps=4 if block_p <= 1024 else 8,
@@ -124,8 +129,9 @@ def _align_kernel(ids: torch.Tensor, *, num_local_experts: int, block_m: int,
     return AlignedRouting(block_m=block_m, max_blocks=max_blocks, num_pairs=num_pairs, **out)
 
 
-def _align_torch(ids: torch.Tensor, *, num_local_experts: int, block_m: int,
-                 expert_map: torch.Tensor | None) -> AlignedRouting:
+def _align_torch(
+    ids: torch.Tensor, *, num_local_experts: int, block_m: int, expert_map: torch.Tensor | None
+) -> AlignedRouting:
     device = ids.device
     num_pairs = ids.numel()
     e_local = num_local_experts

@@ -112,8 +112,10 @@ def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str |
     if device is not None and device.kind is DeviceKind.CUDA:
         need = min_compute_capability(spec)
         if (device.compute_capability or (0, 0)) < need:
-            return (f"{spec.weight_format.name} needs compute capability >= {need[0]}.{need[1]}, "
-                    f"device has {device.compute_capability}")
+            return (
+                f"{spec.weight_format.name} needs compute capability >= {need[0]}.{need[1]}, "
+                f"device has {device.compute_capability}"
+            )
     return None
 
 
@@ -175,8 +177,8 @@ class _KernelParams:
             w_format=_W_FORMAT[spec.weight_format],
             fp8_scale=_FP8_SCALE[spec.fp8_scale],
             a_quant=_A_QUANT[spec.act_quant],
-            dot_fp32=spec.act_dtype == torch.float32 or (
-                not spec.weight_format.is_quantized and spec.weight_format.float_dtype != spec.act_dtype),
+            dot_fp32=spec.act_dtype == torch.float32
+            or (not spec.weight_format.is_quantized and spec.weight_format.float_dtype != spec.act_dtype),
             interleaved=spec.gate_layout is GateLayout.INTERLEAVED,
             has_bias=spec.has_bias,
             route_in_gemm1=on_input and not w8a8,
@@ -191,16 +193,30 @@ class _KernelParams:
         )
 
 
-_W_FORMAT = {WeightFormat.BF16: _jit.WFMT_FLOAT.value, WeightFormat.FP16: _jit.WFMT_FLOAT.value,
-             WeightFormat.FP32: _jit.WFMT_FLOAT.value, WeightFormat.FP8_E4M3: _jit.WFMT_FP8.value,
-             WeightFormat.MXFP4: _jit.WFMT_MXFP4.value}
-_FP8_SCALE = {None: _jit.FP8S_TENSOR.value, Fp8Scale.PER_TENSOR: _jit.FP8S_TENSOR.value,
-              Fp8Scale.PER_CHANNEL: _jit.FP8S_CHANNEL.value, Fp8Scale.BLOCK_128: _jit.FP8S_BLOCK.value}
-_A_QUANT = {ActivationQuant.NONE: _jit.AQ_NONE.value, ActivationQuant.FP8_PER_TOKEN: _jit.AQ_TOKEN.value,
-            ActivationQuant.FP8_PER_GROUP_128: _jit.AQ_GROUP.value}
-_ACTIVATION = {Activation.SILU: _jit.ACT_SILU.value, Activation.GELU: _jit.ACT_GELU.value,
-               Activation.GELU_TANH: _jit.ACT_GELU_TANH.value,
-               Activation.SWIGLU_OAI: _jit.ACT_SWIGLU_OAI.value}
+_W_FORMAT = {
+    WeightFormat.BF16: _jit.WFMT_FLOAT.value,
+    WeightFormat.FP16: _jit.WFMT_FLOAT.value,
+    WeightFormat.FP32: _jit.WFMT_FLOAT.value,
+    WeightFormat.FP8_E4M3: _jit.WFMT_FP8.value,
+    WeightFormat.MXFP4: _jit.WFMT_MXFP4.value,
+}
+_FP8_SCALE = {
+    None: _jit.FP8S_TENSOR.value,
+    Fp8Scale.PER_TENSOR: _jit.FP8S_TENSOR.value,
+    Fp8Scale.PER_CHANNEL: _jit.FP8S_CHANNEL.value,
+    Fp8Scale.BLOCK_128: _jit.FP8S_BLOCK.value,
+}
+_A_QUANT = {
+    ActivationQuant.NONE: _jit.AQ_NONE.value,
+    ActivationQuant.FP8_PER_TOKEN: _jit.AQ_TOKEN.value,
+    ActivationQuant.FP8_PER_GROUP_128: _jit.AQ_GROUP.value,
+}
+_ACTIVATION = {
+    Activation.SILU: _jit.ACT_SILU.value,
+    Activation.GELU: _jit.ACT_GELU.value,
+    Activation.GELU_TANH: _jit.ACT_GELU_TANH.value,
+    Activation.SWIGLU_OAI: _jit.ACT_SWIGLU_OAI.value,
+}
 
 
 def workspace_bytes(*, spec: MoESpec, num_tokens: int) -> int:
@@ -231,21 +247,34 @@ class _WeightArgs:
     stride_be: int
 
     @classmethod
-    def of(cls, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, *,
-           name: str) -> _WeightArgs:
+    def of(
+        cls, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, *, name: str
+    ) -> _WeightArgs:
         if data.dim() == 4:  # MXFP4 [E, N, G, 16]: the kernel walks a row's G*16 bytes as one run
             if data.stride(3) != 1 or data.stride(2) != 16:
-                raise LayoutMismatchError(f"MXFP4 {name} must be contiguous in its last two dims, strides "
-                                          f"{data.stride()}; call .contiguous() once at load time")
+                raise LayoutMismatchError(
+                    f"MXFP4 {name} must be contiguous in its last two dims, strides "
+                    f"{data.stride()}; call .contiguous() once at load time"
+                )
         elif data.stride(2) != 1:
-            raise LayoutMismatchError(f"{name} must be contiguous along its input dim, strides "
-                                      f"{data.stride()}; call .contiguous() once at load time")
+            raise LayoutMismatchError(
+                f"{name} must be contiguous along its input dim, strides "
+                f"{data.stride()}; call .contiguous() once at load time"
+            )
         if bias is not None and bias.stride(1) != 1:
             raise LayoutMismatchError(f"the bias of {name} must be contiguous along its rows")
         sstrides = (*scale.stride(), 0, 0, 0)[:3] if scale is not None else (0, 0, 0)
-        return cls(data=data, scale=scale, bias=bias, stride_we=data.stride(0), stride_wn=data.stride(1),
-                   stride_wse=sstrides[0], stride_wsn=sstrides[1], stride_wsk=sstrides[2],
-                   stride_be=bias.stride(0) if bias is not None else 0)
+        return cls(
+            data=data,
+            scale=scale,
+            bias=bias,
+            stride_we=data.stride(0),
+            stride_wn=data.stride(1),
+            stride_wse=sstrides[0],
+            stride_wsn=sstrides[1],
+            stride_wsk=sstrides[2],
+            stride_be=bias.stride(0) if bias is not None else 0,
+        )
 
 
 def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
@@ -265,23 +294,30 @@ def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
     if not isinstance(routing, RoutingResult) or tuple(routing.ids.shape) != (x.shape[0], spec.K):
         raise ShapeError(f"routing must be a RoutingResult [T={x.shape[0]}, K={spec.K}]")
     if spec.uses_expert_map != (expert_map is not None):
-        raise SpecError(f"spec.num_local_experts={spec.num_local_experts} "
-                        f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map")
+        raise SpecError(
+            f"spec.num_local_experts={spec.num_local_experts} "
+            f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
+        )
     if expert_map is not None and (expert_map.shape != (spec.E,) or expert_map.dtype != torch.int32):
-        raise ShapeError(f"expert_map must be int32 [E={spec.E}], got {expert_map.dtype} "
-                         f"{tuple(expert_map.shape)}")
-    if out is not None and (tuple(out.shape) != (x.shape[0], spec.H) or out.dtype != spec.act_dtype
-                            or out.stride(1) != 1):
-        raise ShapeError(f"out must be [T, H={spec.H}] {spec.act_dtype} with contiguous rows, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+        raise ShapeError(
+            f"expert_map must be int32 [E={spec.E}], got {expert_map.dtype} {tuple(expert_map.shape)}"
+        )
+    if out is not None and (
+        tuple(out.shape) != (x.shape[0], spec.H) or out.dtype != spec.act_dtype or out.stride(1) != 1
+    ):
+        raise ShapeError(
+            f"out must be [T, H={spec.H}] {spec.act_dtype} with contiguous rows, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
     others = (("weights", weights.w13), ("routing", routing.ids), ("expert_map", expert_map), ("out", out))
     for name, t in others:
         if t is not None and t.device != x.device:
             raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
 
 
-def _quantize_rows(src: torch.Tensor, *, quant: ActivationQuant,
-                   row_mult: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(
+    src: torch.Tensor, *, quant: ActivationQuant, row_mult: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [R, C] and fp32 scales [R, 1] / [R, ceil(C/128)] of `src`, exactly as moekit.formats."""
     rows, cols = src.shape
     per_group = quant is ActivationQuant.FP8_PER_GROUP_128
@@ -293,8 +329,12 @@ def _quantize_rows(src: torch.Tensor, *, quant: ActivationQuant,
         row_mult_ptr=row_mult,  # fp32 [R] or None
         dst_ptr=data,  # fp8 [R, C]
         scale_ptr=scale,  # fp32 [R, G]
-        stride_src=src.stride(0), stride_dst=data.stride(0), stride_scale=scale.stride(0),
-        NUM_COLS=cols, GROUP_COLS=128 if per_group else cols, HAS_ROW_MULT=row_mult is not None,
+        stride_src=src.stride(0),
+        stride_dst=data.stride(0),
+        stride_scale=scale.stride(0),
+        NUM_COLS=cols,
+        GROUP_COLS=128 if per_group else cols,
+        HAS_ROW_MULT=row_mult is not None,
         BLOCK=128 if per_group else min(1024, triton.next_power_of_2(cols)),
     )
     return data, scale
@@ -323,8 +363,9 @@ def triton_fused_moe(
         return out
     p = _KernelParams.of(spec)
     cfg = config
-    aligned = align_routing(routing.ids, num_local_experts=spec.E_local, block_m=cfg.block_m,
-                            expert_map=expert_map)
+    aligned = align_routing(
+        routing.ids, num_local_experts=spec.E_local, block_m=cfg.block_m, expert_map=expert_map
+    )
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
     x = x if x.stride(1) == 1 else x.contiguous()
     quant = spec.act_quant
@@ -348,19 +389,38 @@ def triton_fused_moe(
         block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
         num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
         h_ptr=h,  # [T*K, I]
-        num_pairs=num_pairs, num_pid_m=num_pid_m,
+        num_pairs=num_pairs,
+        num_pid_m=num_pid_m,
         stride_xm=x.stride(0),
         stride_xsm=x_scale.stride(0) if x_scale is not None else 0,
         stride_xsk=x_scale.stride(1) if x_scale is not None else 0,
-        stride_we=w13.stride_we, stride_wn=w13.stride_wn,
-        stride_wse=w13.stride_wse, stride_wsn=w13.stride_wsn, stride_wsk=w13.stride_wsk,
-        stride_be=w13.stride_be, stride_hm=h.stride(0),
-        INTER_SIZE=spec.I, HIDDEN=spec.H, TOP_K=top_k,
-        W_FORMAT=p.w_format, FP8_SCALE=p.fp8_scale, A_QUANT=p.a_quant, DOT_FP32=p.dot_fp32,
-        INTERLEAVED=p.interleaved, HAS_BIAS=p.has_bias, ROUTE_ON_INPUT=p.route_in_gemm1,
-        ACTIVATION=p.activation, ALPHA=p.alpha, HAS_LIMIT=p.has_limit, LIMIT=p.limit,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        stride_we=w13.stride_we,
+        stride_wn=w13.stride_wn,
+        stride_wse=w13.stride_wse,
+        stride_wsn=w13.stride_wsn,
+        stride_wsk=w13.stride_wsk,
+        stride_be=w13.stride_be,
+        stride_hm=h.stride(0),
+        INTER_SIZE=spec.I,
+        HIDDEN=spec.H,
+        TOP_K=top_k,
+        W_FORMAT=p.w_format,
+        FP8_SCALE=p.fp8_scale,
+        A_QUANT=p.a_quant,
+        DOT_FP32=p.dot_fp32,
+        INTERLEAVED=p.interleaved,
+        HAS_BIAS=p.has_bias,
+        ROUTE_ON_INPUT=p.route_in_gemm1,
+        ACTIVATION=p.activation,
+        ALPHA=p.alpha,
+        HAS_LIMIT=p.has_limit,
+        LIMIT=p.limit,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
     h_scale = None
@@ -379,17 +439,32 @@ def triton_fused_moe(
         block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
         num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
         y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1)
-        num_pairs=num_pairs, num_pid_m=num_pid_m,
+        num_pairs=num_pairs,
+        num_pid_m=num_pid_m,
         stride_hm=h.stride(0),
         stride_hsm=h_scale.stride(0) if h_scale is not None else 0,
         stride_hsk=h_scale.stride(1) if h_scale is not None else 0,
-        stride_we=w2.stride_we, stride_wn=w2.stride_wn, stride_wse=w2.stride_wse, stride_wsn=w2.stride_wsn,
-        stride_wsk=w2.stride_wsk, stride_be=w2.stride_be, stride_ym=y.stride(0),
-        HIDDEN=spec.H, INTER_SIZE=spec.I,
-        W_FORMAT=p.w_format, FP8_SCALE=p.fp8_scale, A_QUANT=p.a_quant, DOT_FP32=p.dot_fp32,
-        HAS_BIAS=p.has_bias, ROUTE_ON_OUTPUT=p.route_on_output,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        stride_we=w2.stride_we,
+        stride_wn=w2.stride_wn,
+        stride_wse=w2.stride_wse,
+        stride_wsn=w2.stride_wsn,
+        stride_wsk=w2.stride_wsk,
+        stride_be=w2.stride_be,
+        stride_ym=y.stride(0),
+        HIDDEN=spec.H,
+        INTER_SIZE=spec.I,
+        W_FORMAT=p.w_format,
+        FP8_SCALE=p.fp8_scale,
+        A_QUANT=p.a_quant,
+        DOT_FP32=p.dot_fp32,
+        HAS_BIAS=p.has_bias,
+        ROUTE_ON_OUTPUT=p.route_on_output,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if not direct:
         block_h = min(1024, triton.next_power_of_2(spec.H))
@@ -397,7 +472,10 @@ def triton_fused_moe(
             y_ptr=y,  # [T*K, H]
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
             out_ptr=out,  # [T, H]
-            stride_ym=y.stride(0), stride_om=out.stride(0),
-            HIDDEN=spec.H, TOP_K=top_k, BLOCK_H=block_h,
+            stride_ym=y.stride(0),
+            stride_om=out.stride(0),
+            HIDDEN=spec.H,
+            TOP_K=top_k,
+            BLOCK_H=block_h,
         )
     return out
