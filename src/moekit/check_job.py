@@ -2,7 +2,8 @@
 
 Data flow: preset(s) -> (E capped where asked, so a CPU can hold the weights) -> random layer on the
 device -> for each registered kernel that `supports` the spec here and each T: prepare weights, poison
-the allocator's next blocks with NaN, run `fused_moe`, relative L2 error against the fp32 reference -> `CheckRecord`s.
+the allocator's next blocks with NaN, run `fused_moe`, relative L2 error against the fp32
+reference -> `CheckRecord`s.
 Kernels that refuse the spec are listed with their reason, not silently skipped.
 """
 

@@ -80,7 +80,8 @@ def check_inputs(
     weights.validate(spec)
     if routing.num_tokens != x.shape[0] or routing.top_k != spec.K:
         raise ShapeError(
-            f"routing is [T={routing.num_tokens}, K={routing.top_k}] but x has T={x.shape[0]} and spec K={spec.K}"
+            f"routing is [T={routing.num_tokens}, K={routing.top_k}] but x has T={x.shape[0]} "
+            f"and spec K={spec.K}"
         )
     for name, t in (("weights", weights.w13), ("routing", routing.ids)):
         if t.device != x.device:
@@ -107,7 +108,9 @@ def fused_moe_reference(
     spec: MoESpec,
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * (act(x[t] @ w13[e]^T + b13[e]) @ w2[e]^T + b2[e]), e = ids[t,k]; fp32 inside."""
+    """out[t] = sum_k w[t,k] * (act(x[t] @ w13[e]^T + b13[e]) @ w2[e]^T + b2[e]), e = ids[t,k].
+
+    fp32 inside; the result is cast to spec.act_dtype."""
     check_inputs(x, weights, routing, spec=spec, expert_map=expert_map)
     num_tokens = x.shape[0]
     out = torch.zeros(num_tokens, spec.H, dtype=torch.float32, device=x.device)

@@ -127,7 +127,8 @@ def run_job(
     seed: int = 0,
     device: str | None = None,
 ) -> RunReport:
-    """Build the layer, plan it for `device`, run and time the chosen kernel, check it against the reference."""
+    """Build the layer, plan it for `device`, run and time the chosen kernel, check it against the
+    reference."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loaded = _load_layer(preset_name=preset_name, checkpoint=checkpoint, layer=layer, seed=seed)
     spec = loaded.spec

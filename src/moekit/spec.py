@@ -218,7 +218,8 @@ class MoESpec:
         is_fp8 = self.weight_format is WeightFormat.FP8_E4M3
         if is_fp8 and not isinstance(self.fp8_scale, Fp8Scale):
             raise SpecError(
-                f"FP8_E4M3 weights need fp8_scale (one of {[s.name for s in Fp8Scale]}), got {self.fp8_scale!r}"
+                f"FP8_E4M3 weights need fp8_scale (one of {[s.name for s in Fp8Scale]}), "
+                f"got {self.fp8_scale!r}"
             )
         if not is_fp8 and self.fp8_scale is not None:
             raise SpecError(
@@ -226,16 +227,19 @@ class MoESpec:
             )
         if self.act_quant is not ActivationQuant.NONE and not is_fp8:
             raise SpecError(
-                f"act_quant={self.act_quant.name} (W8A8) needs FP8_E4M3 weights, got {self.weight_format.name}; "
+                f"act_quant={self.act_quant.name} (W8A8) needs FP8_E4M3 weights, "
+                f"got {self.weight_format.name}; "
                 "use act_quant=NONE"
             )
         if self.act_quant is ActivationQuant.FP8_PER_GROUP_128 and self.fp8_scale is not Fp8Scale.BLOCK_128:
             raise SpecError(
-                f"per-1x128-group activation quantization pairs with BLOCK_128 weight scales, got {self.fp8_scale}"
+                f"per-1x128-group activation quantization pairs with BLOCK_128 weight scales, "
+                f"got {self.fp8_scale}"
             )
         if self.router_weight_placement is RouterWeightPlacement.INPUT and self.top_k != 1:
             raise SpecError(
-                f"router weights on the input are only defined for K=1, got K={self.top_k}; use OUTPUT placement"
+                f"router weights on the input are only defined for K=1, got K={self.top_k}; "
+                "use OUTPUT placement"
             )
         e_local = self.num_local_experts
         if e_local is not None and (
@@ -287,7 +291,8 @@ class MoESpec:
     def describe(self) -> str:
         fmt = self.weight_format.name + (f"/{self.fp8_scale.name}" if self.fp8_scale else "")
         return (
-            f"E={self.E} K={self.K} H={self.H} I={self.I} {fmt} act={str(self.act_dtype).removeprefix('torch.')}"
+            f"E={self.E} K={self.K} H={self.H} I={self.I} {fmt} "
+            f"act={str(self.act_dtype).removeprefix('torch.')}"
             f" act_quant={self.act_quant.name} {self.activation.describe()} {self.gate_layout.name}"
             f" bias={'yes' if self.has_bias else 'no'} router_on={self.router_weight_placement.name}"
             f" routing={self.routing.method.name}"

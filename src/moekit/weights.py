@@ -166,7 +166,8 @@ class ExpertWeights:
             raise DTypeError(f"weights are {self.format.name} but the spec says {spec.weight_format.name}")
         if self.gate_layout is not spec.gate_layout:
             raise LayoutMismatchError(
-                f"weights are in {self.gate_layout.name} gate layout but the spec says {spec.gate_layout.name}; "
+                f"weights are in {self.gate_layout.name} gate layout but the spec says "
+                f"{spec.gate_layout.name}; "
                 f"convert once at load time with weights.to_layout(GateLayout.{spec.gate_layout.name})"
             )
         if self.fp8_scale is not spec.fp8_scale:
@@ -240,7 +241,8 @@ class ExpertWeights:
             return self
         if self.format is WeightFormat.FP8_E4M3 and self.fp8_scale is Fp8Scale.BLOCK_128:
             raise LayoutMismatchError(
-                "cannot reorder gate/up rows of FP8 weights with 128x128 block scales: a block would mix rows "
+                "cannot reorder gate/up rows of FP8 weights with 128x128 block scales: "
+                "a block would mix rows "
                 "of two scales; dequantize, reorder, and quantize again (ExpertWeights.from_float)"
             )
         perm = gate_layout_permutation(self.I, source=self.gate_layout, target=target).to(self.device)
