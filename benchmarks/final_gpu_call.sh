@@ -8,9 +8,9 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py te
 timeout 40 python3 -m moekit.cli run > "$OUT/run.txt" 2>&1; echo "run rc $?"; cat "$OUT/run.txt"
 timeout 110 python3 -m moekit.cli check --all --tokens 1,64 > "$OUT/check.txt" 2>&1; echo "check rc $?"
 T=1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384
-timeout 45 python3 benchmarks/bench_moe.py --presets gpt-oss-120b --tokens $T --json "$OUT/moekit.json" \
+timeout 60 python3 benchmarks/bench_moe.py --presets gpt-oss-120b --tokens $T --json "$OUT/moekit.json" \
   > "$OUT/bench.txt" 2>&1; echo "bench rc $?"
-timeout 80 python3 peers/bench_triton_kernels.py --tk-path peers --batches $T --json "$OUT/peer.json" \
+timeout 90 python3 peers/bench_triton_kernels.py --tk-path peers --batches $T --json "$OUT/peer.json" \
   > "$OUT/peer.log" 2>&1; echo "peer rc $?"
 [ -s "$OUT/peer.json" ] && python3 benchmarks/bench_moe.py --help >/dev/null && python3 - "$OUT" <<'PY'
 import json, sys, os
