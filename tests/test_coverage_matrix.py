@@ -119,17 +119,26 @@ def test_matrix_covers_the_combinations():
 def test_unfused_w8a8_in_bf16_matches_the_reference():
     # Regression (H200, 2026-11-29, `moekit check --all`): the unfused path ran W8A8 GEMMs in bf16 and
     # the re-quantized intermediate flipped FP8 codes: 1.7e-2 on DeepSeek-V3 shapes. It now runs in fp32.
-    spec = MoESpec(num_experts=16, top_k=8, hidden_size=1024, intermediate_size=512,
-                   weight_format=WeightFormat.FP8_E4M3, fp8_scale=Fp8Scale.BLOCK_128,
-                   act_quant=ActivationQuant.FP8_PER_GROUP_128, act_dtype=torch.bfloat16,
-                   activation=ActivationSpec(Activation.SILU))
+    spec = MoESpec(
+        num_experts=16,
+        top_k=8,
+        hidden_size=1024,
+        intermediate_size=512,
+        weight_format=WeightFormat.FP8_E4M3,
+        fp8_scale=Fp8Scale.BLOCK_128,
+        act_quant=ActivationQuant.FP8_PER_GROUP_128,
+        act_dtype=torch.bfloat16,
+        activation=ActivationSpec(Activation.SILU),
+    )
     layer = random_layer(spec, seed=0)
     x = random_tokens(spec, 64)
-    routing = moekit.route(torch.randn(64, 16, generator=torch.Generator().manual_seed(0)), top_k=8,
-                           spec=spec.routing)
+    routing = moekit.route(
+        torch.randn(64, 16, generator=torch.Generator().manual_seed(0)), top_k=8, spec=spec.routing
+    )
     registry = KernelRegistry([default_registry().get("torch_grouped")])
     result = plan(spec, num_tokens=64, device="cpu", registry=registry, tuned=None)
-    out = fused_moe(x, prepare_weights(layer.weights, result, registry=registry), routing, plan=result,
-                    registry=registry)
+    out = fused_moe(
+        x, prepare_weights(layer.weights, result, registry=registry), routing, plan=result, registry=registry
+    )
     expected = moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
     assert relative_l2_error(out, expected) <= 1e-5  # only the final bf16 cast of the output differs
