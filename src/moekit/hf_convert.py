@@ -227,16 +227,16 @@ def _concat_experts(
     return _float_param(experts, "gate_up_proj", rank=3), _float_param(experts, "down_proj", rank=3)
 
 
-def from_hf_mixtral_experts(
+def _from_hf_concat_experts(
     experts: torch.nn.Module,
     *,
-    format: WeightFormat | None = None,  # noqa: A002
-    fp8_scale: Fp8Scale | None = None,
-    mxfp4_rule: Mxfp4ScaleRule = DEFAULT_SCALE_RULE,
-    gate_layout: GateLayout = GateLayout.CONCAT,
+    legacy_names: tuple[str, str, str],
+    format: WeightFormat | None,  # noqa: A002
+    fp8_scale: Fp8Scale | None,
+    mxfp4_rule: Mxfp4ScaleRule,
+    gate_layout: GateLayout,
 ) -> ExpertWeights:
-    """HF `MixtralExperts` (or a 4.x ModuleList of w1/w3/w2 MLPs) -> `ExpertWeights`, no biases."""
-    w13, w2 = _concat_experts(experts, legacy_names=("w1", "w3", "w2"))
+    w13, w2 = _concat_experts(experts, legacy_names=legacy_names)
     return _build(
         w13=w13,
         w2=w2,
@@ -250,6 +250,25 @@ def from_hf_mixtral_experts(
     )
 
 
+def from_hf_mixtral_experts(
+    experts: torch.nn.Module,
+    *,
+    format: WeightFormat | None = None,  # noqa: A002
+    fp8_scale: Fp8Scale | None = None,
+    mxfp4_rule: Mxfp4ScaleRule = DEFAULT_SCALE_RULE,
+    gate_layout: GateLayout = GateLayout.CONCAT,
+) -> ExpertWeights:
+    """HF `MixtralExperts` (or a 4.x ModuleList of w1/w3/w2 MLPs) -> `ExpertWeights`, no biases."""
+    return _from_hf_concat_experts(
+        experts,
+        legacy_names=("w1", "w3", "w2"),
+        format=format,
+        fp8_scale=fp8_scale,
+        mxfp4_rule=mxfp4_rule,
+        gate_layout=gate_layout,
+    )
+
+
 def from_hf_qwen3_moe_experts(
     experts: torch.nn.Module,
     *,
@@ -259,17 +278,13 @@ def from_hf_qwen3_moe_experts(
     gate_layout: GateLayout = GateLayout.CONCAT,
 ) -> ExpertWeights:
     """HF `Qwen3MoeExperts` (or a 4.x ModuleList of gate/up/down_proj MLPs) -> `ExpertWeights`, no biases."""
-    w13, w2 = _concat_experts(experts, legacy_names=("gate_proj", "up_proj", "down_proj"))
-    return _build(
-        w13=w13,
-        w2=w2,
-        b13=None,
-        b2=None,
-        source=GateLayout.CONCAT,
-        target=gate_layout,
+    return _from_hf_concat_experts(
+        experts,
+        legacy_names=("gate_proj", "up_proj", "down_proj"),
         format=format,
         fp8_scale=fp8_scale,
         mxfp4_rule=mxfp4_rule,
+        gate_layout=gate_layout,
     )
 
 

@@ -12,21 +12,17 @@ keeps counts on the device (no host sync); the loop variant syncs and serves CPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from moekit.kernels.base import Capabilities, DeviceKind, Kernel, KernelConfig, Launch, Problem
-from moekit.kernels.reference_kernel import EVERY_ACT_DTYPE
+from moekit.kernels.base import DeviceKind, Kernel, KernelConfig, Launch, Problem
+from moekit.kernels.reference_kernel import ReferenceKernel
 from moekit.reference import apply_activation, fake_quant_activation, split_gate_up
 from moekit.spec import (
-    Activation,
     ActivationQuant,
-    Fp8Scale,
-    GateLayout,
     MoESpec,
     RouterWeightPlacement,
-    WeightFormat,
 )
 from moekit.weights import ExpertWeights, WeightPacking
 
@@ -65,19 +61,9 @@ class TorchGroupedKernel(Kernel):
     name = "torch_grouped"
     priority = 10
     config_type = TorchGroupedConfig
-    capabilities = Capabilities(
-        weight_formats=frozenset(WeightFormat),
-        fp8_scales=frozenset(Fp8Scale),
-        act_quants=frozenset(ActivationQuant),
-        act_dtypes=EVERY_ACT_DTYPE,
-        activations=frozenset(Activation),
-        honours_alpha=True,
-        honours_limit=True,
-        gate_layouts=frozenset(GateLayout),
-        bias=True,
-        router_placements=frozenset(RouterWeightPlacement),
-        expert_map=True,
-        devices=frozenset(DeviceKind),
+    # Everything the reference computes, on any device; it reads float weights (dequantized at load).
+    capabilities = replace(
+        ReferenceKernel.capabilities,
         packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.DEQUANTIZED}),
     )
 
