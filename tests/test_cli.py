@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moekit.cli import main
 
@@ -136,3 +137,30 @@ def test_bench_plot_writes_a_png(tmp_path):
     path = tmp_path / "bench.png"
     plot_records(records, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("naming", ["OPENAI", "HF"])
+def test_run_a_checkpoint_layer(tmp_path, capsys, naming):
+    # `moekit run --checkpoint DIR --layer N` on a small GPT-OSS-style file written by moekit's own writer.
+    from dataclasses import replace
+
+    import moekit
+    from moekit.checkpoint import CheckpointNaming, GptOssLayer, save_gpt_oss_layer
+    from moekit.synthetic import random_layer
+
+    spec = replace(moekit.preset("gpt-oss-20b"), num_experts=8, hidden_size=64, intermediate_size=96)
+    synthetic = random_layer(spec, seed=5)
+    layer = GptOssLayer(
+        weights=synthetic.weights,
+        router_weight=synthetic.router_weight,
+        router_bias=torch.randn(spec.E).to(spec.act_dtype),
+        naming=CheckpointNaming[naming],
+        layer=3,
+    )
+    save_gpt_oss_layer(tmp_path / "model.safetensors", layer, layer=3, naming=CheckpointNaming[naming])
+    assert main(["run", "--checkpoint", str(tmp_path), "--layer", "3", "--tokens", "5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert f"layer 3 ({naming} naming)" in report["source"]
+    assert report["spec"].startswith("E=8 K=4 H=64 I=96 MXFP4") and report["check_passed"]
+    assert main(["run", "--checkpoint", str(tmp_path), "--layer", "4"]) == 2  # a clear error, not a trace
+    assert "CheckpointError" in capsys.readouterr().out

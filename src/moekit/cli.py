@@ -227,6 +227,7 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     import torch
+    from rich.progress import Progress
 
     from moekit.bench import bench_preset, measure_ceilings, plot_records, records_as_json
 
@@ -239,8 +240,18 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         f"bf16 matmul {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s"
     )
     records = []
-    for name in args.preset.split(","):
-        records += bench_preset(name, tokens=_tokens(args.tokens), ceilings=ceilings, device=device)
+    names, tokens = args.preset.split(","), _tokens(args.tokens)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(names) * len(tokens) * 2)  # planned + baseline
+        for name in names:
+            progress.update(task, description=f"benchmarking {name}")
+            records += bench_preset(
+                name,
+                tokens=tokens,
+                ceilings=ceilings,
+                device=device,
+                progress=lambda _record: progress.advance(task),
+            )
     table = Table(title=f"moekit bench on {torch.cuda.get_device_name()}")
     for col in ("preset", "T", "kernel", "µs", "TB/s", "TFLOP/s", "% roofline", "rel L2"):
         table.add_column(col)
