@@ -114,3 +114,15 @@ def test_spec_errors_are_value_errors():
     # Generic handlers written for ValueError keep working.
     with pytest.raises(ValueError):
         MoESpec(num_experts=2, top_k=3, hidden_size=8, intermediate_size=8)
+
+
+def test_cap_experts_keeps_a_valid_spec():
+    from moekit.presets import cap_experts
+
+    ds = preset("deepseek-v3")
+    assert cap_experts(ds, None) is ds and cap_experts(ds, 512) is ds
+    small = cap_experts(ds, 16)  # 8 groups of 2 cannot hold K=8 in the 4 groups kept: groups dropped
+    assert (small.E, small.K, small.routing.n_group) == (16, 8, None)
+    assert small.routing.has_correction_bias and small.routing.routed_scaling_factor == 2.5
+    tiny = cap_experts(preset("qwen3-30b-a3b"), 4)
+    assert (tiny.E, tiny.K) == (4, 4)

@@ -17,7 +17,7 @@ from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import plan
-from moekit.presets import preset
+from moekit.presets import cap_experts, preset
 from moekit.reference import fused_moe_reference, relative_l2_error
 from moekit.routing import route
 from moekit.synthetic import random_layer, random_tokens
@@ -49,14 +49,7 @@ def check_preset(
     max_experts: int | None = None,
     progress=None,
 ) -> list[CheckRecord]:
-    spec = preset(name)
-    if max_experts is not None and spec.E > max_experts:
-        spec = replace(
-            spec,
-            num_experts=max_experts,
-            top_k=min(spec.K, max_experts),
-            routing=_shrunk_routing(spec, max_experts),
-        )
+    spec = cap_experts(preset(name), max_experts)
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     records: list[CheckRecord] = []
@@ -102,11 +95,3 @@ def poison_allocator(device: torch.device, *, num_bytes: int) -> None:
     block = torch.empty(num_bytes // 4, dtype=torch.float32, device=device)
     block.fill_(float("nan"))
     del block
-
-
-def _shrunk_routing(spec, experts: int):
-    """Grouped routing keeps its group structure only if the capped E still divides into groups."""
-    routing = spec.routing
-    if routing.n_group is not None and experts % routing.n_group:
-        return replace(routing, n_group=None, topk_group=None)
-    return routing

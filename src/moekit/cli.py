@@ -17,6 +17,7 @@ from rich.table import Table
 from moekit.cli_spec import SIMULATED_DEVICES, add_spec_flags, plan_as_dict, resolve_device, spec_from_flags
 from moekit.errors import MoekitError, SpecError
 from moekit.presets import DEFAULT_PRESET, PRESETS
+from moekit.tuned import ENV_VAR as TUNED_ENV_VAR
 
 DESCRIPTION = """\
 moekit runs Mixture-of-Experts layers (GPT-OSS MXFP4, DeepSeek FP8, Qwen/Mixtral BF16) and checks them
@@ -30,6 +31,8 @@ against a pure-PyTorch reference.
   moekit check --all              every capable kernel here against the reference, all presets
   moekit bench --preset gpt-oss-120b --plot bench.png
                                   time whole layers on the GPU vs roofline and baseline
+  moekit tune --preset gpt-oss-120b --table tuned.json
+                                  autotune; then MOEKIT_TUNED_TABLE=tuned.json moekit explain ...
 """
 
 
@@ -122,6 +125,25 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", default=",".join(str(t) for t in (1, 8, 64, 512, 4096)))
     bench.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG of µs and %% roofline vs T")
+
+    tune = sub.add_parser(
+        "tune",
+        help="autotune kernels and configs for a preset; save verified rows",
+        description="Time every capable kernel's candidate configs at each token count, "
+        "check the fastest against the reference, and append the winner to a "
+        "tuned table (atomically; an interrupted run resumes where it stopped). "
+        f"Use the table with {TUNED_ENV_VAR}=PATH or plan(..., tuned=PATH).",
+    )
+    tune.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    tune.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
+    tune.add_argument(
+        "--table",
+        type=Path,
+        default=Path("moekit-tuned.json"),
+        help="table to write (default: ./moekit-tuned.json)",
+    )
+    tune.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
+    tune.add_argument("--max-experts", type=int, default=None, help="cap E (the table key records it)")
     return parser
 
 
@@ -274,10 +296,53 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return 0 if all(r.ok for r in records) else 1
 
 
+def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
+    import torch
+    from rich.progress import Progress
+
+    from moekit.autotune import tune
+    from moekit.presets import cap_experts, preset
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = cap_experts(preset(args.preset), args.max_experts)
+    tokens = _tokens(args.tokens)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"tuning {args.preset}", total=len(tokens))
+        outcomes = tune(
+            spec, tokens=tokens, device=device, table=args.table, progress=lambda _o: progress.advance(task)
+        )
+    table = Table(title=f"moekit tune {args.preset} on {device} -> {args.table}")
+    for col in ("T", "winner", "config", "µs", "rel L2", "candidates (failed)"):
+        table.add_column(col)
+    for o in outcomes:
+        if o.resumed:
+            table.add_row(str(o.tokens), "(already in the table)", "", "", "", "")
+        elif o.winner is None:
+            table.add_row(str(o.tokens), "[red]none verified[/red]", "", "", "", str(len(o.candidates)))
+        else:
+            failed = sum(c.error is not None for c in o.candidates)
+            table.add_row(
+                str(o.tokens),
+                o.winner.kernel,
+                str(o.winner.config.as_dict()),
+                f"{o.winner.seconds * 1e6:.1f}",
+                f"{o.rel_l2:.1e}",
+                f"{len(o.candidates)} ({failed})",
+            )
+    console.print(table)
+    return 0 if all(o.resumed or o.winner is not None for o in outcomes) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     console = Console()
-    handlers = {"run": _cmd_run, "explain": _cmd_explain, "check": _cmd_check, "bench": _cmd_bench}
+    handlers = {
+        "run": _cmd_run,
+        "explain": _cmd_explain,
+        "check": _cmd_check,
+        "bench": _cmd_bench,
+        "tune": _cmd_tune,
+    }
     try:
         return handlers[args.command](args, console)
     except MoekitError as err:

@@ -92,3 +92,19 @@ def preset(name: str, *, act_dtype: torch.dtype = torch.bfloat16) -> MoESpec:
 
         spec = replace(spec, act_dtype=act_dtype)
     return spec
+
+
+def cap_experts(spec: MoESpec, max_experts: int | None) -> MoESpec:
+    """The same layer with E (and K, if needed) capped, for machines that cannot hold every expert.
+
+    Grouped routing keeps its groups only if the capped E still divides into them."""
+    if max_experts is None or spec.E <= max_experts:
+        return spec
+    from dataclasses import replace
+
+    routing = spec.routing
+    if routing.n_group is not None and (
+        max_experts % routing.n_group or spec.K > routing.topk_group * (max_experts // routing.n_group)
+    ):
+        routing = replace(routing, n_group=None, topk_group=None)
+    return replace(spec, num_experts=max_experts, top_k=min(spec.K, max_experts), routing=routing)

@@ -186,6 +186,11 @@ class Kernel(abc.ABC):
     def default_config(self, spec: MoESpec, problem: Problem) -> KernelConfig:
         """The config used when no tuned row applies."""
 
+    def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[KernelConfig, ...]:
+        """Configs the autotuner tries for this problem (each must pass `validate_config`).
+        Default: the default config alone."""
+        return (self.default_config(spec, problem),)
+
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         """None if `config` is usable for `spec`, else why not (beyond the dataclass's own checks)."""
         if not isinstance(config, self.config_type):

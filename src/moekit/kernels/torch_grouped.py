@@ -70,6 +70,11 @@ class TorchGroupedKernel(Kernel):
     def default_config(self, spec: MoESpec, problem: Problem) -> TorchGroupedConfig:
         return TorchGroupedConfig(use_grouped_mm=grouped_mm_usable(spec, problem) is None)
 
+    def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[TorchGroupedConfig, ...]:
+        if grouped_mm_usable(spec, problem) is None:
+            return (TorchGroupedConfig(use_grouped_mm=True), TorchGroupedConfig(use_grouped_mm=False))
+        return (TorchGroupedConfig(use_grouped_mm=False),)
+
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
         return weights.dequantized(compute_dtype(spec))
 

@@ -33,6 +33,26 @@ class TritonFusedKernel(Kernel):
     def default_config(self, spec: MoESpec, problem: Problem) -> TritonMoEConfig:
         return default_config(spec, problem.num_tokens)
 
+    def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[TritonMoEConfig, ...]:
+        """The default plus a grid around the shapes the H200 sweep favoured (tiles grow with the tokens
+        each expert sees); configs that cannot serve the spec are dropped."""
+        per_expert = max(problem.num_tokens, 1) * spec.K / spec.E_local
+        block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)]
+        grid = [
+            TritonMoEConfig(
+                block_m=m, block_n=n, block_k=k, group_m=1 if m == 16 else 8, num_warps=w, num_stages=st
+            )
+            for m in block_ms
+            for n in (32, 64, 128)
+            for k in (64, 128)
+            for w in (4, 8)
+            for st in (3, 4)
+            if not (w == 8 and m * n < 64 * 64)  # 8 warps on a small tile leave warps idle
+        ]
+        configs = [default_config(spec, problem.num_tokens), *grid]
+        unique = list(dict.fromkeys(configs))
+        return tuple(c for c in unique if c.reason_unusable(spec) is None)
+
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         return super().validate_config(config, spec) or config.reason_unusable(spec)
 

@@ -1,0 +1,208 @@
+"""The autotuner: time every capable kernel's candidate configs, verify the winner, save it as a tuned row.
+
+Data flow, per token count T: random tokens and router logits (never zeros) -> the fp32 reference ->
+for each kernel that `supports` the spec here, each config of its `tuning_space` that passes
+`validate_config`: prepare weights (once per kernel), run, time -> candidates ranked by time -> the
+fastest whose output matches the reference within the tolerance table (output allocator poisoned with
+NaN first) -> one row written to the table at once (`tuned.write_rows`: atomic, locked), so an
+interrupted run keeps what it finished and a re-run resumes after it.
+
+Isolation (guide §3.8): any exception from a candidate (compile error, out of memory, a launch
+failure) is recorded with its message and that candidate is skipped; the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moekit.check_job import TOLERANCE, poison_allocator
+from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Problem
+from moekit.kernels.registry import KernelRegistry, default_registry
+from moekit.ops import fused_moe, prepare_weights
+from moekit.plan import plan
+from moekit.reference import fused_moe_reference, relative_l2_error
+from moekit.routing import route
+from moekit.spec import MoESpec
+from moekit.synthetic import random_layer, random_tokens
+from moekit.tuned import row_to_json, spec_fields, token_bucket, triton_version, write_rows
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tokens: int
+    kernel: str
+    config: KernelConfig
+    seconds: float | None  # None when the candidate failed
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TuneOutcome:
+    tokens: int
+    winner: Candidate | None  # None when no candidate ran and verified
+    rel_l2: float | None
+    candidates: tuple[Candidate, ...]
+    rejected_winners: tuple[str, ...] = ()  # faster candidates that failed verification, with errors
+    resumed: bool = False  # a row for this T was already in the table
+
+
+def _default_timer(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of one call; CUDA events on a GPU, the wall clock on a CPU."""
+    fn()  # warm-up: compilation, allocator
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3 / 5)
+        return statistics.median(times)
+    times = []
+    for _ in range(3):
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _tuned_buckets(path: Path, spec: MoESpec, device: DeviceInfo) -> set[int]:
+    """Token buckets already tuned in `path` for this spec, shape, device and Triton version."""
+    if not path.exists():
+        return set()
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return set()
+    want = {
+        "device": device.name,
+        "triton": triton_version(),
+        "spec": spec_fields(spec),
+        "E": spec.E,
+        "K": spec.K,
+        "H": spec.H,
+        "I": spec.I,
+    }
+    return {token_bucket(r["tokens"]) for r in rows if all(r.get(k) == v for k, v in want.items())}
+
+
+def tune(
+    spec: MoESpec,
+    *,
+    tokens: tuple[int, ...],
+    device: torch.device | str,
+    table: Path,
+    registry: KernelRegistry | None = None,
+    timer: Callable[[Callable[[], object], torch.device], float] = _default_timer,
+    resume: bool = True,
+    seed: int = 0,
+    progress: Callable[[TuneOutcome], None] | None = None,
+) -> list[TuneOutcome]:
+    """Tune `spec` at each T in `tokens` on `device`; append the verified winners to `table`."""
+    device = torch.device(device)
+    registry = registry or default_registry()
+    info = DeviceInfo.of(device)
+    table = Path(table)
+    layer = random_layer(spec, seed=seed, device=device)
+    prepared: dict[str, object] = {}
+    done = _tuned_buckets(table, spec, info) if resume else set()
+    outcomes: list[TuneOutcome] = []
+    for t in tokens:
+        if token_bucket(t) in done:
+            outcomes.append(TuneOutcome(tokens=t, winner=None, rel_l2=None, candidates=(), resumed=True))
+            continue
+        outcome = _tune_one(spec, t, layer, info, device, registry, prepared, timer, seed)
+        if outcome.winner is not None:
+            write_rows(
+                table,
+                [
+                    row_to_json(
+                        spec=spec,
+                        device=info.name,
+                        triton=triton_version(),
+                        tokens=t,
+                        kernel=outcome.winner.kernel,
+                        config=outcome.winner.config,
+                    )
+                ],
+            )
+            done.add(token_bucket(t))
+        outcomes.append(outcome)
+        if progress is not None:
+            progress(outcome)
+    return outcomes
+
+
+def _tune_one(spec, t, layer, info, device, registry, prepared, timer, seed) -> TuneOutcome:
+    gen = torch.Generator(device).manual_seed(seed + t)
+    x = random_tokens(spec, t, seed=seed + t, device=device)
+    logits = torch.randn(t, spec.E, device=device, generator=gen)
+    routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+    expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
+    problem = Problem(num_tokens=t, device=info)
+    base = plan(spec, num_tokens=t, device=info, registry=registry, tuned=None)
+    candidates: list[Candidate] = []
+    runners = {}
+    for kernel in registry:
+        if kernel.supports(spec, problem) is not None:
+            continue
+        for config in kernel.tuning_space(spec, problem):
+            if kernel.validate_config(config, spec) is not None:
+                continue
+            chosen = replace(base, kernel=kernel.name, config=config, num_tokens=t)
+            try:
+                weights = _prepared(kernel, layer.weights, chosen, prepared, registry)
+
+                def run(chosen=chosen, weights=weights):
+                    return fused_moe(x, weights, routing, plan=chosen, registry=registry)
+
+                seconds = timer(run, device)
+            except Exception as err:  # noqa: BLE001 - isolation: any failure skips this candidate only
+                candidates.append(
+                    Candidate(t, kernel.name, config, None, f"{type(err).__name__}: {err}"[:300])
+                )
+                _release(device)
+                continue
+            candidates.append(Candidate(t, kernel.name, config, seconds))
+            runners[len(candidates) - 1] = run
+    ranked = sorted(
+        (i for i, c in enumerate(candidates) if c.seconds is not None), key=lambda i: candidates[i].seconds
+    )
+    rejected: list[str] = []
+    tolerance = TOLERANCE[spec.act_dtype]
+    for i in ranked:
+        poison_allocator(device, num_bytes=4 * t * spec.K * (2 * spec.I + spec.H) + (1 << 20))
+        try:
+            rel = relative_l2_error(runners[i](), expected)
+        except Exception as err:  # noqa: BLE001
+            rejected.append(
+                f"{candidates[i].kernel} {candidates[i].config.as_dict()}: {type(err).__name__}: {err}"
+            )
+            continue
+        if rel <= tolerance:
+            return TuneOutcome(t, candidates[i], rel, tuple(candidates), tuple(rejected))
+        rejected.append(
+            f"{candidates[i].kernel} {candidates[i].config.as_dict()}: rel L2 {rel:.2e} > {tolerance}"
+        )
+    return TuneOutcome(t, None, None, tuple(candidates), tuple(rejected))
+
+
+def _prepared(kernel: Kernel, weights, chosen, cache: dict, registry: KernelRegistry):
+    if kernel.name not in cache:
+        cache[kernel.name] = prepare_weights(weights, chosen, registry=registry)
+    return cache[kernel.name]
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # an OOM candidate must not starve the next one
