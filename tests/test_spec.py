@@ -121,8 +121,9 @@ def test_cap_experts_keeps_a_valid_spec():
 
     ds = preset("deepseek-v3")
     assert cap_experts(ds, None) is ds and cap_experts(ds, 512) is ds
-    small = cap_experts(ds, 16)  # 8 groups of 2 cannot hold K=8 in the 4 groups kept: groups dropped
-    assert (small.E, small.K, small.routing.n_group) == (16, 8, None)
+    assert cap_experts(ds, 16).routing.n_group == 8  # 4 kept groups of 2 still hold K=8 experts
+    small = cap_experts(ds, 8)  # 4 kept groups of 1 cannot hold K=8: grouping is dropped
+    assert (small.E, small.K, small.routing.n_group) == (8, 8, None)
     assert small.routing.has_correction_bias and small.routing.routed_scaling_factor == 2.5
     tiny = cap_experts(preset("qwen3-30b-a3b"), 4)
     assert (tiny.E, tiny.K) == (4, 4)
