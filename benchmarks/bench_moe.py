@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from moekit.bench import DEFAULT_TOKENS, bench_preset, measure_ceilings, records_as_json
+from moekit.bench import DEFAULT_TOKENS, BenchRecord, bench_preset, measure_ceilings, records_as_json
 
 
 def main() -> int:
@@ -23,19 +23,40 @@ def main() -> int:
     p.add_argument("--kernels", default="planned,torch_grouped")
     p.add_argument("--json", default=None)
     p.add_argument("--peer-json", default=None, help="triton_kernels bench JSON to compare against")
+    p.add_argument("--table-only", default=None, help="print the table of an earlier --json run and exit")
     args = p.parse_args()
+    if args.table_only:
+        with open(args.table_only) as f:
+            records = [BenchRecord(**r) for r in json.load(f)["records"]]
+        peer = {}
+        if args.peer_json:
+            with open(args.peer_json) as f:
+                peer = _peer_us(json.load(f))
+        print_table(records, peer)
+        return 0
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
-    print(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceilings.bf16_flops_per_s / 1e12:.0f} "
-          f"TFLOP/s on {torch.cuda.get_device_name()}", flush=True)
+    print(
+        f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
+        f"bf16 {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s on {torch.cuda.get_device_name()}",
+        flush=True,
+    )
     tokens = tuple(int(t) for t in args.tokens.split(","))
     records = []
     for name in args.presets.split(","):
         start = time.time()
-        records += bench_preset(name, tokens=tokens, kernels=tuple(args.kernels.split(",")), ceilings=ceilings,
-                                device=device, progress=lambda r: print(
-                                    f"  {r.preset} T={r.tokens} {r.kernel}: {r.us:.1f} us, {r.pct_roofline:.0f}% "
-                                    f"roofline, rel L2 {r.rel_l2:.1e} {'ok' if r.ok else 'FAIL'}", flush=True))
+        records += bench_preset(
+            name,
+            tokens=tokens,
+            kernels=tuple(args.kernels.split(",")),
+            ceilings=ceilings,
+            device=device,
+            progress=lambda r: print(
+                f"  {r.preset} T={r.tokens} {r.kernel}: {r.us:.1f} us, {r.pct_roofline:.0f}% "
+                f"roofline, rel L2 {r.rel_l2:.1e} {'ok' if r.ok else 'FAIL'}",
+                flush=True,
+            ),
+        )
         print(f"{name}: {time.time() - start:.0f} s", flush=True)
     data = records_as_json(records, ceilings)
     if args.json:
@@ -63,15 +84,19 @@ def print_table(records, peer):
     by = {}
     for r in records:
         by.setdefault((r.preset, r.tokens), {})[r.kernel] = r
-    print("| preset | T | moekit kernel | µs | % roofline | TB/s | base µs | base/moekit |"
-          + (" peer µs | peer/moekit |" if peer else ""))
+    print(
+        "| preset | T | moekit kernel | µs | % roofline | TB/s | base µs | base/moekit |"
+        + (" peer µs | peer/moekit |" if peer else "")
+    )
     print("|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else ""))
     for (name, t), ks in by.items():
         main_r = next((r for k, r in ks.items() if k != "torch_grouped"), ks.get("torch_grouped"))
         base = ks.get("torch_grouped")
-        row = (f"| {name} | {t} | {main_r.kernel} | {main_r.us:.1f} | {main_r.pct_roofline:.0f} | "
-               f"{main_r.tb_per_s:.2f} | {base.us if base else float('nan'):.1f} | "
-               f"{(base.us / main_r.us) if base else float('nan'):.2f} |")
+        row = (
+            f"| {name} | {t} | {main_r.kernel} | {main_r.us:.1f} | {main_r.pct_roofline:.0f} | "
+            f"{main_r.tb_per_s:.2f} | {base.us if base else float('nan'):.1f} | "
+            f"{(base.us / main_r.us) if base else float('nan'):.2f} |"
+        )
         if peer:
             pu = peer.get(t)
             row += f" {pu or float('nan'):.1f} | {(pu / main_r.us) if pu else float('nan'):.2f} |"

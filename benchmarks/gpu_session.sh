@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, moekit bench (planned kernel + unfused baseline) and the triton_kernels peer,
-# side by side. Usage on the device: bash benchmarks/gpu_session.sh [quick]
-# Needs peers/ (git-ignored: triton_kernels + bench_triton_kernels.py) carried along.
+# One device call for kernel work: GPU tests, autotune into a table, then moekit's benchmark with that
+# table next to the triton_kernels peer. Everything lands in $OUT (the device's tree does not come back):
+# copy $OUT/h200_tuned.json over src/moekit/tables/h200.json afterwards to ship the rows.
+# Usage on the device (carry `peers`): bash benchmarks/gpu_session.sh [PRESET] [TOKENS]
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-mode=${1:-full}
+P=${1:-gpt-oss-120b}
+T=${2:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
-if [ "$mode" = quick ]; then
-  timeout 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
-  exit 0
-fi
-timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -30
-T=${TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384}
-timeout 900 python3 peers/bench_triton_kernels.py --tk-path peers --batches "$T" --json "$OUT/peer.json" \
-  > "$OUT/peer.log" 2>&1; tail -25 "$OUT/peer.log"
-timeout 900 python3 benchmarks/bench_moe.py --presets gpt-oss-120b --tokens "$T" --json "$OUT/moekit.json" \
-  --peer-json "$OUT/peer.json" 2>&1 | tee "$OUT/bench.txt" | tail -22
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py tests/test_layer_gpu.py \
+  > "$OUT/pytest_gpu.txt" 2>&1; echo "pytest rc $?"; tail -2 "$OUT/pytest_gpu.txt"
+cp src/moekit/tables/h200.json "$OUT/h200_tuned.json"
+timeout 300 python3 -m moekit.cli tune --preset "$P" --tokens "$T" --table "$OUT/h200_tuned.json" \
+  > "$OUT/tune.txt" 2>&1; echo "tune rc $?"; tail -25 "$OUT/tune.txt"
+MOEKIT_TUNED_TABLE="$OUT/h200_tuned.json" timeout 120 python3 benchmarks/bench_moe.py --presets "$P" \
+  --tokens "$T" --json "$OUT/moekit.json" > "$OUT/bench.txt" 2>&1; echo "bench rc $?"
+timeout 120 python3 peers/bench_triton_kernels.py --tk-path peers --batches "$T" --json "$OUT/peer.json" \
+  > "$OUT/peer.log" 2>&1; echo "peer rc $?"
+python3 benchmarks/bench_moe.py --table-only "$OUT/moekit.json" --peer-json "$OUT/peer.json"

@@ -164,3 +164,20 @@ def test_run_a_checkpoint_layer(tmp_path, capsys, naming):
     assert report["spec"].startswith("E=8 K=4 H=64 I=96 MXFP4") and report["check_passed"]
     assert main(["run", "--checkpoint", str(tmp_path), "--layer", "4"]) == 2  # a clear error, not a trace
     assert "CheckpointError" in capsys.readouterr().out
+
+
+def test_bench_records_a_failing_kernel_instead_of_dying():
+    import math
+    from dataclasses import replace
+
+    import moekit
+    from moekit.bench import Ceilings, _record, baseline_spec
+    from moekit.cli_spec import SIMULATED_DEVICES
+    from moekit.plan import plan
+
+    ds = moekit.preset("deepseek-v3")
+    assert baseline_spec(ds).act_quant is moekit.ActivationQuant.NONE  # W8A8 -> W8A16 for the baseline
+    assert replace(baseline_spec(ds), act_quant=ds.act_quant) == ds
+    chosen = plan(ds, num_tokens=1, device=SIMULATED_DEVICES["h200"])
+    rec = _record("deepseek-v3", ds, chosen, 1, 8, math.nan, math.inf, Ceilings(4e12, 7e14), error="OOM")
+    assert not rec.ok and rec.error == "OOM" and math.isnan(rec.us)

@@ -11,6 +11,7 @@ bytes of the experts actually hit and 2*T*K*3*H*I FLOPs -> `BenchRecord`s.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, replace
 
@@ -20,10 +21,10 @@ from moekit.kernels.base import DeviceInfo
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import plan
-from moekit.presets import preset
+from moekit.presets import cap_experts, preset
 from moekit.reference import fused_moe_reference, relative_l2_error
 from moekit.routing import route
-from moekit.spec import MoESpec, WeightFormat
+from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 from moekit.synthetic import random_layer, random_tokens
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -53,6 +54,7 @@ class BenchRecord:
     tflops: float
     rel_l2: float
     ok: bool
+    error: str | None = None  # why the kernel could not be timed (then us is NaN)
 
 
 def expert_bytes(spec: MoESpec) -> int:
@@ -125,6 +127,12 @@ def _flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: 
     ) / repeats
 
 
+def baseline_spec(spec: MoESpec) -> MoESpec:
+    """The spec the unfused baseline runs: "dequantize, then bf16" — the same weights with activations
+    left unquantized (W8A8 becomes W8A16), so the baseline can use `torch._grouped_mm` in bf16."""
+    return replace(spec, act_quant=ActivationQuant.NONE)
+
+
 def bench_preset(
     name: str,
     *,
@@ -135,10 +143,9 @@ def bench_preset(
     num_experts: int | None = None,
     progress=None,
 ) -> list[BenchRecord]:
+    """Time each kernel at each T; a kernel that fails (capture, launch, memory) is recorded, not fatal."""
     device = torch.device(device)
-    spec = preset(name)
-    if num_experts is not None:
-        spec = replace(spec, num_experts=num_experts)
+    spec = cap_experts(preset(name), num_experts)
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     registry = default_registry()
@@ -149,32 +156,64 @@ def bench_preset(
         x = random_tokens(spec, t, seed=t, device=device)
         logits = torch.randn(t, spec.E, device=device, generator=torch.Generator(device).manual_seed(t))
         routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
-        expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
         hit = int(routing.ids.unique().numel())
+        expected: dict[MoESpec, torch.Tensor] = {}
         for which in kernels:
-            chosen = plan(spec, num_tokens=t, device=info)
+            run_spec = spec if which == "planned" else baseline_spec(spec)
+            if run_spec not in expected:
+                expected[run_spec] = fused_moe_reference(x, layer.weights, routing, spec=run_spec)
+            chosen = plan(run_spec, num_tokens=t, device=info)
             if which != "planned":
                 kernel = registry.get(which)
-                chosen = replace(chosen, kernel=which, config=kernel.default_config(spec, _problem(t, info)))
-            if chosen.kernel not in prepared:
-                prepared[chosen.kernel] = prepare_weights(layer.weights, chosen)
-            weights = prepared[chosen.kernel]
-
-            def layer_fn(chosen=chosen, weights=weights, x=x, logits=logits):
-                r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
-                return fused_moe(x, weights, r, plan=chosen)
-
-            graph, out = _graph(layer_fn, device)
-            out.fill_(float("nan"))  # poison: the replay must write every element
-            graph.replay()
-            torch.cuda.synchronize(device)
-            rel = relative_l2_error(out, expected)
-            del graph, out
-            seconds = _flushed_seconds(layer_fn, device, flush, repeats=20 if t <= 1024 else 4)
-            records.append(_record(name, spec, chosen, t, hit, seconds, rel, ceilings))
+                chosen = replace(
+                    chosen, kernel=which, config=kernel.default_config(run_spec, _problem(t, info))
+                )
+            try:
+                seconds, rel = _time_kernel(
+                    chosen, layer, x, logits, expected[run_spec], prepared, flush, device
+                )
+            except Exception as err:  # noqa: BLE001 - one kernel's failure must not hide the others' figures
+                records.append(
+                    _record(
+                        name,
+                        spec,
+                        chosen,
+                        t,
+                        hit,
+                        math.nan,
+                        math.inf,
+                        ceilings,
+                        error=f"{type(err).__name__}: {err}"[:300],
+                    )
+                )
+                torch.cuda.empty_cache()
+            else:
+                records.append(_record(name, spec, chosen, t, hit, seconds, rel, ceilings))
             if progress is not None:
                 progress(records[-1])
     return records
+
+
+def _time_kernel(chosen, layer, x, logits, expected, prepared, flush, device) -> tuple[float, float]:
+    """(seconds per whole layer, rel L2 vs `expected`) for one plan: poisoned graph replay, then timing."""
+    spec = chosen.spec
+    key = (chosen.kernel, spec)
+    if key not in prepared:
+        prepared[key] = prepare_weights(layer.weights, chosen)
+    weights = prepared[key]
+
+    def layer_fn():
+        r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+        return fused_moe(x, weights, r, plan=chosen)
+
+    graph, out = _graph(layer_fn, device)
+    out.fill_(float("nan"))  # poison: the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize(device)
+    rel = relative_l2_error(out, expected)
+    del graph, out
+    t = x.shape[0]
+    return _flushed_seconds(layer_fn, device, flush, repeats=20 if t <= 1024 else 4), rel
 
 
 def _problem(t, info):
@@ -183,7 +222,9 @@ def _problem(t, info):
     return Problem(num_tokens=t, device=info)
 
 
-def _record(name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings) -> BenchRecord:
+def _record(
+    name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings, error: str | None = None
+) -> BenchRecord:
     weight_bytes = hit * expert_bytes(spec)
     act_bytes = 2 * t * spec.H * torch.tensor([], dtype=spec.act_dtype).element_size()
     flops = 2.0 * t * spec.K * 3 * spec.H * spec.I
@@ -202,7 +243,8 @@ def _record(name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings) -> Ben
         tb_per_s=weight_bytes / seconds / 1e12,
         tflops=flops / seconds / 1e12,
         rel_l2=rel,
-        ok=rel <= TOLERANCE[spec.act_dtype],
+        ok=error is None and rel <= TOLERANCE[spec.act_dtype],
+        error=error,
     )
 
 
