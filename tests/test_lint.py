@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ruff_check_is_clean():
     # `python -m ruff`: the test extra installs ruff into this interpreter, whatever PATH says.
     proc = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "ruff", "check", "src", "tests", "benchmarks"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
