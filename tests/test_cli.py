@@ -181,3 +181,7 @@ def test_bench_records_a_failing_kernel_instead_of_dying():
     chosen = plan(ds, num_tokens=1, device=SIMULATED_DEVICES["h200"])
     rec = _record("deepseek-v3", ds, chosen, 1, 8, math.nan, math.inf, Ceilings(4e12, 7e14), error="OOM")
     assert not rec.ok and rec.error == "OOM" and math.isnan(rec.us)
+    # W8A8 layers are held to the FP8 matmul rate when it was measured, the bf16 rate otherwise.
+    assert Ceilings(4e12, 7e14, 1.4e15).matmul_rate(ds) == 1.4e15
+    assert Ceilings(4e12, 7e14).matmul_rate(ds) == 7e14
+    assert Ceilings(4e12, 7e14, 1.4e15).matmul_rate(moekit.preset("gpt-oss-120b")) == 7e14

@@ -36,6 +36,13 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 class Ceilings:
     copy_bytes_per_s: float  # bytes read + written per second, device-to-device copy
     bf16_flops_per_s: float  # dense bf16 matmul, 8192^3, random data
+    fp8_flops_per_s: float | None = None  # dense FP8 e4m3 matmul (torch._scaled_mm), 8192^3; W8A8 roofline
+
+    def matmul_rate(self, spec: MoESpec) -> float:
+        """The rate the layer's GEMMs can reach: FP8 tensor cores for W8A8, bf16 otherwise."""
+        if spec.act_quant is not ActivationQuant.NONE and self.fp8_flops_per_s:
+            return self.fp8_flops_per_s
+        return self.bf16_flops_per_s
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,21 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     k = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm_s = _median_seconds(lambda: m @ k, device, repeats=10)
-    return Ceilings(copy_bytes_per_s=2 * n / copy_s, bf16_flops_per_s=2 * 8192**3 / mm_s)
+    fp8_rate = None
+    try:  # needs FP8 tensor cores (sm_89+); the W8A8 roofline falls back to the bf16 rate without them
+        a8, b8 = m.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn).t()  # b column-major, as required
+        one = torch.ones((), device=device)
+        fp8_s = _median_seconds(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            device,
+            repeats=10,
+        )
+        fp8_rate = 2 * 8192**3 / fp8_s
+    except (RuntimeError, TypeError) as err:  # not measured on this device: say so, use the bf16 rate
+        print(f"moekit bench: FP8 matmul ceiling not measured ({type(err).__name__}: {err})")
+    return Ceilings(
+        copy_bytes_per_s=2 * n / copy_s, bf16_flops_per_s=2 * 8192**3 / mm_s, fp8_flops_per_s=fp8_rate
+    )
 
 
 def _median_seconds(fn, device: torch.device, *, repeats: int, batches: int = 7) -> float:
@@ -228,7 +249,7 @@ def _record(
     weight_bytes = hit * expert_bytes(spec)
     act_bytes = 2 * t * spec.H * torch.tensor([], dtype=spec.act_dtype).element_size()
     flops = 2.0 * t * spec.K * 3 * spec.H * spec.I
-    roofline = max((weight_bytes + act_bytes) / ceilings.copy_bytes_per_s, flops / ceilings.bf16_flops_per_s)
+    roofline = max((weight_bytes + act_bytes) / ceilings.copy_bytes_per_s, flops / ceilings.matmul_rate(spec))
     return BenchRecord(
         preset=name,
         kernel=chosen.kernel,
