@@ -14,23 +14,21 @@ failure) is recorded with its message and that candidate is skipped; the run goe
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from moekit.check_job import TOLERANCE, poison_allocator
+from moekit.check_job import poison_allocator
 from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Problem
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import plan
-from moekit.reference import fused_moe_reference, relative_l2_error
-from moekit.routing import route
+from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
 from moekit.spec import MoESpec
-from moekit.synthetic import random_layer, random_tokens
+from moekit.synthetic import random_batch, random_layer
+from moekit.timing import median_seconds
 from moekit.tuned import row_to_json, spec_fields, token_bucket, triton_version, write_rows
 
 
@@ -54,26 +52,8 @@ class TuneOutcome:
 
 
 def _default_timer(fn: Callable[[], object], device: torch.device) -> float:
-    """Median seconds of one call; CUDA events on a GPU, the wall clock on a CPU."""
-    fn()  # warm-up: compilation, allocator
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3 / 5)
-        return statistics.median(times)
-    times = []
-    for _ in range(3):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    """Median seconds of one call (5 batches of 5 after one warm-up: tuning trades precision for time)."""
+    return median_seconds(fn, device, repeats=5, batches=5, warmup=1)
 
 
 def _tuned_buckets(path: Path, spec: MoESpec, device: DeviceInfo) -> set[int]:
@@ -144,10 +124,7 @@ def tune(
 
 
 def _tune_one(spec, t, layer, info, device, registry, prepared, timer, seed) -> TuneOutcome:
-    gen = torch.Generator(device).manual_seed(seed + t)
-    x = random_tokens(spec, t, seed=seed + t, device=device)
-    logits = torch.randn(t, spec.E, device=device, generator=gen)
-    routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+    x, _, routing = random_batch(spec, t, correction_bias=layer.correction_bias, seed=seed + t, device=device)
     expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
     problem = Problem(num_tokens=t, device=info)
     base = plan(spec, num_tokens=t, device=info, registry=registry, tuned=None)

@@ -12,7 +12,6 @@ bytes of the experts actually hit and 2*T*K*3*H*I FLOPs -> `BenchRecord`s.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -22,14 +21,13 @@ from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import plan
 from moekit.presets import cap_experts, preset
-from moekit.reference import fused_moe_reference, relative_l2_error
+from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
 from moekit.routing import route
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
-from moekit.synthetic import random_layer, random_tokens
+from moekit.synthetic import random_batch, random_layer
+from moekit.timing import median_seconds
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# Relative L2 error allowed against the fp32 reference by activation dtype (the kernel tolerance table).
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 
 @dataclass(frozen=True)
@@ -82,15 +80,15 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     n = 1 << 29  # 1 GiB of bytes per buffer: far above L2
     a = torch.empty(n, dtype=torch.uint8, device=device).random_()
     b = torch.empty_like(a)
-    copy_s = _median_seconds(lambda: b.copy_(a), device, repeats=10)
+    copy_s = median_seconds(lambda: b.copy_(a), device, repeats=10)
     m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     k = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm_s = _median_seconds(lambda: m @ k, device, repeats=10)
+    mm_s = median_seconds(lambda: m @ k, device, repeats=10)
     fp8_rate = None
     try:  # needs FP8 tensor cores (sm_89+); the W8A8 roofline falls back to the bf16 rate without them
         a8, b8 = m.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn).t()  # b column-major, as required
         one = torch.ones((), device=device)
-        fp8_s = _median_seconds(
+        fp8_s = median_seconds(
             lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
             device,
             repeats=10,
@@ -101,22 +99,6 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     return Ceilings(
         copy_bytes_per_s=2 * n / copy_s, bf16_flops_per_s=2 * 8192**3 / mm_s, fp8_flops_per_s=fp8_rate
     )
-
-
-def _median_seconds(fn, device: torch.device, *, repeats: int, batches: int = 7) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3 / repeats)
-    return statistics.median(times)
 
 
 def _graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Tensor | None = None):
@@ -143,8 +125,8 @@ def _flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: 
     with_fn, _ = _graph(fn, device, repeats=repeats, flush=flush)
     only_flush, _ = _graph(None, device, repeats=repeats, flush=flush)
     return (
-        _median_seconds(with_fn.replay, device, repeats=1)
-        - _median_seconds(only_flush.replay, device, repeats=1)
+        median_seconds(with_fn.replay, device, repeats=1)
+        - median_seconds(only_flush.replay, device, repeats=1)
     ) / repeats
 
 
@@ -174,9 +156,9 @@ def bench_preset(
     records: list[BenchRecord] = []
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)  # 256 MiB: evicts the 60 MB L2
     for t in tokens:
-        x = random_tokens(spec, t, seed=t, device=device)
-        logits = torch.randn(t, spec.E, device=device, generator=torch.Generator(device).manual_seed(t))
-        routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+        x, logits, routing = random_batch(
+            spec, t, correction_bias=layer.correction_bias, seed=t, device=device
+        )
         hit = int(routing.ids.unique().numel())
         expected: dict[MoESpec, torch.Tensor] = {}
         for which in kernels:

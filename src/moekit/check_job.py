@@ -18,12 +18,8 @@ from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import plan
 from moekit.presets import cap_experts, preset
-from moekit.reference import fused_moe_reference, relative_l2_error
-from moekit.routing import route
-from moekit.synthetic import random_layer, random_tokens
-
-# Relative L2 error allowed against the fp32 reference, by activation dtype.
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
+from moekit.synthetic import random_batch, random_layer
 
 
 @dataclass(frozen=True)
@@ -69,9 +65,9 @@ def check_preset(
         )
         weights = prepare_weights(layer.weights, chosen)
         for t in tokens:
-            x = random_tokens(spec, t, seed=t, device=device)
-            logits = torch.randn(t, spec.E, device=device, generator=torch.Generator(device).manual_seed(t))
-            routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+            x, _, routing = random_batch(
+                spec, t, correction_bias=layer.correction_bias, seed=t, device=device
+            )
             expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
             per_t = replace(chosen, num_tokens=t, config=kernel.default_config(spec, Problem(t, info)))
             poison_allocator(device, num_bytes=4 * t * spec.K * (2 * spec.I + spec.H) + (1 << 20))

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moekit.cli_spec import SIMULATED_DEVICES, add_spec_flags, plan_as_dict, resolve_device, spec_from_flags
-from moekit.errors import MoekitError, SpecError
+from moekit.errors import DeviceError, MoekitError, SpecError
 from moekit.presets import DEFAULT_PRESET, PRESETS
 from moekit.tuned import ENV_VAR as TUNED_ENV_VAR
 
@@ -169,7 +169,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     table.add_row("config from", report.plan.source.value)
     table.add_row("tokens / experts hit", f"T={report.num_tokens}, {report.experts_hit} of {report.spec.E}")
     table.add_row("load-time prepare", f"{report.prepare_seconds * 1e3:.1f} ms")
-    clock = "CUDA events, mean of 20" if report.device.startswith("cuda") else "wall clock, one call"
+    clock = "CUDA events, median of 7 x 20" if report.device.startswith("cuda") else "wall clock, median of 3"
     table.add_row("forward time", f"{report.seconds * 1e3:.3f} ms ({clock})")
     verdict = "[green]PASS[/green]" if report.check_passed else "[red]FAIL[/red]"
     table.add_row(
@@ -254,7 +254,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from moekit.bench import bench_preset, measure_ceilings, plot_records, records_as_json
 
     if not torch.cuda.is_available():
-        raise SpecError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
+        raise DeviceError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     console.print(

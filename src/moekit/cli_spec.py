@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from moekit.errors import SpecError
+from moekit.errors import DeviceError
 from moekit.kernels.base import DeviceInfo, DeviceKind
 from moekit.plan import Plan
 from moekit.presets import preset
@@ -102,7 +102,7 @@ def resolve_device(name: str | None) -> DeviceInfo:
     if name.lower() in SIMULATED_DEVICES:
         return SIMULATED_DEVICES[name.lower()]
     if name == "cuda" and not torch.cuda.is_available():
-        raise SpecError(
+        raise DeviceError(
             f"no CUDA device here; plan for a simulated one with --device {{{','.join(SIMULATED_DEVICES)}}}"
         )
     return DeviceInfo.of(name)

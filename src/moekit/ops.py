@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.errors import LayoutMismatchError
+from moekit.errors import LayoutMismatchError, UnsupportedSpecError
 from moekit.kernels.base import Kernel, Launch
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.plan import Plan
@@ -20,9 +20,13 @@ from moekit.weights import ExpertWeights
 
 
 def kernel_of(plan: Plan, registry: KernelRegistry | None = None) -> Kernel:
-    kernel = (registry or default_registry()).get(plan.kernel)
+    registry = registry or default_registry()
+    kernel = registry.get(plan.kernel)
     if kernel is None:
-        raise LayoutMismatchError(f"plan names kernel {plan.kernel!r}, which is not in the registry")
+        raise UnsupportedSpecError(
+            f"plan names kernel {plan.kernel!r}, which is not in this registry ({list(registry.names)}); "
+            "plan with the registry you run with"
+        )
     return kernel
 
 

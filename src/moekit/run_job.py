@@ -17,15 +17,12 @@ import torch
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import Plan, plan
 from moekit.presets import DEFAULT_PRESET, preset
-from moekit.reference import fused_moe_per_token_loop, fused_moe_reference, relative_l2_error
+from moekit.reference import TOLERANCE, fused_moe_per_token_loop, fused_moe_reference, relative_l2_error
 from moekit.routing import RoutingResult, route
 from moekit.spec import MoESpec
 from moekit.synthetic import random_layer, random_tokens
+from moekit.timing import median_seconds
 from moekit.weights import ExpertWeights
-
-# Relative L2 error allowed against the check, by activation dtype (the kernel tolerance table:
-# bf16 rounds x, the intermediate and the output to 8 bits).
-SELF_CHECK_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @dataclass(frozen=True)
@@ -102,22 +99,6 @@ def _load_layer(*, preset_name: str, checkpoint: Path | None, layer: int, seed: 
     )
 
 
-def _time_forward(fn, device: torch.device, *, repeats: int) -> float:
-    """Seconds per call: CUDA events around `repeats` calls after a warm-up; wall clock on a CPU."""
-    fn()  # warm-up: compilation, allocator, caches
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
-
-
 def run_job(
     *,
     preset_name: str = DEFAULT_PRESET,
@@ -143,8 +124,10 @@ def run_job(
     correction = None if loaded.correction_bias is None else loaded.correction_bias.to(dev)
     routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=correction)
     out = fused_moe(x, weights, routing, plan=chosen)
-    seconds = _time_forward(
-        lambda: fused_moe(x, weights, routing, plan=chosen), dev, repeats=20 if dev.type == "cuda" else 1
+    seconds = median_seconds(
+        lambda: fused_moe(x, weights, routing, plan=chosen),
+        dev,
+        **(dict(repeats=20) if dev.type == "cuda" else dict(repeats=1, batches=3, warmup=1)),  # a CPU is slow
     )
     if chosen.kernel == "reference":  # check the oracle itself against an independent float64 spelling
         n_check = min(2, num_tokens)
@@ -167,5 +150,5 @@ def run_job(
         check_against=against,
         check_tokens=n_check,
         check_rel_l2=rel,
-        check_tolerance=SELF_CHECK_TOLERANCE[spec.act_dtype],
+        check_tolerance=TOLERANCE[spec.act_dtype],
     )

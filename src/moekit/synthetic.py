@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.formats import fp8_weight_scale_shape, mxfp4_groups
+from moekit.routing import RoutingResult, route
 from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights
 
@@ -121,3 +122,19 @@ def random_tokens(
     """Activations `[T, H]` with unit-scale entries, in the spec's activation dtype."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(num_tokens, spec.H, generator=gen, device=gen.device).to(spec.act_dtype)
+
+
+def random_batch(
+    spec: MoESpec,
+    num_tokens: int,
+    *,
+    correction_bias: torch.Tensor | None,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, RoutingResult]:
+    """Tokens `[T, H]`, router logits `[T, E]` (fp32, standard normal) and their routing, from one seed."""
+    x = random_tokens(spec, num_tokens, seed=seed, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(num_tokens, spec.E, generator=gen, device=gen.device)
+    routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=correction_bias)
+    return x, logits, routing

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.errors import TunedTableError
+from moekit.errors import DeviceError, TunedTableError
 from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
@@ -52,7 +52,7 @@ class DeviceInfo:
             )
         if device.type == "cpu":
             return cls(DeviceKind.CPU, "cpu")
-        raise ValueError(f"moekit runs on cpu or cuda devices, got {device}")
+        raise DeviceError(f"moekit runs on cpu or cuda devices, got {device}")
 
     def describe(self) -> str:
         cc = (
