@@ -41,7 +41,12 @@ from moekit import (  # noqa: E402
     route,
 )
 from moekit.formats import fp8_weight_scale_shape, mxfp4_groups, quantize_fp8_activation  # noqa: E402
-from moekit.kernels.triton.launch import _quantize_rows, default_config, triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.launch import (  # noqa: E402
+    TritonMoEConfig,
+    _quantize_rows,
+    default_config,
+    triton_fused_moe,
+)
 from moekit.reference import relative_l2_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -288,3 +293,26 @@ def test_cuda_graph_capture_and_replay(name, t):
         torch.cuda.synchronize()
         expected = fused_moe_reference(x, weights, routing, spec=spec)
         _assert_close(static_out, expected, spec, f"{name} graph replay T={t} seed={seed}")
+
+
+# Tile shapes and orientations off the default path: swap-AB (weights on the MMA's M side) at decode and
+# prefill tiles, and the unswapped orientation, so a tuned row of either kind is known to be correct.
+ORIENTATIONS = {
+    "swap-decode": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, swap_ab=True),
+    "swap-prefill": dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, swap_ab=True),
+    "plain": dict(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, swap_ab=False),
+}
+
+
+@pytest.mark.parametrize("t", [1, 64, 1024])
+@pytest.mark.parametrize("orientation", list(ORIENTATIONS))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_orientations_match_reference(name, orientation, t):
+    spec = SPECS[name][0]
+    config = TritonMoEConfig(**ORIENTATIONS[orientation])
+    assert config.reason_unusable(spec) is None
+    weights = _weights(name)
+    x, routing = _inputs(spec, t, seed=100 + t)
+    got = _run(spec, weights, x, routing, config=config)
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    _assert_close(got, expected, spec, f"{name} T={t} {orientation}")

@@ -70,6 +70,10 @@ pytestmark = pytest.mark.interpret
 # x, h, the per-pair outputs and out.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 TINY = TritonMoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2)
+# Weights on the MMA's M side (decode path); BLOCK_N != BLOCK_M so a swapped orientation cannot hide.
+TINY_SWAP = TritonMoEConfig(
+    block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=2, swap_ab=True
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -325,6 +329,13 @@ FORMAT_VARIANTS = [
 def test_every_format(fmt, scale, quant, dtype, why, variant):
     spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[variant])
     _check_layer(spec, t=5, seed=variant)
+
+
+@pytest.mark.parametrize(("fmt", "scale", "quant", "dtype", "why"), FORMATS, ids=[f[-1] for f in FORMATS])
+@pytest.mark.parametrize("variant", [0, 1])
+def test_every_format_swap_ab(fmt, scale, quant, dtype, why, variant):
+    spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[variant])
+    _check_layer(spec, t=19, seed=10 + variant, config=TINY_SWAP)
 
 
 SHAPES = [

@@ -34,6 +34,10 @@ ACT_GELU = tl.constexpr(1)
 ACT_GELU_TANH = tl.constexpr(2)
 ACT_SWIGLU_OAI = tl.constexpr(3)
 
+# Operand formats of tl.dot_scaled (constexpr objects: the interpreter does not wrap string literals).
+_E2M1 = tl.constexpr("e2m1")
+_BF16 = tl.constexpr("bf16")
+
 _FP8_MAX = tl.constexpr(448.0)
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # moekit.formats.fp8's floor for amax / 448
 
@@ -239,6 +243,41 @@ def _mxfp4_tiles(
 
 
 @triton.jit
+def _mxfp4_native_tiles(
+    w_base,
+    s_base,
+    w_rows,
+    w_mask,
+    k0,
+    IN_DIM: tl.constexpr,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    BLOCK_K: tl.constexpr,
+):
+    """MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) as `tl.dot_scaled` takes them: packed
+    bytes uint8 [BLOCK_N, BLOCK_K/2] (low nibble first) and E8M0 scales uint8 [BLOCK_N, BLOCK_K/32].
+
+    Bytes and scale groups past the row read as 0 (value 0); nibbles of a ragged tail's padding meet
+    activation columns that the caller zeroed, so they add nothing.
+    """
+    num_groups: tl.constexpr = (IN_DIM + 31) // 32
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(
+        w_base + w_rows[:, None] * stride_wn + kb[None, :],
+        mask=w_mask[:, None] & (kb < num_groups * 16)[None, :],
+        other=0,
+    )
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scales = tl.load(
+        s_base + w_rows[:, None] * stride_sn + kg[None, :] * stride_sk,
+        mask=w_mask[:, None] & (kg < num_groups)[None, :],
+        other=0,
+    )
+    return packed, scales
+
+
+@triton.jit
 def _expert_matmul(
     a_ptr,
     a_scale_ptr,
@@ -262,15 +301,21 @@ def _expert_matmul(
     FP8_SCALE: tl.constexpr,
     A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, :] @ W[expert, w_rows, :]^T with every scale applied.
 
-    A and W are contiguous along the reduction axis (checked on the host). Decode note: with few rows
-    per expert this is a weight-streaming GEMV; swap-AB (weights on the MMA's M side, tokens on N)
-    or split-K over `in_dim` would go here to fill the tensor cores and the SMs.
+    A and W are contiguous along the reduction axis (checked on the host).
+    SWAP_AB computes the transpose W @ A^T instead: the weight rows fill the MMA's M side (64 on
+    Hopper) and the few token rows of a decode step its N side (16), so small batches waste no MMA
+    rows; for MXFP4 the decoded weights also feed the MMA from registers (Hopper's A operand).
+    MX_NATIVE (MXFP4 with bf16 activations, compiled only) hands packed bytes and scales to
+    `tl.dot_scaled`, whose compiler-generated E2M1 -> bf16 conversion costs a few instructions per
+    element; otherwise `_mxfp4_tiles` decodes with plain bit operations (interpreter, fp16, fp32).
     """
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows[:, None] * stride_am
@@ -278,63 +323,97 @@ def _expert_matmul(
     s_base = w_scale_ptr  # None for float weights: no pointer arithmetic on it
     if W_FORMAT != WFMT_FLOAT:
         s_base = w_scale_ptr + expert * stride_wse
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, IN_DIM, BLOCK_K):  # constexpr bound: see _quant_fp8_rows
         ks = k0 + offs_k
         k_mask = ks < IN_DIM
         a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         if W_FORMAT == WFMT_MXFP4:
-            w_even, w_odd = _mxfp4_tiles(
-                w_base,
-                s_base,
-                w_rows,
-                w_mask,
-                k0,
-                IN_DIM,
-                stride_wn,
-                stride_wsn,
-                stride_wsk,
-                BLOCK_N,
-                BLOCK_K,
-            )
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            if DOT_FP32:
-                acc = tl.dot(a_even.to(tl.float32), w_even, acc, input_precision="ieee")
-                acc = tl.dot(a_odd.to(tl.float32), w_odd, acc, input_precision="ieee")
-            else:  # E2M1 times a power of two is exact in bf16 (and in fp16 within its range)
-                acc = tl.dot(a_even, w_even.to(a.dtype), acc)
-                acc = tl.dot(a_odd, w_odd.to(a.dtype), acc)
+            if MX_NATIVE:
+                packed, scales = _mxfp4_native_tiles(
+                    w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk, BLOCK_K
+                )
+                if SWAP_AB:
+                    acc = tl.dot_scaled(packed, scales, _E2M1, tl.trans(a), None, _BF16, acc)
+                else:
+                    acc = tl.dot_scaled(a, None, _BF16, tl.trans(packed), scales, _E2M1, acc)
+            else:
+                w_even, w_odd = _mxfp4_tiles(
+                    w_base,
+                    s_base,
+                    w_rows,
+                    w_mask,
+                    k0,
+                    IN_DIM,
+                    stride_wn,
+                    stride_wsn,
+                    stride_wsk,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+                if DOT_FP32:
+                    a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+                else:  # E2M1 times a power of two is exact in bf16 (and in fp16 within its range)
+                    w_even, w_odd = w_even.to(a.dtype), w_odd.to(a.dtype)
+                if SWAP_AB:
+                    acc = _dot(tl.trans(w_even), tl.trans(a_even), acc, DOT_FP32)
+                    acc = _dot(tl.trans(w_odd), tl.trans(a_odd), acc, DOT_FP32)
+                else:
+                    acc = _dot(a_even, w_even, acc, DOT_FP32)
+                    acc = _dot(a_odd, w_odd, acc, DOT_FP32)
         else:
-            w = tl.load(
-                w_base + w_rows[None, :] * stride_wn + ks[:, None],
-                mask=w_mask[None, :] & k_mask[:, None],
-                other=0.0,
-            )
-        if W_FORMAT == WFMT_FP8:
-            if A_QUANT != AQ_NONE:
-                part = tl.dot(a, w)  # fp8 x fp8 on the tensor cores
-            elif DOT_FP32:
-                part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(a, w.to(a.dtype))  # E4M3 values are exact in bf16 / fp16
-            # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32 (BLOCK_K
-            # <= 128), which is also where block scales along K must be applied.
-            if FP8_SCALE == FP8S_BLOCK:
-                ws = tl.load(
-                    s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk, mask=w_mask, other=0.0
+            if SWAP_AB:  # [BLOCK_N, BLOCK_K]
+                w = tl.load(
+                    w_base + w_rows[:, None] * stride_wn + ks[None, :],
+                    mask=w_mask[:, None] & k_mask[None, :],
+                    other=0.0,
                 )
-                part = part * ws[None, :]
-            if A_QUANT == AQ_GROUP:
-                sa = tl.load(
-                    a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask, mask=a_mask, other=0.0
+            else:  # [BLOCK_K, BLOCK_N]
+                w = tl.load(
+                    w_base + w_rows[None, :] * stride_wn + ks[:, None],
+                    mask=w_mask[None, :] & k_mask[:, None],
+                    other=0.0,
                 )
-                part = part * sa[:, None]
-            acc += part
-        elif W_FORMAT == WFMT_FLOAT:
-            if DOT_FP32:
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            if W_FORMAT == WFMT_FP8:
+                if A_QUANT != AQ_NONE:
+                    w_op, a_op = w, a  # fp8 x fp8 on the tensor cores
+                elif DOT_FP32:
+                    w_op, a_op = w.to(tl.float32), a.to(tl.float32)
+                else:
+                    w_op, a_op = w.to(a.dtype), a  # E4M3 values are exact in bf16 / fp16
+                zero = tl.zeros(acc.shape, dtype=tl.float32)
+                if SWAP_AB:
+                    part = _dot(w_op, tl.trans(a_op), zero, DOT_FP32)  # [BLOCK_N, BLOCK_M]
+                else:
+                    part = _dot(a_op, w_op, zero, DOT_FP32)
+                # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32
+                # (BLOCK_K <= 128), which is also where block scales along K must be applied.
+                if FP8_SCALE == FP8S_BLOCK:
+                    ws = tl.load(
+                        s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
+                        mask=w_mask,
+                        other=0.0,
+                    )
+                    part = part * (ws[:, None] if SWAP_AB else ws[None, :])
+                if A_QUANT == AQ_GROUP:
+                    sa = tl.load(
+                        a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask, mask=a_mask, other=0.0
+                    )
+                    part = part * (sa[None, :] if SWAP_AB else sa[:, None])
+                acc += part
             else:
-                acc = tl.dot(a, w.to(a.dtype), acc)
+                w_op = w.to(tl.float32) if DOT_FP32 else w.to(a.dtype)
+                a_op = a.to(tl.float32) if DOT_FP32 else a
+                if SWAP_AB:
+                    acc = _dot(w_op, tl.trans(a_op), acc, DOT_FP32)
+                else:
+                    acc = _dot(a_op, w_op, acc, DOT_FP32)
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N] for the epilogues
     if W_FORMAT == WFMT_FP8:
         if FP8_SCALE == FP8S_CHANNEL:
             acc = acc * tl.load(s_base + w_rows * stride_wsn, mask=w_mask, other=0.0)[None, :]
@@ -343,6 +422,16 @@ def _expert_matmul(
     if A_QUANT == AQ_TOKEN:
         acc = acc * tl.load(a_scale_ptr + a_rows * stride_asm, mask=a_mask, other=0.0)[:, None]
     return acc
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ b: IEEE fp32 FMAs for DOT_FP32 (exact-comparison path), else the tensor cores."""
+    if DOT_FP32:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
 
 
 @triton.jit
@@ -406,6 +495,8 @@ def _moe_gemm1(
     FP8_SCALE: tl.constexpr,
     A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROUTE_ON_INPUT: tl.constexpr,
@@ -459,6 +550,8 @@ def _moe_gemm1(
         FP8_SCALE,
         A_QUANT,
         DOT_FP32,
+        MX_NATIVE,
+        SWAP_AB,
         BLOCK_M,
         2 * BLOCK_N,
         BLOCK_K,
@@ -512,6 +605,8 @@ def _moe_gemm2(
     FP8_SCALE: tl.constexpr,
     A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROUTE_ON_OUTPUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -549,6 +644,8 @@ def _moe_gemm2(
         FP8_SCALE,
         A_QUANT,
         DOT_FP32,
+        MX_NATIVE,
+        SWAP_AB,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,

@@ -46,6 +46,7 @@ class TritonMoEConfig(KernelConfig):
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False  # compute W @ A^T: weight rows on the MMA's M side, tokens on its N side
 
     def __post_init__(self) -> None:
         for name in (*_POW2_FIELDS, "num_stages"):
@@ -59,6 +60,8 @@ class TritonMoEConfig(KernelConfig):
         for name in ("block_m", "block_n", "block_k"):  # tl.dot's smallest tile edge
             if getattr(self, name) < 16:
                 raise SpecError(f"TritonMoEConfig.{name} must be >= 16, got {getattr(self, name)}")
+        if not isinstance(self.swap_ab, bool):
+            raise SpecError(f"TritonMoEConfig.swap_ab must be a bool, got {self.swap_ab!r}")
         if self.num_warps > 16 or self.num_stages > 8:
             raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
 
@@ -376,6 +379,9 @@ def triton_fused_moe(
     w13 = _WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
     w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
     num_pairs, num_pid_m = aligned.num_pairs, aligned.max_blocks
+    # tl.dot_scaled has no interpreter implementation, and upcasts to bf16 (fp16 would lose bits).
+    mx_native = p.w_format == _jit.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
+    mx_native = mx_native and x.device.type == "cuda"
 
     h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
     _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n),)](
@@ -408,6 +414,8 @@ def triton_fused_moe(
         FP8_SCALE=p.fp8_scale,
         A_QUANT=p.a_quant,
         DOT_FP32=p.dot_fp32,
+        MX_NATIVE=mx_native,
+        SWAP_AB=cfg.swap_ab,
         INTERLEAVED=p.interleaved,
         HAS_BIAS=p.has_bias,
         ROUTE_ON_INPUT=p.route_in_gemm1,
@@ -457,6 +465,8 @@ def triton_fused_moe(
         FP8_SCALE=p.fp8_scale,
         A_QUANT=p.a_quant,
         DOT_FP32=p.dot_fp32,
+        MX_NATIVE=mx_native,
+        SWAP_AB=cfg.swap_ab,
         HAS_BIAS=p.has_bias,
         ROUTE_ON_OUTPUT=p.route_on_output,
         BLOCK_M=cfg.block_m,
