@@ -473,3 +473,17 @@ def test_supports_and_default_configs():
         assert (triton_supports(spec, device=ampere) is None) == (not fmt.is_quantized)
         for t in (1, 8, 64, 4096):
             assert default_config(spec, t).reason_unusable(spec) is None
+
+
+def test_mxfp4_scales_in_the_kernels_n_major_layout_read_the_same():
+    """TritonFusedKernel.prepare_weights stores MXFP4 scales N-major; the kernel reads them by stride."""
+    from moekit.kernels.triton_kernel import TritonFusedKernel
+
+    spec = _spec(fmt=WeightFormat.MXFP4, dtype=torch.float16, h=200, i=64, layout=GateLayout.INTERLEAVED)
+    weights = _weights(spec, torch.Generator().manual_seed(3))
+    prepared = TritonFusedKernel().prepare_weights(weights, spec)
+    assert prepared.w13_scale.stride(1) == 1 and prepared.w2_scale.stride(1) == 1
+    assert torch.equal(prepared.w13_scale, weights.w13_scale) and prepared.w13 is weights.w13
+    got_n_major, _ = _check_layer(spec, t=7, seed=3, weights=prepared)
+    got_checkpoint, _ = _check_layer(spec, t=7, seed=3, weights=weights)
+    assert torch.equal(got_n_major, got_checkpoint)

@@ -7,6 +7,8 @@ typed launch to `triton_fused_moe`. Importing this module needs Triton; the regi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
@@ -18,7 +20,13 @@ from moekit.kernels.triton.launch import (
     triton_supports,
     workspace_bytes,
 )
-from moekit.spec import MoESpec
+from moekit.spec import MoESpec, WeightFormat
+from moekit.weights import ExpertWeights
+
+
+def n_major(scales: torch.Tensor) -> torch.Tensor:
+    """`scales` [..., N, G] with the same values, laid out so that N is the fastest-moving index."""
+    return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 class TritonFusedKernel(Kernel):
@@ -52,6 +60,16 @@ class TritonFusedKernel(Kernel):
         configs = [default_config(spec, problem.num_tokens), *grid]
         unique = list(dict.fromkeys(configs))
         return tuple(c for c in unique if c.reason_unusable(spec) is None)
+
+    def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
+        """MXFP4: the same scale values [E, N, G], stored N-major (strides (G*N, 1, N)), so a K-step
+        reads its BLOCK_N scale bytes as one contiguous run instead of BLOCK_N bytes 90 apart. The
+        kernel reads either layout through strides; this one is the fast one. Other formats: as is."""
+        if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
+            return weights
+        return dataclasses.replace(
+            weights, w13_scale=n_major(weights.w13_scale), w2_scale=n_major(weights.w2_scale)
+        )
 
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         return super().validate_config(config, spec) or config.reason_unusable(spec)

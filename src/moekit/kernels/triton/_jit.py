@@ -243,38 +243,33 @@ def _mxfp4_tiles(
 
 
 @triton.jit
-def _mxfp4_native_tiles(
-    w_base,
-    s_base,
-    w_rows,
-    w_mask,
-    k0,
-    IN_DIM: tl.constexpr,
-    stride_wn,
-    stride_sn,
-    stride_sk,
-    BLOCK_K: tl.constexpr,
-):
+def _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride_wn, BLOCK_K: tl.constexpr):
     """MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) as `tl.dot_scaled` takes them: packed
-    bytes uint8 [BLOCK_N, BLOCK_K/2] (low nibble first) and E8M0 scales uint8 [BLOCK_N, BLOCK_K/32].
-
-    Bytes and scale groups past the row read as 0 (value 0); nibbles of a ragged tail's padding meet
-    activation columns that the caller zeroed, so they add nothing.
-    """
-    num_groups: tl.constexpr = (IN_DIM + 31) // 32
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(
+    bytes uint8 [BLOCK_N, BLOCK_K/2], low nibble first. Bytes past the row read as 0; nibbles of a
+    ragged tail's padding meet activation columns that the caller zeroed, so they add nothing."""
+    kb = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    if IN_DIM % BLOCK_K == 0:  # no K mask: lets the loads vectorize
+        return tl.load(w_base + w_rows[:, None] * stride_wn + kb[None, :], mask=w_mask[:, None], other=0)
+    num_bytes: tl.constexpr = (IN_DIM + 31) // 32 * 16
+    return tl.load(
         w_base + w_rows[:, None] * stride_wn + kb[None, :],
-        mask=w_mask[:, None] & (kb < num_groups * 16)[None, :],
+        mask=w_mask[:, None] & (kb < num_bytes)[None, :],
         other=0,
     )
+
+
+@triton.jit
+def _mxfp4_native_scales(
+    s_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride_sn, stride_sk, BLOCK_K: tl.constexpr
+):
+    """E8M0 scales uint8 [BLOCK_N, BLOCK_K/32] of the same tile; groups past the row read as 0."""
+    num_groups: tl.constexpr = (IN_DIM + 31) // 32
     kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scales = tl.load(
+    return tl.load(
         s_base + w_rows[:, None] * stride_sn + kg[None, :] * stride_sk,
         mask=w_mask[:, None] & (kg < num_groups)[None, :],
         other=0,
     )
-    return packed, scales
 
 
 @triton.jit
@@ -327,19 +322,28 @@ def _expert_matmul(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W_FORMAT == WFMT_MXFP4 and MX_NATIVE:
+        # Scale tiles are too small for cp.async (1 byte per thread), so the software pipeline skips
+        # them: prefetch one K-step ahead in registers instead of stalling on HBM every step.
+        next_scales = _mxfp4_native_scales(s_base, w_rows, w_mask, 0, IN_DIM, stride_wsn, stride_wsk, BLOCK_K)
     for k0 in range(0, IN_DIM, BLOCK_K):  # constexpr bound: see _quant_fp8_rows
         ks = k0 + offs_k
-        k_mask = ks < IN_DIM
+        if IN_DIM % BLOCK_K == 0:  # an all-true mask along K would keep the loads from vectorizing
+            k_mask = tl.full([BLOCK_K], True, tl.int1)
+        else:
+            k_mask = ks < IN_DIM
         a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         if W_FORMAT == WFMT_MXFP4:
             if MX_NATIVE:
-                packed, scales = _mxfp4_native_tiles(
-                    w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk, BLOCK_K
+                scales = next_scales
+                next_scales = _mxfp4_native_scales(
+                    s_base, w_rows, w_mask, k0 + BLOCK_K, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
                 )
+                packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, stride_wn, BLOCK_K)
                 if SWAP_AB:
-                    acc = tl.dot_scaled(packed, scales, _E2M1, tl.trans(a), None, _BF16, acc)
+                    acc = tl.dot_scaled(packed, scales, _E2M1, tl.trans(a), None, _BF16, acc, fast_math=True)
                 else:
-                    acc = tl.dot_scaled(a, None, _BF16, tl.trans(packed), scales, _E2M1, acc)
+                    acc = tl.dot_scaled(a, None, _BF16, tl.trans(packed), scales, _E2M1, acc, fast_math=True)
             else:
                 w_even, w_odd = _mxfp4_tiles(
                     w_base,
