@@ -4,8 +4,9 @@ flushed, checked against the reference): what `default_config` and the tuned row
 
 Usage (GPU):
   python benchmarks/sweep_configs.py --preset gpt-oss-120b --tokens 1,64,1024 --json $OUT/sweep.json
-Candidates: `--space tuning` (the kernel's tuning_space), or `--space probe` (a short list around the
-decode / prefill orientations, for exploring a kernel change quickly).
+Candidates: the Triton kernel's `tuning_space`. With --table, each T's fastest candidate whose output
+(NaN-poisoned, graph-replayed) is within the tolerance of the reference is written as a tuned row.
+Unlike `moekit tune` (eager timing, warm L2), this times what serving sees: graph replay, cold L2.
 """
 
 import argparse
@@ -13,60 +14,36 @@ import json
 import math
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 
 from moekit.bench import _flushed_seconds, _graph, _problem, _record, measure_ceilings
 from moekit.kernels.base import DeviceInfo
 from moekit.kernels.registry import default_registry
-from moekit.kernels.triton.launch import TritonMoEConfig, default_config
+from moekit.kernels.triton.launch import TritonMoEConfig
 from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import plan
 from moekit.presets import cap_experts, preset
 from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
 from moekit.routing import route
 from moekit.synthetic import random_batch, random_layer
-
-
-def probe_space(spec, t: int) -> list[TritonMoEConfig]:
-    """The default, then both orientations over tiles suited to the tokens each expert sees."""
-    per_expert = max(t, 1) * spec.K / spec.E_local
-    if per_expert <= 16:
-        tiles = [(16, n, k, 4) for n in (32, 64, 128) for k in (64, 128)]
-    elif per_expert <= 64:
-        tiles = [(32, 64, 64, 4), (32, 128, 64, 4), (64, 64, 64, 4), (64, 128, 64, 4), (64, 128, 64, 8)]
-    else:
-        tiles = [(m, n, 64, w) for m in (64, 128) for n in (64, 128) for w in (4, 8)]
-    out = [default_config(spec, t)]
-    for swap in (True, False):
-        for bm, bn, bk, warps in tiles:
-            out.append(
-                TritonMoEConfig(
-                    block_m=bm,
-                    block_n=bn,
-                    block_k=bk,
-                    group_m=1 if bm == 16 else 8,
-                    num_warps=warps,
-                    num_stages=4 if bk == 64 else 3,
-                    swap_ab=swap,
-                )
-            )
-    unique = list(dict.fromkeys(out))
-    return [c for c in unique if c.reason_unusable(spec) is None]
+from moekit.tuned import row_to_json, triton_version, write_rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--preset", default="gpt-oss-120b")
+    p.add_argument("--experts", type=int, default=None, help="cap E (memory), as `moekit bench`")
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
-    p.add_argument("--space", choices=("probe", "tuning"), default="probe")
+    p.add_argument("--table", default=None, help="write each T's verified winner to this tuned table")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new T after this long")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     spec = preset(args.preset)
-    spec = cap_experts(spec, None)
+    spec = cap_experts(spec, args.experts)
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     kernel = default_registry().get("triton_fused")
@@ -87,11 +64,7 @@ def main() -> int:
         base = replace(base, kernel="triton_fused")
         if prepared is None:
             prepared = prepare_weights(layer.weights, base)
-        space = (
-            probe_space(spec, t)
-            if args.space == "probe"
-            else list(kernel.tuning_space(spec, _problem(t, info)))
-        )
+        space = kernel.tuning_space(spec, _problem(t, info))
         rows = []
         for cfg in space:
             chosen = replace(base, config=cfg)
@@ -120,6 +93,21 @@ def main() -> int:
         if ok:
             best = min(ok, key=lambda r: r["us"])
             default_us = rows[0]["us"] if rows else math.nan
+            if args.table:
+                winner = TritonMoEConfig(**best["config"])
+                write_rows(
+                    Path(args.table),
+                    [
+                        row_to_json(
+                            spec=spec,
+                            device=info.name,
+                            triton=triton_version(),
+                            tokens=t,
+                            kernel="triton_fused",
+                            config=winner,
+                        )
+                    ],
+                )
             print(
                 f"BEST T={t}: {best['us']:.1f} us ({best['pct_roofline']:.0f}% roofline) {best['config']}; "
                 f"default {default_us:.1f} us",

@@ -18,6 +18,7 @@ from moekit.kernels.triton.launch import (
     default_config,
     triton_fused_moe,
     triton_supports,
+    tuning_space,
     workspace_bytes,
 )
 from moekit.spec import MoESpec, WeightFormat
@@ -42,24 +43,11 @@ class TritonFusedKernel(Kernel):
         return default_config(spec, problem.num_tokens)
 
     def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[TritonMoEConfig, ...]:
-        """The default plus a grid around the shapes the H200 sweep favoured (tiles grow with the tokens
-        each expert sees); configs that cannot serve the spec are dropped."""
-        per_expert = max(problem.num_tokens, 1) * spec.K / spec.E_local
-        block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)]
-        grid = [
-            TritonMoEConfig(
-                block_m=m, block_n=n, block_k=k, group_m=1 if m == 16 else 8, num_warps=w, num_stages=st
-            )
-            for m in block_ms
-            for n in (32, 64, 128)
-            for k in (64, 128)
-            for w in (4, 8)
-            for st in (3, 4)
-            if not (w == 8 and m * n < 64 * 64)  # 8 warps on a small tile leave warps idle
-        ]
-        configs = [default_config(spec, problem.num_tokens), *grid]
-        unique = list(dict.fromkeys(configs))
-        return tuple(c for c in unique if c.reason_unusable(spec) is None)
+        """The default plus a short list per regime of tokens per expert, from H200 sweeps
+        (benchmarks/sweep_configs.py): decode streams weights (16-row M tiles, deeper pipelines, both
+        orientations for formats without MXFP4's register-side upcast), prefill grows the M tile.
+        Configs that cannot serve the spec are dropped."""
+        return tuning_space(spec, problem.num_tokens)
 
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
         """MXFP4: the same scale values [E, N, G], stored N-major (strides (G*N, 1, N)), so a K-step

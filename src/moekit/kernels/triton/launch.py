@@ -122,23 +122,29 @@ def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str |
     return None
 
 
+def _tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
+    return max(num_tokens, 1) * spec.K / spec.E_local
+
+
 def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
     """A capable config without tuning: tiles grow with the tokens each expert sees on average.
 
-    Chosen from a sweep on an H200 (graph replay, gpt-oss-20b / Qwen3-30B-A3B / DeepSeek-V3 with
-    E = 16, T = 1..4096); a tuned table should replace it.
+    Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed; benchmarks/RESULTS.md);
+    the tuned rows of `moekit/tables/h200.json` refine it per model and T.
     """
-    per_expert = max(num_tokens, 1) * spec.K / spec.E_local
+    per_expert = _tokens_per_expert(spec, num_tokens)
     if spec.act_dtype == torch.float32 and spec.act_quant is ActivationQuant.NONE:
         # fp32 dots run on FMA units (exact-comparison path): small tiles keep registers in check.
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
     fmt = spec.weight_format
     if fmt is WeightFormat.MXFP4:
-        if per_expert <= 16:  # decode streams weights: more, smaller programs hide the decode latency
-            return TritonMoEConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=4)
-        if per_expert <= 48:
-            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
+        if per_expert <= 0.1:  # a handful of experts: more, narrower programs keep HBM busy
+            return TritonMoEConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=3)
+        if per_expert <= 16:  # weight streaming: the upcast, not the MMA, sets the pace
+            return TritonMoEConfig(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=4)
+        if per_expert <= 96:
+            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
+        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
     if fmt is WeightFormat.FP8_E4M3:
         # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
         if per_expert <= 16:
@@ -149,6 +155,55 @@ def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
     if per_expert <= 32:
         return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
     return TritonMoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
+    """`default_config` first, then tiles for the regime of tokens per expert (see TritonFusedKernel)."""
+    per_expert = _tokens_per_expert(spec, num_tokens)
+    # (block_m, block_n, block_k, group_m, num_warps, num_stages)
+    if per_expert <= 8:
+        tiles = [
+            (16, 32, 128, 1, 4, 3),
+            (16, 64, 64, 1, 4, 4),
+            (16, 64, 64, 1, 4, 5),
+            (16, 64, 64, 1, 8, 4),
+            (16, 64, 128, 1, 4, 3),
+            (16, 128, 64, 1, 8, 4),
+        ]
+    elif per_expert <= 32:
+        tiles = [
+            (16, 64, 64, 4, 4, 4),
+            (32, 64, 64, 4, 4, 4),
+            (32, 64, 64, 4, 8, 4),
+            (32, 128, 64, 4, 8, 4),
+            (64, 64, 64, 8, 4, 4),
+        ]
+    elif per_expert <= 128:
+        tiles = [
+            (32, 64, 64, 8, 4, 4),
+            (64, 64, 64, 8, 4, 4),
+            (64, 64, 64, 8, 4, 3),
+            (64, 128, 64, 8, 8, 4),
+            (128, 64, 64, 8, 4, 4),
+        ]
+    else:
+        tiles = [
+            (128, 64, 64, 8, 4, 4),
+            (128, 64, 64, 8, 4, 3),
+            (64, 64, 64, 8, 4, 4),
+            (128, 128, 64, 8, 8, 4),
+            (128, 128, 64, 8, 8, 3),
+        ]
+    # MXFP4 upcasts on the register side of the MMA whichever way round (Triton's dot_scaled), so
+    # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
+    swaps = (False,) if spec.weight_format is WeightFormat.MXFP4 or per_expert > 8 else (False, True)
+    grid = [
+        TritonMoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=st, swap_ab=swap)
+        for m, n, k, g, w, st in tiles
+        for swap in swaps
+    ]
+    unique = dict.fromkeys([default_config(spec, num_tokens), *grid])
+    return tuple(c for c in unique if c.reason_unusable(spec) is None)
 
 
 @dataclass(frozen=True)
