@@ -365,3 +365,37 @@ def test_dequantize_gpt_oss_expert_is_fast():
         best = min(best, time.perf_counter() - start)
     assert out.shape == (5760, 2880)
     assert best < 1.0, f"dequantizing one gpt-oss expert took {best:.3f} s"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MXFP4_MMA_WORDS: the load-time arrangement the Triton kernel decodes into MMA registers
+# ---------------------------------------------------------------------------------------------------------
+def test_mma_words_round_trip_and_element_positions():
+    from moekit.formats.mxfp4_words import pack_mma_words, unpack_mma_words
+
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (3, 32, 5, 16), generator=gen, dtype=torch.uint8)
+    words = pack_mma_words(blocks)
+    assert words.dtype == torch.int32 and tuple(words.shape) == (3, 2, 8, 4, 10)
+    assert torch.equal(unpack_mma_words(words), blocks)
+    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).reshape(3, 32, 10, 16)  # [E, N, chunk, 16]
+    # Word [rb, g, q, c], nibble j: row 16rb + g + 8*(j % 2), column 16c + 2q + 8*(j % 4 // 2) + j // 4.
+    for e, row, col in [(0, 0, 0), (1, 9, 17), (2, 31, 159), (0, 24, 90), (2, 15, 8)]:
+        rb, r = divmod(row, 16)
+        half_r, g = divmod(r, 8)
+        c, k = divmod(col, 16)
+        half_c, k = divmod(k, 8)
+        q, odd = divmod(k, 2)
+        j = half_r + 2 * half_c + 4 * odd
+        word = int(words[e, rb, g, q, c]) & 0xFFFFFFFF
+        assert (word >> (4 * j)) & 0xF == int(codes[e, row, c, col % 16])
+
+
+def test_mma_words_refuse_what_they_cannot_hold():
+    from moekit.formats.mxfp4_words import fits_mma_words, pack_mma_words
+
+    with pytest.raises(ShapeError, match="N % 16"):
+        pack_mma_words(torch.zeros(2, 24, 3, 16, dtype=torch.uint8))
+    assert fits_mma_words(24, torch.zeros(24, 3, dtype=torch.uint8)) is not None
+    assert "129" in fits_mma_words(32, torch.full((32, 3), 129, dtype=torch.uint8))
+    assert fits_mma_words(32, torch.full((32, 3), 128, dtype=torch.uint8)) is None

@@ -316,3 +316,30 @@ def test_orientations_match_reference(name, orientation, t):
     got = _run(spec, weights, x, routing, config=config)
     expected = fused_moe_reference(x, weights, routing, spec=spec)
     _assert_close(got, expected, spec, f"{name} T={t} {orientation}")
+
+
+WORD_CONFIGS = {
+    "default": None,
+    "bk128": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),  # 2880 % 128 != 0
+    "bn128-w8": dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    "bm128": dict(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3),
+}
+
+
+@pytest.mark.parametrize("t", [1, 8, 64, 1024, 4096])
+@pytest.mark.parametrize("which", list(WORD_CONFIGS))
+def test_mxfp4_mma_words_match_reference(which, t):
+    """gpt-oss-20b through prepare_weights: MXFP4_MMA_WORDS, decoded with bf16x2 PTX into wgmma's
+    register operand."""
+    from moekit.kernels.triton_kernel import TritonFusedKernel
+    from moekit.weights import WeightPacking
+
+    spec = SPECS["gpt-oss-20b"][0]
+    weights = _weights("gpt-oss-20b")
+    prepared = TritonFusedKernel().prepare_weights(weights, spec)
+    assert prepared.packing is WeightPacking.MXFP4_MMA_WORDS
+    config = TritonMoEConfig(**WORD_CONFIGS[which]) if WORD_CONFIGS[which] else None
+    x, routing = _inputs(spec, t, seed=200 + t)
+    got = _run(spec, prepared, x, routing, config=config)
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    _assert_close(got, expected, spec, f"gpt-oss-20b words T={t} {which}")

@@ -51,6 +51,7 @@ from moekit.kernels.triton.launch import (  # noqa: E402
     triton_supports,
 )
 from moekit.reference import relative_l2_error  # noqa: E402
+from moekit.weights import WeightPacking  # noqa: E402
 
 try:
     from triton.runtime.interpreter import InterpretedFunction
@@ -487,3 +488,39 @@ def test_mxfp4_scales_in_the_kernels_n_major_layout_read_the_same():
     got_n_major, _ = _check_layer(spec, t=7, seed=3, weights=prepared)
     got_checkpoint, _ = _check_layer(spec, t=7, seed=3, weights=weights)
     assert torch.equal(got_n_major, got_checkpoint)
+
+
+WORD_CONFIGS = [
+    TINY,  # block_k 32: one scale group, two 16-column chunks a step
+    TritonMoEConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=2),  # K % 64 != 0
+]
+
+
+@pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
+@pytest.mark.parametrize("config", WORD_CONFIGS, ids=["bk32", "bk64"])
+def test_mxfp4_mma_words_match_reference(layout, config):
+    """prepare_weights turns MXFP4 into MXFP4_MMA_WORDS (fp32 activations here: the interpreter's bf16
+    arithmetic is broken); the kernel's word decode and fragment reshapes must reproduce the layer."""
+    from moekit.kernels.triton_kernel import TritonFusedKernel
+
+    spec = _spec(fmt=WeightFormat.MXFP4, h=96, i=48, layout=layout, act=ActivationSpec.gpt_oss(), k=3)
+    weights = _weights(spec, torch.Generator().manual_seed(11))
+    prepared = TritonFusedKernel().prepare_weights(weights, spec)
+    assert prepared.packing is WeightPacking.MXFP4_MMA_WORDS
+    assert torch.equal(prepared.dequantize_w13(2), weights.dequantize_w13(2))
+    _check_layer(spec, t=21, seed=11, weights=prepared, config=config)
+
+
+def test_mxfp4_words_are_skipped_where_they_do_not_fit():
+    from moekit.kernels.triton_kernel import TritonFusedKernel
+
+    kernel = TritonFusedKernel()
+    ragged = _spec(fmt=WeightFormat.MXFP4, h=200, i=48)  # H % 16 != 0
+    fp16 = _spec(fmt=WeightFormat.MXFP4, h=96, i=48, dtype=torch.float16)  # fp16 operands
+    for spec in (ragged, fp16):
+        prepared = kernel.prepare_weights(_weights(spec, torch.Generator().manual_seed(1)), spec)
+        assert prepared.packing is WeightPacking.CHECKPOINT
+    spec = _spec(fmt=WeightFormat.MXFP4, h=96, i=48)
+    weights = _weights(spec, torch.Generator().manual_seed(2))
+    big = replace(weights, w2_scale=weights.w2_scale.clone().fill_(130))  # a block max above 12
+    assert kernel.prepare_weights(big, spec).packing is WeightPacking.CHECKPOINT

@@ -32,6 +32,7 @@ from moekit.formats import (
     quantize_mxfp4,
 )
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
+from moekit.formats.mxfp4_words import unpack_mma_words
 from moekit.spec import Fp8Scale, GateLayout, MoESpec, WeightFormat
 
 
@@ -42,6 +43,10 @@ class WeightPacking(enum.Enum):
     # Quantized weights dequantized once at load into float [E, 2I, H] / [E, H, I] (no scales), for
     # unfused paths; `format` still records the source format, so the spec check stays meaningful.
     DEQUANTIZED = "dequantized"
+    # MXFP4 codes as int32 words [E, N/16, 8, 4, 2G] laid out for Hopper MMA operand registers
+    # (`moekit.formats.mxfp4_words`); scales keep their [E, N, G] shape. Made by the Triton kernel's
+    # `prepare_weights`; `unpacked()` returns CHECKPOINT packing.
+    MXFP4_MMA_WORDS = "mxfp4_mma_words"
 
 
 def gate_layout_permutation(
@@ -90,11 +95,15 @@ class ExpertWeights:
 
     @property
     def H(self) -> int:  # noqa: N802
-        return self.w2.shape[1]
+        return self.w2.shape[1] * self._rows_per_entry
 
     @property
     def I(self) -> int:  # noqa: N802, E743
-        return self.w13.shape[1] // 2
+        return self.w13.shape[1] * self._rows_per_entry // 2
+
+    @property
+    def _rows_per_entry(self) -> int:  # MXFP4_MMA_WORDS stores 16-row blocks along dim 1
+        return 16 if self.packing is WeightPacking.MXFP4_MMA_WORDS else 1
 
     @property
     def has_bias(self) -> bool:
@@ -122,12 +131,15 @@ class ExpertWeights:
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
                 raise DTypeError(f"ExpertWeights.{name} must be a torch.Tensor, got {type(t).__name__}")
-        rank = 3 if self.stores_floats else 4 if fmt is WeightFormat.MXFP4 else 3
+        words = self.packing is WeightPacking.MXFP4_MMA_WORDS
+        if words and fmt is not WeightFormat.MXFP4:
+            raise LayoutMismatchError(f"{self.packing.name} packing is for MXFP4 weights, got {fmt.name}")
+        rank = 3 if self.stores_floats else 5 if words else 4 if fmt is WeightFormat.MXFP4 else 3
         for name in ("w13", "w2"):
             t = getattr(self, name)
             if t.dim() != rank:
                 raise ShapeError(f"{fmt.name} {name} must have {rank} dims, got shape {tuple(t.shape)}")
-        if self.w13.shape[1] % 2:
+        if self.w13.shape[1] * (16 if words else 1) % 2:
             raise ShapeError(f"w13 must have 2I rows (gate and up), got {self.w13.shape[1]} rows")
         if self.w13.shape[0] != self.w2.shape[0]:
             raise ShapeError(f"w13 has {self.w13.shape[0]} experts but w2 has {self.w2.shape[0]}")
@@ -143,12 +155,14 @@ class ExpertWeights:
         if fmt is WeightFormat.MXFP4 and not self.stores_floats:
             if self.hidden_size is None:
                 raise ShapeError("MXFP4 weights need hidden_size (H): blocks of 32 cannot tell a ragged tail")
-            if self.hidden_size != self.w2.shape[1]:
-                raise ShapeError(f"hidden_size={self.hidden_size} but w2 has {self.w2.shape[1]} rows (H)")
-            if mxfp4_groups(self.hidden_size) != self.w13.shape[2]:
+            w2_rows = self.w2.shape[1] * 16 if words else self.w2.shape[1]
+            w13_groups = self.w13.shape[4] // 2 if words else self.w13.shape[2]
+            if self.hidden_size != w2_rows:
+                raise ShapeError(f"hidden_size={self.hidden_size} but w2 has {w2_rows} rows (H)")
+            if mxfp4_groups(self.hidden_size) != w13_groups:
                 raise ShapeError(
                     f"hidden_size={self.hidden_size} needs {mxfp4_groups(self.hidden_size)} groups of "
-                    f"{MXFP4_BLOCK} in w13, got {self.w13.shape[2]}"
+                    f"{MXFP4_BLOCK} in w13, got {w13_groups}"
                 )
         elif self.hidden_size is not None and self.hidden_size != self.w13.shape[2]:
             raise ShapeError(f"hidden_size={self.hidden_size} but w13 has {self.w13.shape[2]} columns")
@@ -206,9 +220,10 @@ class ExpertWeights:
             shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
         elif self.format is WeightFormat.MXFP4:
             gh, gi = mxfp4_groups(h), mxfp4_groups(i)
+            words = self.packing is WeightPacking.MXFP4_MMA_WORDS
             shapes = {
-                "w13": (e, 2 * i, gh, 16),
-                "w2": (e, h, gi, 16),
+                "w13": (e, 2 * i // 16, 8, 4, 2 * gh) if words else (e, 2 * i, gh, 16),
+                "w2": (e, h // 16, 8, 4, 2 * gi) if words else (e, h, gi, 16),
                 "w13_scale": (e, 2 * i, gh),
                 "w2_scale": (e, h, gi),
             }
@@ -229,7 +244,8 @@ class ExpertWeights:
         if name in ("b13", "b2") or (self.packing is WeightPacking.DEQUANTIZED):
             return floats
         if self.format is WeightFormat.MXFP4:
-            return (torch.uint8,)
+            words = self.packing is WeightPacking.MXFP4_MMA_WORDS and name in ("w13", "w2")
+            return (torch.int32,) if words else (torch.uint8,)
         if self.format is WeightFormat.FP8_E4M3:
             return (torch.float8_e4m3fn,) if name in ("w13", "w2") else (torch.float32,)
         return (self.format.float_dtype,)
@@ -239,6 +255,8 @@ class ExpertWeights:
         """Return the same weights with w13's gate/up rows (and their scales and bias) reordered."""
         if target is self.gate_layout:
             return self
+        if self.packing is WeightPacking.MXFP4_MMA_WORDS:
+            return self.unpacked().to_layout(target)
         if self.format is WeightFormat.FP8_E4M3 and self.fp8_scale is Fp8Scale.BLOCK_128:
             raise LayoutMismatchError(
                 "cannot reorder gate/up rows of FP8 weights with 128x128 block scales: "
@@ -254,10 +272,25 @@ class ExpertWeights:
             self, gate_layout=target, w13=self.w13.index_select(1, perm), w13_scale=w13_scale, b13=b13
         )
 
+    def unpacked(self) -> ExpertWeights:
+        """The same weights in CHECKPOINT packing (undoes MXFP4_MMA_WORDS; scales made contiguous)."""
+        if self.packing is not WeightPacking.MXFP4_MMA_WORDS:
+            return self
+        return replace(
+            self,
+            packing=WeightPacking.CHECKPOINT,
+            w13=unpack_mma_words(self.w13),
+            w2=unpack_mma_words(self.w2),
+            w13_scale=self.w13_scale.contiguous(),
+            w2_scale=self.w2_scale.contiguous(),
+        )
+
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
         """All experts as float `dtype` in DEQUANTIZED packing (a load-time step; memory E*3*H*I*2 bytes)."""
         if not self.format.is_quantized:
             return self  # already floats of the declared format
+        if self.packing is WeightPacking.MXFP4_MMA_WORDS:
+            return self.unpacked().dequantized(dtype)
         if self.packing is WeightPacking.DEQUANTIZED:
             return replace(self, w13=self.w13.to(dtype), w2=self.w2.to(dtype))
         w13 = torch.stack([self.dequantize_w13(e).to(dtype) for e in range(self.num_experts)])
@@ -289,6 +322,8 @@ class ExpertWeights:
         data = getattr(self, name)[expert]
         if self.stores_floats:
             return data.float()
+        if self.packing is WeightPacking.MXFP4_MMA_WORDS:
+            data = unpack_mma_words(data)
         scale = getattr(self, f"{name}_scale")
         if self.format is WeightFormat.MXFP4:
             return dequantize_mxfp4(data, scale[expert], in_dim=in_dim, dtype=torch.float32)

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from moekit.formats.mxfp4_words import fits_mma_words, pack_mma_words
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.triton.launch import (
     TRITON_CAPABILITIES,
@@ -22,7 +23,19 @@ from moekit.kernels.triton.launch import (
     workspace_bytes,
 )
 from moekit.spec import MoESpec, WeightFormat
-from moekit.weights import ExpertWeights
+from moekit.weights import ExpertWeights, WeightPacking
+
+
+def words_reason(weights: ExpertWeights, spec: MoESpec) -> str | None:
+    """None if MXFP4 `weights` (CHECKPOINT packing) can take MXFP4_MMA_WORDS for `spec`, else why not.
+    Reads every scale byte: load time only."""
+    if spec.act_dtype not in (torch.bfloat16, torch.float32):
+        return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
+    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
+        reason = fits_mma_words(rows, getattr(weights, f"{name}_scale"))
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
 
 
 def n_major(scales: torch.Tensor) -> torch.Tensor:
@@ -50,13 +63,25 @@ class TritonFusedKernel(Kernel):
         return tuning_space(spec, problem.num_tokens)
 
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
-        """MXFP4: the same scale values [E, N, G], stored N-major (strides (G*N, 1, N)), so a K-step
-        reads its BLOCK_N scale bytes as one contiguous run instead of BLOCK_N bytes 90 apart. The
-        kernel reads either layout through strides; this one is the fast one. Other formats: as is."""
+        """MXFP4 only (other formats are read as they are), once at load time:
+
+        - bf16 / fp32 activations, H and I multiples of 16, every scale byte <= 128: codes into
+          MXFP4_MMA_WORDS (`moekit.formats.mxfp4_words`), decoded straight into the MMA's registers;
+        - otherwise CHECKPOINT packing (decoded by `tl.dot_scaled` or bit operations).
+        Either way the scales [E, N, G] are stored N-major (strides (G*N, 1, N)), so one K-step reads
+        its BLOCK_N scale bytes as one run instead of BLOCK_N bytes G apart."""
         if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
             return weights
+        weights = weights.unpacked()
+        scales = dict(w13_scale=n_major(weights.w13_scale), w2_scale=n_major(weights.w2_scale))
+        if words_reason(weights, spec) is not None:
+            return dataclasses.replace(weights, **scales)
         return dataclasses.replace(
-            weights, w13_scale=n_major(weights.w13_scale), w2_scale=n_major(weights.w2_scale)
+            weights,
+            packing=WeightPacking.MXFP4_MMA_WORDS,
+            w13=pack_mma_words(weights.w13),
+            w2=pack_mma_words(weights.w2),
+            **scales,
         )
 
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:

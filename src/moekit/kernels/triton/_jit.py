@@ -20,6 +20,9 @@ import triton.language as tl
 WFMT_FLOAT = tl.constexpr(0)  # bf16 / fp16 / fp32 [E, N, K]
 WFMT_FP8 = tl.constexpr(1)  # float8_e4m3fn [E, N, K], fp32 scales per FP8_SCALE
 WFMT_MXFP4 = tl.constexpr(2)  # uint8 blocks [E, N, ceil(K/32)*16] + E8M0 scales [E, N, ceil(K/32)]
+# MXFP4 in WeightPacking.MXFP4_MMA_WORDS: int32 words [E, N/16, 8, 4, 2*ceil(K/32)] (see
+# moekit.formats.mxfp4_words) + the same E8M0 scales, every scale byte <= 128.
+WFMT_MXFP4_WORDS = tl.constexpr(3)
 # FP8 weight scale granularity (FP8_SCALE).
 FP8S_TENSOR = tl.constexpr(0)  # [E]
 FP8S_CHANNEL = tl.constexpr(1)  # [E, N]
@@ -273,6 +276,106 @@ def _mxfp4_native_scales(
 
 
 @triton.jit
+def _mxfp4_word_pair(w, SH_MAG: tl.constexpr, SH_SIGN: tl.constexpr):
+    """Codes j and j + 4 of uint32 words `w` -> bf16 pairs (as uint32) of value * 2^-126: the magnitude
+    bits moved to 8..6 / 24..22, the sign to 15 / 31 (moekit.formats.mxfp4_words)."""
+    if SH_MAG >= 0:
+        mag = (w << SH_MAG) & 0x01C001C0
+    else:
+        mag = (w >> (-SH_MAG)) & 0x01C001C0
+    return mag | ((w << SH_SIGN) & 0x80008000)
+
+
+@triton.jit
+def _bf16_halves(p, OUT_DTYPE: tl.constexpr):
+    """uint32 bf16 pairs [..] -> OUT_DTYPE [.., 2] (low half first). fp32 takes the bits as they are
+    (bf16 is the top half of fp32), so the subnormal 0.5 code never meets a conversion that may flush."""
+    if OUT_DTYPE == tl.float32:
+        lo = (p << 16).to(tl.float32, bitcast=True)
+        hi = (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
+        hi = (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _mul_bf16x2(p, f):
+    """bf16 pairs p * f, both packed in uint32: one `mul.rn.bf16x2` per pair (compiled path only)."""
+    return tl.inline_asm_elementwise(
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, f], dtype=tl.uint32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _mxfp4_words_tile(
+    w_base,
+    w_blocks,
+    w_block_mask,
+    scales,
+    k0,
+    IN_DIM: tl.constexpr,
+    stride_wn,
+    NATIVE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """W[rows, k0:k0+BLOCK_K] in OUT_DTYPE [ROWS, BLOCK_K] from MXFP4_MMA_WORDS, scales applied.
+
+    `w_blocks` [ROWS/16]: the tile's 16-row blocks (global block index; `w_block_mask` false past N).
+    `scales` uint8 [ROWS, BLOCK_K/32] of the same rows. NATIVE (bf16, compiled) scales the packed pairs
+    with bf16x2 multiplies in the words' own register layout, so the reshapes that follow only rename
+    registers for the MMA; otherwise the pairs are widened to fp32 and scaled there.
+    """
+    RB: tl.constexpr = ROWS // 16
+    C: tl.constexpr = BLOCK_K // 16
+    G: tl.constexpr = BLOCK_K // 32
+    NUM_CHUNKS: tl.constexpr = (IN_DIM + 31) // 32 * 2
+    chunk = k0 // 16 + tl.arange(0, C)
+    lane = tl.arange(0, 32)  # (g, q) of the MMA fragment: 8 row pairs x 4 column pairs
+    ptrs = (
+        w_base + w_blocks[:, None, None] * stride_wn + lane[None, :, None] * NUM_CHUNKS + chunk[None, None, :]
+    )
+    if IN_DIM % BLOCK_K == 0:
+        words = tl.load(ptrs, mask=w_block_mask[:, None, None], other=0)
+    else:
+        words = tl.load(ptrs, mask=w_block_mask[:, None, None] & (chunk < NUM_CHUNKS)[None, None, :], other=0)
+    words = tl.reshape(words, (RB * 32, C)).to(tl.uint32, bitcast=True)
+    p0 = _mxfp4_word_pair(words, 6, 12)  # row g,     columns 2q, 2q + 1
+    p1 = _mxfp4_word_pair(words, 2, 8)  # row g + 8
+    p2 = _mxfp4_word_pair(words, -2, 4)  # row g,     columns 2q + 8, 2q + 9
+    p3 = _mxfp4_word_pair(words, -6, 0)  # row g + 8
+    # Factor 2^(s - 1) = scale 2^(s - 127) times the 2^126 the bit placement left out (s <= 128).
+    exponent = scales.to(tl.uint32) + 126
+    if NATIVE:
+        f = (exponent << 7) | (exponent << 23)  # bf16 pair
+        f = tl.permute(tl.reshape(f, (RB, 2, 8, G)), (0, 2, 3, 1))  # [rb, g, group, row half]
+        f_top, f_bottom = tl.split(f)  # rows g and g + 8: [RB, 8, G]
+        f_top = tl.reshape(tl.broadcast_to(f_top[:, :, None, :, None], (RB, 8, 4, G, 2)), (RB * 32, C))
+        f_bottom = tl.reshape(tl.broadcast_to(f_bottom[:, :, None, :, None], (RB, 8, 4, G, 2)), (RB * 32, C))
+        p0 = _mul_bf16x2(p0, f_top)
+        p1 = _mul_bf16x2(p1, f_bottom)
+        p2 = _mul_bf16x2(p2, f_top)
+        p3 = _mul_bf16x2(p3, f_bottom)
+        CODE_DTYPE: tl.constexpr = OUT_DTYPE
+    else:
+        CODE_DTYPE: tl.constexpr = tl.float32
+    t = tl.join(
+        tl.join(_bf16_halves(p0, CODE_DTYPE), _bf16_halves(p1, CODE_DTYPE)),
+        tl.join(_bf16_halves(p2, CODE_DTYPE), _bf16_halves(p3, CODE_DTYPE)),
+    )  # [(rb, g, q), c, odd column, row half, column half]
+    t = tl.reshape(t, (RB, 8, 4, C, 2, 2, 2))
+    t = tl.permute(t, (0, 5, 1, 3, 6, 2, 4))  # [rb, row half, g, c, column half, q, odd column]
+    w = tl.reshape(t, (ROWS, BLOCK_K))
+    if not NATIVE:
+        f32 = (exponent << 23).to(tl.float32, bitcast=True)  # [ROWS, G]
+        f32 = tl.reshape(tl.broadcast_to(f32[:, :, None], (ROWS, G, 32)), (ROWS, BLOCK_K))
+        w = (w * f32).to(OUT_DTYPE)
+    return w
+
+
+@triton.jit
 def _expert_matmul(
     a_ptr,
     a_scale_ptr,
@@ -286,6 +389,8 @@ def _expert_matmul(
     expert,
     w_rows,
     w_mask,
+    w_blocks,
+    w_block_mask,
     stride_we,
     stride_wn,
     stride_wse,
@@ -318,11 +423,13 @@ def _expert_matmul(
     s_base = w_scale_ptr  # None for float weights: no pointer arithmetic on it
     if W_FORMAT != WFMT_FLOAT:
         s_base = w_scale_ptr + expert * stride_wse
-    if SWAP_AB:
+    # MXFP4_MMA_WORDS decode straight into the MMA's register operand: always weights-first.
+    SWAPPED: tl.constexpr = SWAP_AB or W_FORMAT == WFMT_MXFP4_WORDS
+    if SWAPPED:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if W_FORMAT == WFMT_MXFP4 and MX_NATIVE:
+    if W_FORMAT == WFMT_MXFP4_WORDS or (W_FORMAT == WFMT_MXFP4 and MX_NATIVE):
         # Scale tiles are too small for cp.async (1 byte per thread), so the software pipeline skips
         # them: prefetch one K-step ahead in registers instead of stalling on HBM every step.
         next_scales = _mxfp4_native_scales(s_base, w_rows, w_mask, 0, IN_DIM, stride_wsn, stride_wsk, BLOCK_K)
@@ -333,7 +440,27 @@ def _expert_matmul(
         else:
             k_mask = ks < IN_DIM
         a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-        if W_FORMAT == WFMT_MXFP4:
+        if W_FORMAT == WFMT_MXFP4_WORDS:
+            scales = next_scales
+            next_scales = _mxfp4_native_scales(
+                s_base, w_rows, w_mask, k0 + BLOCK_K, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
+            )
+            out_dtype: tl.constexpr = tl.float32 if DOT_FP32 else a.dtype
+            w = _mxfp4_words_tile(
+                w_base,
+                w_blocks,
+                w_block_mask,
+                scales,
+                k0,
+                IN_DIM,
+                stride_wn,
+                MX_NATIVE,
+                out_dtype,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            acc = _dot(w, tl.trans(a.to(out_dtype)), acc, DOT_FP32)
+        elif W_FORMAT == WFMT_MXFP4:
             if MX_NATIVE:
                 scales = next_scales
                 next_scales = _mxfp4_native_scales(
@@ -416,7 +543,7 @@ def _expert_matmul(
                     acc = _dot(w_op, tl.trans(a_op), acc, DOT_FP32)
                 else:
                     acc = _dot(a_op, w_op, acc, DOT_FP32)
-    if SWAP_AB:
+    if SWAPPED:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N] for the epilogues
     if W_FORMAT == WFMT_FP8:
         if FP8_SCALE == FP8S_CHANNEL:
@@ -531,6 +658,15 @@ def _moe_gemm1(
         col = pid_n * BLOCK_N + (j % BLOCK_N)
         w_rows = tl.where(j < BLOCK_N, col, col + INTER_SIZE)
         w_mask = col < INTER_SIZE
+    # The same rows as 16-row blocks (MXFP4_MMA_WORDS; the packing needs 16 | I).
+    jb = tl.arange(0, 2 * BLOCK_N // 16)
+    if INTERLEAVED:
+        w_blocks = pid_n * (2 * BLOCK_N // 16) + jb
+        w_block_mask = w_blocks * 16 < 2 * INTER_SIZE
+    else:
+        col_block = pid_n * (BLOCK_N // 16) + jb % (BLOCK_N // 16)
+        w_blocks = tl.where(jb < BLOCK_N // 16, col_block, col_block + INTER_SIZE // 16)
+        w_block_mask = col_block * 16 < INTER_SIZE
     acc = _expert_matmul(
         x_ptr,
         x_scale_ptr,
@@ -544,6 +680,8 @@ def _moe_gemm1(
         expert,
         w_rows,
         w_mask,
+        w_blocks,
+        w_block_mask,
         stride_we,
         stride_wn,
         stride_wse,
@@ -625,6 +763,8 @@ def _moe_gemm2(
     pairs, row_mask, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     w_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_mask = w_rows < HIDDEN
+    w_blocks = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)  # 16-row blocks (MXFP4_MMA_WORDS)
+    w_block_mask = w_blocks * 16 < HIDDEN
     acc = _expert_matmul(
         h_ptr,
         h_scale_ptr,
@@ -638,6 +778,8 @@ def _moe_gemm2(
         expert,
         w_rows,
         w_mask,
+        w_blocks,
+        w_block_mask,
         stride_we,
         stride_wn,
         stride_wse,

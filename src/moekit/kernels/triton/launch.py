@@ -90,7 +90,7 @@ TRITON_CAPABILITIES = Capabilities(
     router_placements=frozenset(RouterWeightPlacement),
     expert_map=True,
     devices=frozenset({DeviceKind.CUDA}),
-    packings=frozenset({WeightPacking.CHECKPOINT}),
+    packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.MXFP4_MMA_WORDS}),
     min_compute_capability=(8, 0),  # the float formats; FP8 and MXFP4 need 9.0 (`min_compute_capability`)
 )
 # FP8 dots (and our MXFP4 path, validated only on Hopper) need sm_90; the float formats run on sm_80.
@@ -308,7 +308,14 @@ class _WeightArgs:
     def of(
         cls, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, *, name: str
     ) -> _WeightArgs:
-        if data.dim() == 4:  # MXFP4 [E, N, G, 16]: the kernel walks a row's G*16 bytes as one run
+        if data.dim() == 5:  # MXFP4_MMA_WORDS [E, N/16, 8, 4, C]: one block's 32*C words as one run
+            c = data.shape[4]
+            if data.stride(4) != 1 or data.stride(3) != c or data.stride(2) != 4 * c:
+                raise LayoutMismatchError(
+                    f"MXFP4 words {name} must be contiguous in their last three dims, strides "
+                    f"{data.stride()}; call .contiguous() once at load time"
+                )
+        elif data.dim() == 4:  # MXFP4 [E, N, G, 16]: the kernel walks a row's G*16 bytes as one run
             if data.stride(3) != 1 or data.stride(2) != 16:
                 raise LayoutMismatchError(
                     f"MXFP4 {name} must be contiguous in its last two dims, strides "
@@ -347,8 +354,9 @@ def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
     if x.dtype != spec.act_dtype:
         raise DTypeError(f"x has dtype {x.dtype} but spec.act_dtype is {spec.act_dtype}")
     weights.validate(spec)
-    if weights.packing is not WeightPacking.CHECKPOINT:
-        raise LayoutMismatchError(f"the Triton path reads CHECKPOINT packing, got {weights.packing.name}")
+    if weights.packing not in TRITON_CAPABILITIES.packings:
+        names = sorted(p.name for p in TRITON_CAPABILITIES.packings)
+        raise LayoutMismatchError(f"the Triton path reads packings {names}, got {weights.packing.name}")
     if not isinstance(routing, RoutingResult) or tuple(routing.ids.shape) != (x.shape[0], spec.K):
         raise ShapeError(f"routing must be a RoutingResult [T={x.shape[0]}, K={spec.K}]")
     if spec.uses_expert_map != (expert_map is not None):
@@ -434,7 +442,10 @@ def triton_fused_moe(
     w13 = _WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
     w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
     num_pairs, num_pid_m = aligned.num_pairs, aligned.max_blocks
-    # tl.dot_scaled has no interpreter implementation, and upcasts to bf16 (fp16 would lose bits).
+    words = weights.packing is WeightPacking.MXFP4_MMA_WORDS
+    w_format = _jit.WFMT_MXFP4_WORDS.value if words else p.w_format
+    # Compiled bf16 only: tl.dot_scaled and inline PTX have no interpreter implementation, and
+    # dot_scaled upcasts to bf16 (fp16 would lose bits).
     mx_native = p.w_format == _jit.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
     mx_native = mx_native and x.device.type == "cuda"
 
@@ -465,7 +476,7 @@ def triton_fused_moe(
         INTER_SIZE=spec.I,
         HIDDEN=spec.H,
         TOP_K=top_k,
-        W_FORMAT=p.w_format,
+        W_FORMAT=w_format,
         FP8_SCALE=p.fp8_scale,
         A_QUANT=p.a_quant,
         DOT_FP32=p.dot_fp32,
@@ -516,7 +527,7 @@ def triton_fused_moe(
         stride_ym=y.stride(0),
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
-        W_FORMAT=p.w_format,
+        W_FORMAT=w_format,
         FP8_SCALE=p.fp8_scale,
         A_QUANT=p.a_quant,
         DOT_FP32=p.dot_fp32,
