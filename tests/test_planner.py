@@ -6,6 +6,7 @@ kernel with identical numerics, show the bad row in `explain`, and raise under `
 """
 
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -37,6 +38,28 @@ def _row(spec, *, kernel, config, device, tokens=1):
     )
     row["config"] = config
     return row
+
+
+@pytest.fixture(autouse=True)
+def _no_shipped_tables(monkeypatch):
+    """These tests pin the planner's table semantics on the tables they write; the shipped H200 rows
+    (gpt-oss-120b among them) would answer first. `test_shipped_h200_rows_are_valid` covers those."""
+    monkeypatch.setattr(sys.modules["moekit.plan"], "shipped_table_paths", lambda: [])
+
+
+def test_shipped_h200_rows_are_valid(monkeypatch):
+    monkeypatch.undo()  # the real shipped tables
+    from moekit.plan import resolve_tables
+    from moekit.tuned import shipped_table_paths
+
+    tables = resolve_tables(None, REGISTRY)
+    assert shipped_table_paths() and not tables.rejected, tables.rejected
+    for t in (1, 64, 4096):
+        chosen = plan(GPT_OSS_120B, num_tokens=t, device=H200, registry=REGISTRY)
+        # Rows are keyed by the Triton version they were tuned with (the test extra pins 3.6.0).
+        if triton_version() == "3.6.0":
+            assert chosen.source is ConfigSource.TUNED_ROW, chosen.explain()
+            assert chosen.kernel == "triton_fused"
 
 
 def _table(tmp_path, rows, name="user.json"):

@@ -138,13 +138,13 @@ def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
     fmt = spec.weight_format
     if fmt is WeightFormat.MXFP4:
-        if per_expert <= 0.1:  # a handful of experts: more, narrower programs keep HBM busy
-            return TritonMoEConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=3)
-        if per_expert <= 16:  # weight streaming: the upcast, not the MMA, sets the pace
-            return TritonMoEConfig(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=4)
+        if per_expert <= 8:  # weight streaming: the decode, not the MMA, sets the pace
+            return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
+        if per_expert <= 24:
+            return TritonMoEConfig(block_m=32, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)
         if per_expert <= 96:
-            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
-        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
+            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
     if fmt is WeightFormat.FP8_E4M3:
         # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
         if per_expert <= 16:
