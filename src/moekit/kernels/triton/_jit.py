@@ -277,10 +277,8 @@ def _mxfp4_native_scales(
 
 @triton.jit
 def _mxfp4_word_pair(w, SH_MAG: tl.constexpr, SH_SIGN: tl.constexpr):
-    """One pair of codes of uint32 words `w` -> bf16 pairs (as uint32) of value * 2^-126: the magnitude
-    bits moved to 8..6 / 24..22, the signs to 15 / 31 (moekit.formats.mxfp4_words)."""
-    if SH_MAG == SH_SIGN:  # one shift, one mask
-        return (w << SH_MAG) & 0x81C081C0
+    """Codes j and j + 4 of uint32 words `w` -> bf16 pairs (as uint32) of value * 2^-126: the magnitude
+    bits moved to 8..6 / 24..22, the sign to 15 / 31 (moekit.formats.mxfp4_words)."""
     if SH_MAG >= 0:
         mag = (w << SH_MAG) & 0x01C001C0
     else:
@@ -344,11 +342,10 @@ def _mxfp4_words_tile(
     else:
         words = tl.load(ptrs, mask=w_block_mask[:, None, None] & (chunk < NUM_CHUNKS)[None, None, :], other=0)
     words = tl.reshape(words, (RB * 32, C)).to(tl.uint32, bitcast=True)
-    # Shifts: moekit.formats.mxfp4_words.DECODE_SHIFTS (the interpreter tests fail if they disagree).
-    p0 = _mxfp4_word_pair(words, 0, 0)  # row g,     columns 2q, 2q + 1
-    p1 = _mxfp4_word_pair(words, 3, 3)  # row g + 8
-    p2 = _mxfp4_word_pair(words, -3, 1)  # row g,     columns 2q + 8, 2q + 9
-    p3 = _mxfp4_word_pair(words, 6, 2)  # row g + 8
+    p0 = _mxfp4_word_pair(words, 6, 12)  # row g,     columns 2q, 2q + 1
+    p1 = _mxfp4_word_pair(words, 2, 8)  # row g + 8
+    p2 = _mxfp4_word_pair(words, -2, 4)  # row g,     columns 2q + 8, 2q + 9
+    p3 = _mxfp4_word_pair(words, -6, 0)  # row g + 8
     # Factor 2^(s - 1) = scale 2^(s - 127) times the 2^126 the bit placement left out (s <= 128).
     exponent = scales.to(tl.uint32) + 126
     if NATIVE:
