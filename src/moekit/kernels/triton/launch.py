@@ -169,6 +169,11 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (16, 64, 64, 1, 8, 4),
             (16, 64, 128, 1, 4, 3),
             (16, 128, 64, 1, 8, 4),
+            # Two warpgroups on wide, deep tiles, as triton_kernels decodes gpt-oss (its opt_flags:
+            # block_n 256 rows of w13 = our 2 * 128, block_k 128, 8 warps). Compiled for sm_90 without
+            # spills (124 / 92 registers in GEMM1 / GEMM2), not yet timed.
+            (16, 128, 128, 1, 8, 3),
+            (16, 64, 128, 1, 8, 3),
         ]
     elif per_expert <= 32:
         tiles = [
