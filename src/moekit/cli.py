@@ -168,7 +168,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     table.add_row("kernel", f"{report.plan.kernel} {report.plan.config.as_dict()}")
     table.add_row("config from", report.plan.source.value)
     table.add_row("tokens / experts hit", f"T={report.num_tokens}, {report.experts_hit} of {report.spec.E}")
-    table.add_row("load-time prepare", f"{report.prepare_seconds * 1e3:.1f} ms")
+    table.add_row("load-time prepare", f"{report.prepare_seconds * 1e3:.1f} ms -> {report.packing} packing")
     clock = "CUDA events, median of 7 x 20" if report.device.startswith("cuda") else "wall clock, median of 3"
     table.add_row("forward time", f"{report.seconds * 1e3:.3f} ms ({clock})")
     verdict = "[green]PASS[/green]" if report.check_passed else "[red]FAIL[/red]"

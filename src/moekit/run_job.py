@@ -34,6 +34,7 @@ class RunReport:
     num_tokens: int
     experts_hit: int
     prepare_seconds: float  # one-time load step (e.g. dequantize for the unfused path)
+    packing: str  # WeightPacking the kernel reads after that step
     seconds: float  # one forward
     check_against: str
     check_tokens: int
@@ -55,6 +56,7 @@ class RunReport:
             "num_tokens": self.num_tokens,
             "experts_hit": self.experts_hit,
             "prepare_seconds": self.prepare_seconds,
+            "packing": self.packing,
             "seconds": self.seconds,
             "check_against": self.check_against,
             "check_tokens": self.check_tokens,
@@ -117,6 +119,7 @@ def run_job(
     begin = time.perf_counter()
     weights = prepare_weights(loaded.weights.to(dev), chosen)
     prepare_seconds = time.perf_counter() - begin
+    packing = weights.packing.name
     x = random_tokens(spec, num_tokens, seed=seed + 1).to(dev)
     logits = x.float() @ loaded.router_weight.to(dev).float().T
     if loaded.router_bias is not None:
@@ -146,6 +149,7 @@ def run_job(
         num_tokens=num_tokens,
         experts_hit=int(routing.ids.unique().numel()),
         prepare_seconds=prepare_seconds,
+        packing=packing,
         seconds=seconds,
         check_against=against,
         check_tokens=n_check,

@@ -8,6 +8,7 @@ typed launch to `triton_fused_moe`. Importing this module needs Triton; the regi
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -74,7 +75,14 @@ class TritonFusedKernel(Kernel):
             return weights
         weights = weights.unpacked()
         scales = dict(w13_scale=n_major(weights.w13_scale), w2_scale=n_major(weights.w2_scale))
-        if words_reason(weights, spec) is not None:
+        reason = words_reason(weights, spec)
+        if reason is not None:
+            if "scale byte" in reason:  # data, not shape: say why this layer decodes more slowly
+                warnings.warn(
+                    f"MXFP4 weights keep CHECKPOINT packing ({reason}): correct, but decoded by the slower "
+                    "tl.dot_scaled path instead of MXFP4_MMA_WORDS",
+                    stacklevel=2,
+                )
             return dataclasses.replace(weights, **scales)
         return dataclasses.replace(
             weights,
