@@ -23,6 +23,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from moekit import (  # noqa: E402
     Activation,
     ActivationQuant,
@@ -41,7 +44,7 @@ from moekit import (  # noqa: E402
 )
 from moekit.formats import quantize_fp8_activation  # noqa: E402
 from moekit.kernels.base import DeviceInfo, DeviceKind  # noqa: E402
-from moekit.kernels.triton import _jit  # noqa: E402
+from moekit.kernels.triton import _jit, _jit_mxfp4  # noqa: E402
 from moekit.kernels.triton.align import align_routing, max_blocks_bound  # noqa: E402
 from moekit.kernels.triton.launch import (  # noqa: E402
     TritonMoEConfig,
@@ -525,3 +528,39 @@ def test_mxfp4_words_are_skipped_where_they_do_not_fit():
     big = replace(weights, w2_scale=weights.w2_scale.clone().fill_(130))  # a block max above 12
     with pytest.warns(UserWarning, match="scale byte is 130"):
         assert kernel.prepare_weights(big, spec).packing is WeightPacking.CHECKPOINT
+
+
+@triton.jit
+def _words_tile_probe(
+    w_ptr, s_ptr, out_ptr, stride_wn, IN_DIM: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr
+):
+    rows = tl.arange(0, ROWS)
+    groups: tl.constexpr = (IN_DIM + 31) // 32
+    for k0 in range(0, IN_DIM, BK):
+        kg = k0 // 32 + tl.arange(0, BK // 32)
+        scales = tl.load(s_ptr + rows[:, None] * groups + kg[None, :])
+        blocks = tl.arange(0, ROWS // 16)
+        w = _jit_mxfp4._mxfp4_words_tile(
+            w_ptr, blocks, blocks >= 0, scales, k0, IN_DIM, stride_wn, False, tl.float32, ROWS, BK
+        )
+        cols = k0 + tl.arange(0, BK)
+        tl.store(out_ptr + rows[:, None] * IN_DIM + cols[None, :], w)
+
+
+def test_mxfp4_words_decode_every_code_at_every_scale_it_accepts():
+    """The word decode (fp32 variant) against `dequantize_mxfp4`, bit for bit: all 16 codes, in every
+    fragment position, at every scale byte 0..128 the packing accepts (0.5 * 2^-127 included)."""
+    from moekit.formats import dequantize_mxfp4
+    from moekit.formats.mxfp4_words import pack_mma_words
+
+    rows, in_dim = 128, 128
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (rows, in_dim // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = (torch.arange(rows * (in_dim // 32)) % 129).to(torch.uint8).reshape(rows, in_dim // 32)
+    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1)
+    assert codes.unique().numel() == 16 and scales.unique().numel() == 129
+    words = pack_mma_words(blocks)
+    out = torch.full((rows, in_dim), math.nan)
+    for bk in (32, 64):
+        _words_tile_probe[(1,)](words, scales, out, words.stride(0), in_dim, rows, bk)
+        assert torch.equal(out, dequantize_mxfp4(blocks, scales, in_dim=in_dim)), f"block_k {bk}"
