@@ -1,4 +1,5 @@
-"""Triton JIT code of the fused-MoE path; host code lives in `align.py` and `launch.py`.
+"""Triton JIT code of the fused-MoE path; host code lives in `align.py` and `launch.py`, the MXFP4
+decode helpers in `_jit_mxfp4.py`.
 
 Data flow of one layer (P = T*K (token, k) pairs, pair p = t*K + k):
   _align_pairs (or align.py's torch ops for large P): pairs sorted by local expert, each expert padded
@@ -231,10 +232,11 @@ def _expert_matmul(
     A and W are contiguous along the reduction axis (checked on the host).
     SWAP_AB computes the transpose W @ A^T instead: the weight rows fill the MMA's M side (64 on
     Hopper) and the few token rows of a decode step its N side (16), so small batches waste no MMA
-    rows; for MXFP4 the decoded weights also feed the MMA from registers (Hopper's A operand).
-    MX_NATIVE (MXFP4 with bf16 activations, compiled only) hands packed bytes and scales to
-    `tl.dot_scaled`, whose compiler-generated E2M1 -> bf16 conversion costs a few instructions per
-    element; otherwise `_mxfp4_tiles` decodes with plain bit operations (interpreter, fp16, fp32).
+    rows. MXFP4 never needs it: `tl.dot_scaled` already puts the upcast weights on the register side,
+    and the MXFP4_MMA_WORDS format is always computed that way round.
+    MX_NATIVE (bf16 activations, compiled only) selects `tl.dot_scaled` for CHECKPOINT MXFP4 and the
+    PTX bf16x2 scaling for MXFP4_MMA_WORDS; otherwise both decode with plain Triton operations
+    (interpreter, fp16, fp32). See `_jit_mxfp4.py`.
     """
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows[:, None] * stride_am
