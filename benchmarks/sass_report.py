@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Compile moekit's grouped GEMMs for Hopper (sm_90) on any machine, no GPU needed, and report the inner
+K-loop: SASS instructions per K-step by opcode, registers, spills and shared memory.
+
+Data flow: a (gemm, weight format, tile config) -> `triton.compile` of `_moe_gemm1` / `_moe_gemm2`
+with the constexprs `launch.py` would pass for gpt-oss (H = I = 2880, SWIGLU_OAI, INTERLEAVED, biases,
+bf16 activations) and the divisibility the launch specializes on -> `cuobjdump -sass` -> the
+instructions between the loop's backward branch and its target.
+
+Usage: python benchmarks/sass_report.py --gemm 1 --format words --block 16,64,128 --warps 4 --stages 3
+Formats: words (MXFP4_MMA_WORDS), mxfp4 (CHECKPOINT, tl.dot_scaled), bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moekit.kernels.triton import _jit
+
+_W = {
+    "words": (_jit.WFMT_MXFP4_WORDS.value, "*i32"),
+    "mxfp4": (_jit.WFMT_MXFP4.value, "*u8"),
+    "bf16": (0, "*bf16"),
+}
+
+
+def compile_gemm(gemm: int, fmt: str, block: tuple[int, int, int], warps: int, stages: int):
+    fn = _jit._moe_gemm1 if gemm == 1 else _jit._moe_gemm2
+    w_format, w_type = _W[fmt]
+    a_name, out_name = ("x_ptr", "h_ptr") if gemm == 1 else ("h_ptr", "y_ptr")
+    pointers = {
+        a_name: "*bf16",
+        "w_ptr": w_type,
+        "b_ptr": "*bf16",
+        "sorted_pairs_ptr": "*i32",
+        "block_expert_ptr": "*i32",
+        "num_blocks_ptr": "*i32",
+        out_name: "*bf16",
+        "w_scale_ptr": "*u8" if fmt != "bf16" else "constexpr",
+        "route_w_ptr": "*fp32" if gemm == 2 else "constexpr",
+    }
+    values = dict(
+        HIDDEN=2880,
+        INTER_SIZE=2880,
+        W_FORMAT=w_format,
+        FP8_SCALE=0,
+        A_QUANT=0,
+        DOT_FP32=False,
+        MX_NATIVE=fmt != "bf16",
+        SWAP_AB=False,
+        HAS_BIAS=True,
+        BLOCK_M=block[0],
+        BLOCK_N=block[1],
+        BLOCK_K=block[2],
+        GROUP_M=1,
+    )
+    if gemm == 1:
+        values.update(TOP_K=4, INTERLEAVED=True, ROUTE_ON_INPUT=False, ACTIVATION=3, ALPHA=1.702)
+        values.update(HAS_LIMIT=True, LIMIT=7.0)
+    else:
+        values.update(ROUTE_ON_OUTPUT=True)
+    signature, constants = {}, {}
+    for name in fn.arg_names:
+        if name in values:
+            signature[name], constants[name] = "constexpr", values[name]
+        elif name in pointers:
+            signature[name] = pointers[name]
+            if pointers[name] == "constexpr":
+                constants[name] = None
+        elif name == "stride_wsn" and fmt != "bf16":  # N-major scales, as prepare_weights stores them
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+    attrs = {  # what the launch specializes on: pointers and gpt-oss strides are multiples of 16
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if signature[name] != "constexpr" and name not in ("num_pairs", "num_pid_m")
+    }
+    index = {name: i for i, name in enumerate(fn.arg_names)}
+    source = ASTSource(
+        fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constants.items()}, attrs=attrs
+    )
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+    )
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def loop_report(kernel) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
+        handle.write(kernel.asm["cubin"])
+        path = handle.name
+    try:
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True)
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True
+        )
+    finally:
+        os.unlink(path)
+    instructions = []
+    for line in sass.stdout.splitlines():
+        match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if match:
+            instructions.append((int(match.group(1), 16), match.group(2).strip()))
+    loop = None
+    for address, text in instructions:  # the K-loop: the last conditional backward branch
+        branch = re.search(r"@!?U?P\w+\s+BRA (0x[0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            loop = (int(branch.group(1), 16), address)
+    if loop is None:
+        raise RuntimeError("no backward branch found: the kernel has no K-loop at this size")
+    body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in instructions if loop[0] <= a <= loop[1]]
+    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
+    return {
+        "loop_instructions": len(body),
+        "opcodes": collections.Counter(body).most_common(),
+        "registers": int(resources.get("REG", 0)),
+        "local_bytes": int(resources.get("LOCAL", 0)),
+        "shared_bytes": kernel.metadata.shared,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gemm", type=int, choices=(1, 2), default=2)
+    p.add_argument("--format", choices=sorted(_W), default="words")
+    p.add_argument("--block", default="16,64,128", help="block_m,block_n,block_k")
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=3)
+    args = p.parse_args()
+    block = tuple(int(v) for v in args.block.split(","))
+    report = loop_report(compile_gemm(args.gemm, args.format, block, args.warps, args.stages))
+    print(
+        f"GEMM{args.gemm} {args.format} block {block} warps {args.warps} stages {args.stages}: "
+        f"{report['loop_instructions']} SASS instructions per K-step, {report['registers']} registers, "
+        f"{report['local_bytes']} B local (spills), {report['shared_bytes']} B shared"
+    )
+    print("  " + ", ".join(f"{op} {n}" for op, n in report["opcodes"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
