@@ -11,22 +11,18 @@ Unlike `moekit tune` (eager timing, warm L2), this times what serving sees: grap
 
 import argparse
 import json
-import math
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from moekit.bench import _flushed_seconds, _graph, _problem, _record, measure_ceilings
-from moekit.kernels.base import DeviceInfo
+from moekit.bench import make_record, measure_ceilings, time_plan
+from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
-from moekit.kernels.triton.launch import TritonMoEConfig
-from moekit.ops import fused_moe, prepare_weights
 from moekit.plan import plan
 from moekit.presets import cap_experts, preset
-from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
-from moekit.routing import route
+from moekit.reference import fused_moe_reference
 from moekit.synthetic import random_batch, random_layer
 from moekit.tuned import row_to_json, triton_version, write_rows
 
@@ -48,7 +44,7 @@ def main() -> int:
     info = DeviceInfo.of(device)
     kernel = default_registry().get("triton_fused")
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    prepared = None
+    prepared: dict = {}  # time_plan's cache: one prepare_weights per (kernel, spec)
     results = []
     start = time.time()
     for t in (int(v) for v in args.tokens.split(",")):
@@ -60,60 +56,39 @@ def main() -> int:
         )
         hit = int(routing.ids.unique().numel())
         expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
-        base = plan(spec, num_tokens=t, device=info)
-        base = replace(base, kernel="triton_fused")
-        if prepared is None:
-            prepared = prepare_weights(layer.weights, base)
-        space = kernel.tuning_space(spec, _problem(t, info))
-        rows = []
-        for cfg in space:
+        base = replace(plan(spec, num_tokens=t, device=info), kernel="triton_fused")
+        timed = []  # (config, record) of the candidates that ran
+        for cfg in kernel.tuning_space(spec, Problem(num_tokens=t, device=info)):
             chosen = replace(base, config=cfg)
-
-            def fn(chosen=chosen, x=x, logits=logits, weights=prepared):
-                r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
-                return fused_moe(x, weights, r, plan=chosen)
-
             try:
-                graph, out = _graph(fn, device)
-                out.fill_(math.nan)
-                graph.replay()
-                torch.cuda.synchronize(device)
-                rel = relative_l2_error(out, expected)
-                del graph, out
-                sec = _flushed_seconds(fn, device, flush, repeats=10 if t <= 1024 else 3)
-                rec = _record(args.preset, spec, chosen, t, hit, sec, rel, ceilings)
-                rows.append(asdict(rec))
-                print(
-                    f"T={t} {cfg.as_dict()} {rec.us:.1f} us {rec.pct_roofline:.0f}% rel {rel:.1e}", flush=True
-                )
+                sec, rel = time_plan(chosen, layer, x, logits, expected, prepared, flush, device)
             except Exception as err:  # noqa: BLE001 - a failing candidate is reported, the sweep goes on
                 print(f"T={t} {cfg.as_dict()} FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
                 torch.cuda.empty_cache()
-        ok = [r for r in rows if r["rel_l2"] <= TOLERANCE[spec.act_dtype]]
-        if ok:
-            best = min(ok, key=lambda r: r["us"])
-            default_us = rows[0]["us"] if rows else math.nan
+                continue
+            rec = make_record(args.preset, spec, chosen, t, hit, sec, rel, ceilings)
+            timed.append((cfg, rec))
+            print(f"T={t} {cfg.as_dict()} {rec.us:.1f} us {rec.pct_roofline:.0f}% rel {rel:.1e}", flush=True)
+        verified = [(cfg, rec) for cfg, rec in timed if rec.ok]
+        if verified:
+            winner, best = min(verified, key=lambda pair: pair[1].us)
             if args.table:
-                winner = TritonMoEConfig(**best["config"])
-                write_rows(
-                    Path(args.table),
-                    [
-                        row_to_json(
-                            spec=spec,
-                            device=info.name,
-                            triton=triton_version(),
-                            tokens=t,
-                            kernel="triton_fused",
-                            config=winner,
-                        )
-                    ],
+                row = row_to_json(
+                    spec=spec,
+                    device=info.name,
+                    triton=triton_version(),
+                    tokens=t,
+                    kernel=kernel.name,
+                    config=winner,
                 )
+                write_rows(Path(args.table), [row])
+            default_us = timed[0][1].us  # tuning_space lists the default first
             print(
-                f"BEST T={t}: {best['us']:.1f} us ({best['pct_roofline']:.0f}% roofline) {best['config']}; "
+                f"BEST T={t}: {best.us:.1f} us ({best.pct_roofline:.0f}% roofline) {winner.as_dict()}; "
                 f"default {default_us:.1f} us",
                 flush=True,
             )
-        results.append({"tokens": t, "rows": rows})
+        results.append({"tokens": t, "rows": [asdict(rec) for _, rec in timed]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "ceilings": asdict(ceilings), "results": results}, f, indent=1)

@@ -168,7 +168,7 @@ def test_bench_records_a_failing_kernel_instead_of_dying():
     from dataclasses import replace
 
     import moekit
-    from moekit.bench import Ceilings, _record, baseline_spec
+    from moekit.bench import Ceilings, baseline_spec, make_record
     from moekit.cli_spec import SIMULATED_DEVICES
     from moekit.plan import plan
 
@@ -176,7 +176,7 @@ def test_bench_records_a_failing_kernel_instead_of_dying():
     assert baseline_spec(ds).act_quant is moekit.ActivationQuant.NONE  # W8A8 -> W8A16 for the baseline
     assert replace(baseline_spec(ds), act_quant=ds.act_quant) == ds
     chosen = plan(ds, num_tokens=1, device=SIMULATED_DEVICES["h200"])
-    rec = _record("deepseek-v3", ds, chosen, 1, 8, math.nan, math.inf, Ceilings(4e12, 7e14), error="OOM")
+    rec = make_record("deepseek-v3", ds, chosen, 1, 8, math.nan, math.inf, Ceilings(4e12, 7e14), error="OOM")
     assert not rec.ok and rec.error == "OOM" and math.isnan(rec.us)
     # W8A8 layers are held to the FP8 matmul rate when it was measured, the bf16 rate otherwise.
     assert Ceilings(4e12, 7e14, 1.4e15).matmul_rate(ds) == 1.4e15

@@ -172,12 +172,12 @@ def bench_preset(
                     chosen, kernel=which, config=kernel.default_config(run_spec, _problem(t, info))
                 )
             try:
-                seconds, rel = _time_kernel(
+                seconds, rel = time_plan(
                     chosen, layer, x, logits, expected[run_spec], prepared, flush, device
                 )
             except Exception as err:  # noqa: BLE001 - one kernel's failure must not hide the others' figures
                 records.append(
-                    _record(
+                    make_record(
                         name,
                         spec,
                         chosen,
@@ -191,13 +191,13 @@ def bench_preset(
                 )
                 torch.cuda.empty_cache()
             else:
-                records.append(_record(name, spec, chosen, t, hit, seconds, rel, ceilings))
+                records.append(make_record(name, spec, chosen, t, hit, seconds, rel, ceilings))
             if progress is not None:
                 progress(records[-1])
     return records
 
 
-def _time_kernel(chosen, layer, x, logits, expected, prepared, flush, device) -> tuple[float, float]:
+def time_plan(chosen, layer, x, logits, expected, prepared, flush, device) -> tuple[float, float]:
     """(seconds per whole layer, rel L2 vs `expected`) for one plan: poisoned graph replay, then timing."""
     spec = chosen.spec
     key = (chosen.kernel, spec)
@@ -225,7 +225,7 @@ def _problem(t, info):
     return Problem(num_tokens=t, device=info)
 
 
-def _record(
+def make_record(
     name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings, error: str | None = None
 ) -> BenchRecord:
     weight_bytes = hit * expert_bytes(spec)

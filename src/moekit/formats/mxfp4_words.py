@@ -20,7 +20,7 @@ Decoding (see `_jit._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, man
 bits 8..6 and the sign to bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
 code 0.5, lands on the bf16 subnormal 2^-127); multiplying by 2^(s - 1) applies the E8M0 scale 2^(s -
 127) and the missing 2^126 in one step. 2^(s - 1) is a normal bf16 only for s <= 128, so weights with
-a larger scale byte (a block maximum above 12) keep the checkpoint packing (`fits_mma_words`).
+a larger scale byte (a block maximum above 12) keep the checkpoint packing (`scales_reason`).
 """
 
 from __future__ import annotations
@@ -39,15 +39,24 @@ MAX_SCALE_BYTE = 128  # largest E8M0 byte whose combined factor 2^(s - 1) is a n
 _SLOTS = tuple((j % 4 % 2, j % 4 // 2, j // 4) for j in range(8))
 
 
-def fits_mma_words(n_rows: int, scales: Tensor) -> str | None:
-    """None if a matrix of `n_rows` rows with these E8M0 `scales` can use the word packing, else why not.
-
-    Reads every scale byte (a host sync): call once at load time."""
+def rows_reason(n_rows: int) -> str | None:
+    """None if a matrix of `n_rows` rows can use the word packing, else why not (a shape fact)."""
     if n_rows % ROWS_PER_BLOCK:
         return f"rows ({n_rows}) must be a multiple of {ROWS_PER_BLOCK}"
+    return None
+
+
+def scales_reason(scales: Tensor) -> str | None:
+    """None if every E8M0 byte of `scales` is one the word decode applies exactly, else why not (a data
+    fact). Reads every scale byte (a host sync): call once at load time."""
     if scales.numel() and int(scales.max()) > MAX_SCALE_BYTE:
         return f"a scale byte is {int(scales.max())} > {MAX_SCALE_BYTE} (a block maximum above 12)"
     return None
+
+
+def fits_mma_words(n_rows: int, scales: Tensor) -> str | None:
+    """None if a matrix of `n_rows` rows with these E8M0 `scales` can use the word packing, else why not."""
+    return rows_reason(n_rows) or scales_reason(scales)
 
 
 def _check_blocks(blocks: Tensor) -> None:

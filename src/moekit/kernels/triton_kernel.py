@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from moekit.formats.mxfp4_words import fits_mma_words, pack_mma_words
+from moekit.formats.mxfp4_words import pack_mma_words, rows_reason, scales_reason
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.triton.launch import (
     TRITON_CAPABILITIES,
@@ -27,13 +27,13 @@ from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
 
 
-def words_reason(weights: ExpertWeights, spec: MoESpec) -> str | None:
-    """None if MXFP4 `weights` (CHECKPOINT packing) can take MXFP4_MMA_WORDS for `spec`, else why not.
-    Reads every scale byte: load time only."""
+def words_reason(spec: MoESpec) -> str | None:
+    """None if `spec`'s shapes and activations allow MXFP4_MMA_WORDS, else why not. The weights'
+    scale bytes must fit too (`mxfp4_words.scales_reason`), which only the data can tell."""
     if spec.act_dtype not in (torch.bfloat16, torch.float32):
         return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
     for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
-        reason = fits_mma_words(rows, getattr(weights, f"{name}_scale"))
+        reason = rows_reason(rows)
         if reason is not None:
             return f"{name}: {reason}"
     return None
@@ -73,16 +73,19 @@ class TritonFusedKernel(Kernel):
         its BLOCK_N scale bytes as one run instead of BLOCK_N bytes G apart."""
         if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
             return weights
-        weights = weights.unpacked()
+        if weights.packing is WeightPacking.MXFP4_MMA_WORDS:
+            return weights  # prepared already: no second scan of the scales
+
         scales = dict(w13_scale=n_major(weights.w13_scale), w2_scale=n_major(weights.w2_scale))
-        reason = words_reason(weights, spec)
-        if reason is not None:
-            if "scale byte" in reason:  # data, not shape: say why this layer decodes more slowly
-                warnings.warn(
-                    f"MXFP4 weights keep CHECKPOINT packing ({reason}): correct, but decoded by the slower "
-                    "tl.dot_scaled path instead of MXFP4_MMA_WORDS",
-                    stacklevel=2,
-                )
+        if words_reason(spec) is not None:  # the spec rules it out: expected, nothing to say
+            return dataclasses.replace(weights, **scales)
+        data_reason = scales_reason(weights.w13_scale) or scales_reason(weights.w2_scale)
+        if data_reason is not None:  # the data rules it out: say why this layer decodes more slowly
+            warnings.warn(
+                f"MXFP4 weights keep CHECKPOINT packing ({data_reason}): correct, but decoded by the "
+                "slower tl.dot_scaled path instead of MXFP4_MMA_WORDS",
+                stacklevel=2,
+            )
             return dataclasses.replace(weights, **scales)
         return dataclasses.replace(
             weights,

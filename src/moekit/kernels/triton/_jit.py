@@ -250,7 +250,8 @@ def _expert_matmul(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if W_FORMAT == WFMT_MXFP4_WORDS or (W_FORMAT == WFMT_MXFP4 and MX_NATIVE):
+    PREFETCH_SCALES: tl.constexpr = W_FORMAT == WFMT_MXFP4_WORDS or (W_FORMAT == WFMT_MXFP4 and MX_NATIVE)
+    if PREFETCH_SCALES:
         # Scale tiles are too small for cp.async (1 byte per thread), so the software pipeline skips
         # them: prefetch one K-step ahead in registers instead of stalling on HBM every step.
         next_scales = _mxfp4_native_scales(s_base, w_rows, w_mask, 0, IN_DIM, stride_wsn, stride_wsk, BLOCK_K)
@@ -261,11 +262,12 @@ def _expert_matmul(
         else:
             k_mask = ks < IN_DIM
         a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-        if W_FORMAT == WFMT_MXFP4_WORDS:
+        if PREFETCH_SCALES:
             scales = next_scales
             next_scales = _mxfp4_native_scales(
                 s_base, w_rows, w_mask, k0 + BLOCK_K, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
             )
+        if W_FORMAT == WFMT_MXFP4_WORDS:
             out_dtype: tl.constexpr = tl.float32 if DOT_FP32 else a.dtype
             w = _mxfp4_words_tile(
                 w_base,
@@ -283,10 +285,6 @@ def _expert_matmul(
             acc = _dot(w, tl.trans(a.to(out_dtype)), acc, DOT_FP32)
         elif W_FORMAT == WFMT_MXFP4:
             if MX_NATIVE:
-                scales = next_scales
-                next_scales = _mxfp4_native_scales(
-                    s_base, w_rows, w_mask, k0 + BLOCK_K, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
-                )
                 packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, stride_wn, BLOCK_K)
                 if SWAP_AB:
                     acc = tl.dot_scaled(packed, scales, _E2M1, tl.trans(a), None, _BF16, acc, fast_math=True)

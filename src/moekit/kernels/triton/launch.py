@@ -346,6 +346,20 @@ class _WeightArgs:
             stride_be=bias.stride(0) if bias is not None else 0,
         )
 
+    def kernel_args(self) -> dict:
+        """The weight arguments both GEMM kernels take under the same names."""
+        return dict(
+            w_ptr=self.data,  # [E_local, N, K] float / fp8, MXFP4 uint8 [E_local, N, G, 16] or words
+            w_scale_ptr=self.scale,  # per format, or None
+            b_ptr=self.bias,  # [E_local, N] or None
+            stride_we=self.stride_we,
+            stride_wn=self.stride_wn,
+            stride_wse=self.stride_wse,
+            stride_wsn=self.stride_wsn,
+            stride_wsk=self.stride_wsk,
+            stride_be=self.stride_be,
+        )
+
 
 def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
     """Shape, dtype, device and layout checks that never read device memory (no sync)."""
@@ -454,52 +468,49 @@ def triton_fused_moe(
     mx_native = p.w_format == _jit.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
     mx_native = mx_native and x.device.type == "cuda"
 
-    h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
-    _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n),)](
-        x_ptr=x,  # [T, H] act dtype or fp8
-        x_scale_ptr=x_scale,  # fp32 [T, G] or None
-        w_ptr=w13.data,  # [E_local, 2I, H] or MXFP4 uint8 [E_local, 2I, G, 16]
-        w_scale_ptr=w13.scale,  # per format, or None
-        b_ptr=w13.bias,  # [E_local, 2I] or None
-        route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
+    # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles.
+    shared = dict(
         sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [num_pid_m * BLOCK_M]
         block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
         num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
-        h_ptr=h,  # [T*K, I]
         num_pairs=num_pairs,
         num_pid_m=num_pid_m,
-        stride_xm=x.stride(0),
-        stride_xsm=x_scale.stride(0) if x_scale is not None else 0,
-        stride_xsk=x_scale.stride(1) if x_scale is not None else 0,
-        stride_we=w13.stride_we,
-        stride_wn=w13.stride_wn,
-        stride_wse=w13.stride_wse,
-        stride_wsn=w13.stride_wsn,
-        stride_wsk=w13.stride_wsk,
-        stride_be=w13.stride_be,
-        stride_hm=h.stride(0),
-        INTER_SIZE=spec.I,
         HIDDEN=spec.H,
-        TOP_K=top_k,
+        INTER_SIZE=spec.I,
         W_FORMAT=w_format,
         FP8_SCALE=p.fp8_scale,
         A_QUANT=p.a_quant,
         DOT_FP32=p.dot_fp32,
         MX_NATIVE=mx_native,
         SWAP_AB=cfg.swap_ab,
-        INTERLEAVED=p.interleaved,
         HAS_BIAS=p.has_bias,
-        ROUTE_ON_INPUT=p.route_in_gemm1,
-        ACTIVATION=p.activation,
-        ALPHA=p.alpha,
-        HAS_LIMIT=p.has_limit,
-        LIMIT=p.limit,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+    )
+
+    h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
+    _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n),)](
+        x_ptr=x,  # [T, H] act dtype or fp8
+        x_scale_ptr=x_scale,  # fp32 [T, G] or None
+        route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
+        h_ptr=h,  # [T*K, I]
+        stride_xm=x.stride(0),
+        stride_xsm=x_scale.stride(0) if x_scale is not None else 0,
+        stride_xsk=x_scale.stride(1) if x_scale is not None else 0,
+        stride_hm=h.stride(0),
+        TOP_K=top_k,
+        INTERLEAVED=p.interleaved,
+        ROUTE_ON_INPUT=p.route_in_gemm1,
+        ACTIVATION=p.activation,
+        ALPHA=p.alpha,
+        HAS_LIMIT=p.has_limit,
+        LIMIT=p.limit,
+        **w13.kernel_args(),
+        **shared,
     )
 
     h_scale = None
@@ -510,42 +521,15 @@ def triton_fused_moe(
     _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, cfg.block_n),)](
         h_ptr=h,  # [T*K, I] act dtype or fp8
         h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
-        w_ptr=w2.data,  # [E_local, H, I] or MXFP4 uint8 [E_local, H, G, 16]
-        w_scale_ptr=w2.scale,  # per format, or None
-        b_ptr=w2.bias,  # [E_local, H] or None
         route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
-        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [num_pid_m * BLOCK_M]
-        block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
-        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
         y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1)
-        num_pairs=num_pairs,
-        num_pid_m=num_pid_m,
         stride_hm=h.stride(0),
         stride_hsm=h_scale.stride(0) if h_scale is not None else 0,
         stride_hsk=h_scale.stride(1) if h_scale is not None else 0,
-        stride_we=w2.stride_we,
-        stride_wn=w2.stride_wn,
-        stride_wse=w2.stride_wse,
-        stride_wsn=w2.stride_wsn,
-        stride_wsk=w2.stride_wsk,
-        stride_be=w2.stride_be,
         stride_ym=y.stride(0),
-        HIDDEN=spec.H,
-        INTER_SIZE=spec.I,
-        W_FORMAT=w_format,
-        FP8_SCALE=p.fp8_scale,
-        A_QUANT=p.a_quant,
-        DOT_FP32=p.dot_fp32,
-        MX_NATIVE=mx_native,
-        SWAP_AB=cfg.swap_ab,
-        HAS_BIAS=p.has_bias,
         ROUTE_ON_OUTPUT=p.route_on_output,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **w2.kernel_args(),
+        **shared,
     )
     if not direct:
         block_h = min(1024, triton.next_power_of_2(spec.H))
