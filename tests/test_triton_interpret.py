@@ -445,6 +445,10 @@ def test_default_configs_run():
         dict(num_warps=32),
         dict(num_stages=0),
         dict(block_m=True),
+        dict(max_registers=100),  # not a multiple of 8
+        dict(max_registers=16),
+        dict(max_registers=256),
+        dict(max_registers=True),
     ],
 )
 def test_bad_configs_are_refused(bad):
@@ -496,11 +500,13 @@ def test_mxfp4_scales_in_the_kernels_n_major_layout_read_the_same():
 WORD_CONFIGS = [
     TINY,  # block_k 32: one scale group, two 16-column chunks a step
     TritonMoEConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=2),  # K % 64 != 0
+    # A register cap is a compile option: the interpreter must take it and compute the same layer.
+    TritonMoEConfig(block_m=16, block_n=32, block_k=64, num_stages=2, max_registers=96),
 ]
 
 
 @pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
-@pytest.mark.parametrize("config", WORD_CONFIGS, ids=["bk32", "bk64"])
+@pytest.mark.parametrize("config", WORD_CONFIGS, ids=["bk32", "bk64", "bk64_regs96"])
 def test_mxfp4_mma_words_match_reference(layout, config):
     """prepare_weights turns MXFP4 into MXFP4_MMA_WORDS (fp32 activations here: the interpreter's bf16
     arithmetic is broken); the kernel's word decode and fragment reshapes must reproduce the layer."""

@@ -182,3 +182,25 @@ def test_a_crashed_writer_leaves_no_lock_behind(tmp_path):
     holder.join()
     write_rows(path, [_row()], lock_timeout_s=5)  # the OS released the dead process's lock
     assert len(json.loads(path.read_text())["rows"]) == 1
+
+
+def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
+    """`max_registers` came after the first tables: rows written without it read as None (no cap)."""
+    from moekit.cli_spec import SIMULATED_DEVICES
+    from moekit.kernels.triton.launch import TritonMoEConfig
+
+    h200 = SIMULATED_DEVICES["h200"]
+    mx = replace(moekit.preset("gpt-oss-20b"), num_experts=4)
+    capped = TritonMoEConfig(block_m=16, block_n=64, block_k=128, max_registers=96)
+    rows = [
+        row_to_json(
+            spec=mx, device=h200.name, triton=triton_version(), tokens=t, kernel="triton_fused", config=c
+        )
+        for t, c in ((1, capped), (64, TritonMoEConfig(block_m=32)))
+    ]
+    del rows[1]["config"]["max_registers"]  # as a table from before the field
+    path = _write(tmp_path / "t.json", rows)
+    for t, want in ((1, capped), (64, TritonMoEConfig(block_m=32))):
+        result = plan(mx, num_tokens=t, device=h200, tuned=path)
+        assert result.source is ConfigSource.TUNED_ROW and result.kernel == "triton_fused"
+        assert result.config == want

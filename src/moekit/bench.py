@@ -101,7 +101,7 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     )
 
 
-def _graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Tensor | None = None):
+def capture_graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Tensor | None = None):
     """Capture `repeats` x ([zero the flush buffer]; fn) in one CUDA graph; returns (graph, last output)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -122,8 +122,8 @@ def _graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Tensor | 
 def _flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: int) -> float:
     """Per-call time with L2 flushed before every call, as the peer measures it:
     (graph[flush; fn] x n - graph[flush] x n) / n, medians of event-timed replays."""
-    with_fn, _ = _graph(fn, device, repeats=repeats, flush=flush)
-    only_flush, _ = _graph(None, device, repeats=repeats, flush=flush)
+    with_fn, _ = capture_graph(fn, device, repeats=repeats, flush=flush)
+    only_flush, _ = capture_graph(None, device, repeats=repeats, flush=flush)
     return (
         median_seconds(with_fn.replay, device, repeats=1)
         - median_seconds(only_flush.replay, device, repeats=1)
@@ -209,7 +209,7 @@ def time_plan(chosen, layer, x, logits, expected, prepared, flush, device) -> tu
         r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
         return fused_moe(x, weights, r, plan=chosen)
 
-    graph, out = _graph(layer_fn, device)
+    graph, out = capture_graph(layer_fn, device)
     out.fill_(float("nan"))  # poison: the replay must write every element
     graph.replay()
     torch.cuda.synchronize(device)

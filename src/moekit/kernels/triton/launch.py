@@ -47,6 +47,9 @@ class TritonMoEConfig(KernelConfig):
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False  # compute W @ A^T: weight rows on the MMA's M side, tokens on its N side
+    # ptxas register cap per thread (PTX .maxnreg); None lets ptxas choose. Fewer registers fit more
+    # programs on an SM, which hides the latency of the MXFP4 decode at small T, at some extra moves.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in (*_POW2_FIELDS, "num_stages"):
@@ -64,6 +67,14 @@ class TritonMoEConfig(KernelConfig):
             raise SpecError(f"TritonMoEConfig.swap_ab must be a bool, got {self.swap_ab!r}")
         if self.num_warps > 16 or self.num_stages > 8:
             raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
+        regs = self.max_registers
+        if regs is not None and (
+            not isinstance(regs, int) or isinstance(regs, bool) or not 32 <= regs <= 255 or regs % 8
+        ):
+            raise SpecError(
+                f"TritonMoEConfig.max_registers must be None or a multiple of 8 in [32, 255] "
+                f"(ptxas' per-thread range), got {regs!r}"
+            )
 
     def reason_unusable(self, spec: MoESpec) -> str | None:
         """None if this config can compute `spec`, else why not."""
@@ -160,7 +171,8 @@ def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
 def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
     """`default_config` first, then tiles for the regime of tokens per expert (see TritonFusedKernel)."""
     per_expert = _tokens_per_expert(spec, num_tokens)
-    # (block_m, block_n, block_k, group_m, num_warps, num_stages)
+    mxfp4 = spec.weight_format is WeightFormat.MXFP4
+    # (block_m, block_n, block_k, group_m, num_warps, num_stages[, max_registers])
     if per_expert <= 8:
         tiles = [
             (16, 32, 128, 1, 4, 3),
@@ -170,11 +182,13 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (16, 64, 128, 1, 4, 3),
             (16, 128, 64, 1, 8, 4),
             # Two warpgroups on wide, deep tiles, as triton_kernels decodes gpt-oss (its opt_flags:
-            # block_n 256 rows of w13 = our 2 * 128, block_k 128, 8 warps). Compiled for sm_90 without
-            # spills (124 / 92 registers in GEMM1 / GEMM2), not yet timed.
+            # block_n 256 rows of w13 = our 2 * 128, block_k 128, 8 warps).
             (16, 128, 128, 1, 8, 3),
             (16, 64, 128, 1, 8, 3),
         ]
+        if mxfp4:  # the decode is latency-bound: capped registers fit 5 (96) or 6 (80) programs per SM
+            tiles += [(16, 128, 128, 1, 8, 4), (16, 64, 128, 1, 4, 3, 96), (16, 64, 128, 1, 4, 4, 96)]
+            tiles += [(16, 64, 128, 1, 4, 3, 80)]
     elif per_expert <= 32:
         tiles = [
             (16, 64, 64, 4, 4, 4),
@@ -183,6 +197,9 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (32, 128, 64, 4, 8, 4),
             (64, 64, 64, 8, 4, 4),
         ]
+        if mxfp4:
+            tiles += [(16, 64, 128, 4, 4, 3), (32, 64, 128, 4, 4, 3), (16, 128, 128, 4, 8, 4)]
+            tiles += [(32, 128, 128, 4, 8, 4), (16, 64, 128, 4, 4, 3, 96)]
     elif per_expert <= 128:
         tiles = [
             (32, 64, 64, 8, 4, 4),
@@ -191,6 +208,8 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (64, 128, 64, 8, 8, 4),
             (128, 64, 64, 8, 4, 4),
         ]
+        if mxfp4:
+            tiles += [(64, 128, 128, 8, 8, 4), (128, 128, 64, 8, 8, 4), (32, 128, 128, 8, 8, 4)]
     else:
         tiles = [
             (128, 64, 64, 8, 4, 4),
@@ -199,12 +218,23 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (128, 128, 64, 8, 8, 4),
             (128, 128, 64, 8, 8, 3),
         ]
+        if mxfp4:  # 256 tokens per tile halve the decode per FLOP (244 registers in GEMM1, no spills)
+            tiles += [(256, 64, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
     # MXFP4 upcasts on the register side of the MMA whichever way round (Triton's dot_scaled), so
     # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
-    swaps = (False,) if spec.weight_format is WeightFormat.MXFP4 or per_expert > 8 else (False, True)
+    swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
     grid = [
-        TritonMoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=st, swap_ab=swap)
-        for m, n, k, g, w, st in tiles
+        TritonMoEConfig(
+            block_m=m,
+            block_n=n,
+            block_k=k,
+            group_m=g,
+            num_warps=w,
+            num_stages=st,
+            swap_ab=swap,
+            max_registers=regs[0] if regs else None,
+        )
+        for m, n, k, g, w, st, *regs in tiles
         for swap in swaps
     ]
     unique = dict.fromkeys([default_config(spec, num_tokens), *grid])
@@ -490,6 +520,8 @@ def triton_fused_moe(
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        # A compile option, not a kernel argument: only passed when set (one cache entry otherwise).
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers is not None else {}),
     )
 
     h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)

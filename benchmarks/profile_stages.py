@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Where a layer's time goes: GPU time per kernel (routing, align, GEMM1, GEMM2, reduction) of moekit's
+planned path at each T, from a CUDA-graph replay traced with torch.profiler (CUPTI), L2 flushed before
+every layer as the benchmarks do.
+
+Usage (GPU): python benchmarks/profile_stages.py --preset gpt-oss-120b --tokens 1,64,1024 --json $OUT/p.json
+Kernel names are grouped by the substrings in STAGES; the rest is listed as "other". Times are summed
+GPU busy time per layer (no launch gaps), so they add up to less than the graph-replay time of
+`bench_moe.py`; the difference is the idle time between kernels.
+"""
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moekit import fused_moe, prepare_weights, route
+from moekit.bench import capture_graph
+from moekit.kernels.base import DeviceInfo
+from moekit.plan import plan
+from moekit.presets import preset
+from moekit.synthetic import random_batch, random_layer
+
+STAGES = (
+    ("_align_pairs", "align"),
+    ("_moe_gemm1", "gemm1"),
+    ("_moe_gemm2", "gemm2"),
+    ("_moe_sum_k", "sum_k"),
+)
+FLUSH_NAME = "fill"  # the L2 flush writes a 256 MiB buffer
+
+
+def _stage(name: str) -> str:
+    for fragment, stage in STAGES:
+        if fragment in name:
+            return stage
+    return "flush" if FLUSH_NAME in name.lower() else "other"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="gpt-oss-120b")
+    p.add_argument("--tokens", default="1,8,64,512,1024,8192")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    spec = preset(args.preset)
+    layer = random_layer(spec, seed=0, device=device)
+    info = DeviceInfo.of(device)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    prepared = {}
+    results = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        chosen = plan(spec, num_tokens=t, device=info)
+        key = (chosen.kernel, spec)
+        if key not in prepared:
+            prepared[key] = prepare_weights(layer.weights, chosen)
+        weights = prepared[key]
+        x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
+
+        def layer_fn(weights=weights, chosen=chosen, x=x, logits=logits):
+            r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+            return fused_moe(x, weights, r, plan=chosen)
+
+        graph, _ = capture_graph(layer_fn, device, repeats=args.repeats, flush=flush)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize(device)
+        per_stage: dict[str, float] = defaultdict(float)
+        kernels: dict[str, float] = defaultdict(float)
+        for event in prof.events():
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = event.device_time / args.repeats
+            per_stage[_stage(event.name)] += us
+            kernels[event.name[:60]] += us
+        per_stage.pop("flush", None)
+        busy = sum(per_stage.values())
+        row = {"tokens": t, "config": chosen.config.as_dict(), "busy_us": busy, "stages_us": dict(per_stage)}
+        results.append(row)
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_stage.items(), key=lambda kv: -kv[1]))
+        print(f"T={t}: busy {busy:.1f} us = {stages}", flush=True)
+        others = sorted(((v, k) for k, v in kernels.items() if _stage(k) == "other"), reverse=True)
+        print("   other: " + "; ".join(f"{k} {v:.1f}" for v, k in others[:6]), flush=True)
+        del graph
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "time": time.time(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
