@@ -4,11 +4,12 @@
 # triton_kernels peer (gpt-oss-120b) at the same T. Copy $OUT/h200_tuned.json over
 # src/moekit/tables/h200.json afterwards to ship the rows.
 # Usage on the device (carry `peers`): bash benchmarks/gpu_tune_bench.sh PRESETS [TOKENS] [PEER=1]
-# BENCH=0 stops after the sweep. Triton's cache lives in .triton_cache, tarred to $OUT: untar it in the
-# checkout and carry `.triton_cache`, and the next call skips those compiles.
+# BENCH=0 stops after the sweep. Triton's cache lives in .triton_cache, tarred to $OUT: carry that tarball as
+# .triton_cache.tgz and the next call untars it and skips those compiles.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton_cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[ -f .triton_cache.tgz ] && tar xzf .triton_cache.tgz
 PRESETS=${1:-gpt-oss-120b}
 T=${2:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384}
 PEER=${3:-1}

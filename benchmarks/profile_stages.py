@@ -25,7 +25,7 @@ from moekit.presets import preset
 from moekit.synthetic import random_batch, random_layer
 
 STAGES = (
-    ("_align_pairs", "align"),
+    ("_align", "align"),
     ("_moe_gemm1", "gemm1"),
     ("_moe_gemm2", "gemm2"),
     ("_moe_sum_k", "sum_k"),

@@ -323,6 +323,9 @@ WORD_CONFIGS = {
     "bk128": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),  # 2880 % 128 != 0
     "bn128-w8": dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
     "bm128": dict(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3),
+    "bm256-w8": dict(block_m=256, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    "bn128-bk128-w8": dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3),
+    "regs96": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, max_registers=96),
 }
 
 
@@ -343,3 +346,36 @@ def test_mxfp4_mma_words_match_reference(which, t):
     got = _run(spec, prepared, x, routing, config=config)
     expected = fused_moe_reference(x, weights, routing, spec=spec)
     _assert_close(got, expected, spec, f"gpt-oss-20b words T={t} {which}")
+
+
+@pytest.mark.parametrize("block_m", [16, 128])
+@pytest.mark.parametrize("t", [1, 200, 256, 1024, 16384])
+def test_align_methods_agree_on_the_gpu(t, block_m):
+    """The align kernels against the torch specification, bit for bit, at gpt-oss's E = 128, K = 4 (the
+    one-program sort up to its limit, the chunked counting sort everywhere), with an expert map."""
+    from moekit.kernels.triton.align import ONE_PROGRAM_MAX_PAIRS, AlignMethod, align_routing
+
+    gen = torch.Generator(device=DEVICE).manual_seed(t)
+    ids = torch.rand(t, 128, generator=gen, device=DEVICE).topk(4, dim=1).indices.to(torch.int32)
+    expert_map = torch.full((128,), -1, dtype=torch.int32, device=DEVICE)
+    expert_map[torch.randperm(128, generator=gen, device=DEVICE)[:48]] = torch.arange(
+        48, dtype=torch.int32, device=DEVICE
+    )
+    for emap, local in ((None, 128), (expert_map, 48)):
+        methods = [
+            m for m in AlignMethod if m is not AlignMethod.ONE_PROGRAM or t * 4 <= ONE_PROGRAM_MAX_PAIRS
+        ]
+        got = [
+            align_routing(ids, num_local_experts=local, block_m=block_m, expert_map=emap, method=m)
+            for m in methods
+        ]
+        for other, method in zip(got[1:], methods[1:], strict=True):
+            for name in (
+                "sorted_pair_ids",
+                "block_expert",
+                "num_valid_blocks",
+                "expert_offsets",
+                "pair_expert",
+            ):
+                assert torch.equal(getattr(got[0], name), getattr(other, name)), (method, name)
+            assert torch.equal(got[0].expert_counts, other.expert_counts), method

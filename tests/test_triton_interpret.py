@@ -37,6 +37,7 @@ from moekit import (  # noqa: E402
     RouterWeightPlacement,
     RoutingResult,
     RoutingSpec,
+    ShapeError,
     SpecError,
     WeightFormat,
     fused_moe_reference,
@@ -45,7 +46,12 @@ from moekit import (  # noqa: E402
 from moekit.formats import quantize_fp8_activation  # noqa: E402
 from moekit.kernels.base import DeviceInfo, DeviceKind  # noqa: E402
 from moekit.kernels.triton import _jit, _jit_mxfp4  # noqa: E402
-from moekit.kernels.triton.align import align_routing, max_blocks_bound  # noqa: E402
+from moekit.kernels.triton.align import (  # noqa: E402
+    ONE_PROGRAM_MAX_PAIRS,
+    AlignMethod,
+    align_routing,
+    max_blocks_bound,
+)
 from moekit.kernels.triton.launch import (  # noqa: E402
     TritonMoEConfig,
     _quantize_rows,
@@ -192,12 +198,12 @@ ALIGN_CASES = [
     (40, 2, 8, 5, 16, "expert map with -1 entries"),
     (33, 3, 3, None, 4, "every expert hit, small blocks"),
     (64, 8, 128, None, 64, "many zero-token experts, block larger than any count"),
+    (300, 4, 16, None, 16, "P = 1200: five chunks of 256, past the one-program limit"),
+    (200, 4, 128, 100, 32, "P = 800 in thirteen chunks of 64, expert map"),
 ]
 
 
-@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
-@pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
-def test_align_invariants(t, k, e, e_local, bm, why, use_kernel):
+def _align_case(t, k, e, e_local):
     gen = torch.Generator().manual_seed(t * 100 + k)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
     expert_map, n_local = None, e
@@ -206,10 +212,21 @@ def test_align_invariants(t, k, e, e_local, bm, why, use_kernel):
         expert_map = torch.full((e,), -1, dtype=torch.int32)
         expert_map[owners] = torch.arange(e_local, dtype=torch.int32)
         n_local = e_local
+    return ids, expert_map, n_local
+
+
+@pytest.mark.parametrize("method", list(AlignMethod), ids=lambda m: m.name)
+@pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
+def test_align_invariants(t, k, e, e_local, bm, why, method):
+    if method is AlignMethod.ONE_PROGRAM and t * k > ONE_PROGRAM_MAX_PAIRS:
+        with pytest.raises(ShapeError, match="one-program"):
+            align_routing(
+                torch.zeros(t, k, dtype=torch.int32), num_local_experts=e, block_m=bm, method=method
+            )
+        return
+    ids, expert_map, n_local = _align_case(t, k, e, e_local)
     with _poisoned_allocations():
-        a = align_routing(
-            ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map, use_kernel=use_kernel
-        )
+        a = align_routing(ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map, method=method)
     local = ids.reshape(-1).long() if expert_map is None else expert_map.long()[ids.reshape(-1).long()]
     assert torch.equal(a.pair_expert, local.to(torch.int32))
     num_pairs = t * k
@@ -239,6 +256,24 @@ def test_align_invariants(t, k, e, e_local, bm, why, use_kernel):
     assert a.expert_offsets.dtype == torch.int64 and int(a.expert_offsets[-1]) == blocks * bm
     padded = torch.cat([torch.zeros(1, dtype=torch.long), ((counts + bm - 1) // bm * bm).cumsum(0)])
     assert torch.equal(a.expert_offsets, padded)
+
+
+def test_align_methods_agree_bit_for_bit():
+    """Out-of-range ids, an expert map and experts with zero pairs: every tensor identical."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(-2, 70, (250, 4), generator=gen, dtype=torch.int32)  # P = 1000, some dropped
+    expert_map = torch.full((64,), -1, dtype=torch.int32)
+    expert_map[torch.randperm(64, generator=gen)[:40]] = torch.arange(40, dtype=torch.int32)
+    results = []
+    for method in AlignMethod:
+        with _poisoned_allocations():
+            a = align_routing(ids, num_local_experts=40, block_m=16, expert_map=expert_map, method=method)
+        results.append(a)
+    first = results[0]
+    for other in results[1:]:
+        for name in ("sorted_pair_ids", "block_expert", "num_valid_blocks", "expert_offsets", "pair_expert"):
+            assert torch.equal(getattr(first, name), getattr(other, name)), name
+        assert torch.equal(first.expert_counts, other.expert_counts)
 
 
 # ---------------------------------------------------------------------------------------------------------

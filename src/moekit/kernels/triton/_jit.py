@@ -1,9 +1,8 @@
-"""Triton JIT code of the fused-MoE path; host code lives in `align.py` and `launch.py`, the MXFP4
-decode helpers in `_jit_mxfp4.py`.
+"""Triton JIT code of the fused-MoE path's GEMMs; host code lives in `align.py` and `launch.py`, the
+routing preparation in `_jit_align.py`, the MXFP4 decode helpers in `_jit_mxfp4.py`.
 
 Data flow of one layer (P = T*K (token, k) pairs, pair p = t*K + k):
-  _align_pairs (or align.py's torch ops for large P): pairs sorted by local expert, each expert padded
-  to BLOCK_M rows
+  `_jit_align` (align.py): pairs sorted by local expert, each expert padded to BLOCK_M rows
   -> [_quant_fp8_rows: x -> fp8 [T, H] + fp32 scales; W8A8 only]
   -> _moe_gemm1: gathered x rows @ w13[e]^T (+ b13) -> gated activation -> h [P, I] (pair order)
   -> [_quant_fp8_rows: h -> fp8 [P, I] + scales; W8A8 only]
@@ -50,73 +49,6 @@ _BF16 = tl.constexpr("bf16")
 
 _FP8_MAX = tl.constexpr(448.0)
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # moekit.formats.fp8's floor for amax / 448
-
-
-@triton.jit
-def _align_pairs(
-    ids_ptr,  # int32 [P] global expert ids (P = T*K pairs)
-    expert_map_ptr,  # int32 [E] global -> local (-1 = another rank) or None
-    pair_expert_ptr,  # out int32 [P]: local expert of each pair, -1 if dropped
-    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: pair ids by expert, P for padding
-    block_expert_ptr,  # out int32 [max_blocks]: local expert of each M-block (NUM_LOCAL past the last)
-    num_blocks_ptr,  # out int32 [1]
-    expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1]: padded start row of each expert, last = total
-    expert_counts_ptr,  # out int32 [NUM_LOCAL]
-    seg_start_ptr,  # scratch int32 [NUM_LOCAL + 1]: unpadded start of each expert in sorted order
-    num_pairs,
-    max_blocks,
-    num_experts,
-    NUM_LOCAL: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    MAX_BLOCKS: tl.constexpr,
-):
-    """align.py's routing preparation in one program (P <= BLOCK_P): one launch instead of ~15 torch ops.
-
-    histogram -> padded counts -> cumsum (offsets) -> bitonic sort of (expert, pair) keys -> each sorted
-    pair's row = its expert's padded start + its rank. MAX_BLOCKS is a constexpr bound of max_blocks.
-    """
-    p = tl.arange(0, BLOCK_P)
-    in_p = p < num_pairs
-    gid = tl.load(ids_ptr + p, mask=in_p, other=-1)
-    if HAS_MAP:
-        local = tl.load(expert_map_ptr + gid, mask=in_p & (gid >= 0) & (gid < num_experts), other=-1)
-    else:
-        local = gid
-    valid = in_p & (local >= 0) & (local < NUM_LOCAL)
-    tl.store(pair_expert_ptr + p, tl.where(valid, local, -1), mask=in_p)
-    key = tl.where(valid, local, NUM_LOCAL)  # dropped pairs and lanes past P fall in bucket NUM_LOCAL
-    e = tl.arange(0, BLOCK_E)
-    counts = tl.where(e < NUM_LOCAL, tl.histogram(key, BLOCK_E), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    seg_start = tl.cumsum(counts, 0) - counts
-    tl.store(expert_offsets_ptr + e, padded_start.to(tl.int64), mask=e <= NUM_LOCAL)
-    tl.store(expert_counts_ptr + e, counts, mask=e < NUM_LOCAL)
-    tl.store(seg_start_ptr + e, seg_start, mask=e <= NUM_LOCAL)
-    tl.store(num_blocks_ptr, tl.sum(padded, 0) // BLOCK_M)
-    # Padding rows hold P and blocks past the last hold NUM_LOCAL; real entries overwrite after the barrier.
-    for r0 in range(0, MAX_BLOCKS * BLOCK_M, BLOCK_P):
-        r = r0 + p
-        tl.store(sorted_pairs_ptr + r, num_pairs, mask=r < max_blocks * BLOCK_M)
-    for b0 in range(0, MAX_BLOCKS, BLOCK_P):
-        b = b0 + p
-        tl.store(block_expert_ptr + b, NUM_LOCAL, mask=b < max_blocks)
-    tl.debug_barrier()
-    first_block = padded_start // BLOCK_M
-    end_block = padded_end // BLOCK_M
-    for j in range(0, (BLOCK_P + BLOCK_M - 1) // BLOCK_M):  # expert e owns blocks [first_block, end_block)
-        tl.store(block_expert_ptr + first_block + j, e, mask=(e < NUM_LOCAL) & (first_block + j < end_block))
-    # Sort by (expert, pair): pairs of one expert stay in increasing pair order, as the torch path.
-    order = tl.sort(key * BLOCK_P + p)
-    s_expert = order // BLOCK_P
-    keep = s_expert < NUM_LOCAL
-    rank = p - tl.load(seg_start_ptr + s_expert, mask=keep, other=0)
-    row = tl.load(expert_offsets_ptr + s_expert, mask=keep, other=0) + rank
-    tl.store(sorted_pairs_ptr + row, order % BLOCK_P, mask=keep)
 
 
 @triton.jit

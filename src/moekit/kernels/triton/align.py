@@ -13,24 +13,40 @@ programs past `num_valid_blocks` exit at once. Ids outside [0, E) (or mapped out
 are dropped rather than read out of bounds; callers check ids once at the edge
 (`RoutingResult.check_ids`), never here, because that check syncs.
 
-Two implementations with identical results: for P <= FAST_ALIGN_MAX_PAIRS one Triton program
-(`_jit._align_pairs`: histogram, cumsum, bitonic sort; one launch, where the torch ops cost ~15
-launches, about 45 us of a decode step measured on an H200), else torch ops with device-sized results
-(sort, searchsorted, cumsum, scatter). Neither waits for the GPU.
+Three implementations with identical results (`AlignMethod`): for P <= ONE_PROGRAM_MAX_PAIRS one
+Triton program (`_jit_align._align_pairs`: histogram, cumsum, bitonic sort; one launch, where torch ops
+cost ~15 launches, about 45 us of a decode step on an H200); above, a counting sort in three launches
+over chunks of pairs (the one program's sort took 75 us at P = 4096, torch's ~110 us at P = 32768,
+measured on an H200: benchmarks/RESULTS.md); and torch ops with device-sized results (sort,
+searchsorted, cumsum, scatter), the readable specification the tests hold the kernels to. None waits
+for the GPU.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 import triton
 from moekit.errors import ShapeError
-from moekit.kernels.triton import _jit
+from moekit.kernels.triton import _jit_align
 
-# One program sorts at most this many pairs (bitonic sort in registers); larger batches use torch ops.
-FAST_ALIGN_MAX_PAIRS = 4096
+# One program sorts at most this many pairs (bitonic sort in registers); larger batches are chunked.
+ONE_PROGRAM_MAX_PAIRS = 1024
+# Chunked counting sort: a chunk's one-hot [CHUNK, BLOCK_E] holds at most this many int32.
+_ONE_HOT_ELEMENTS = 8192
+
+
+class AlignMethod(enum.Enum):
+    ONE_PROGRAM = "one Triton program (P <= ONE_PROGRAM_MAX_PAIRS)"
+    CHUNKED = "three Triton launches over chunks of pairs (any P)"
+    TORCH = "torch ops (the specification)"
+
+    @classmethod
+    def for_pairs(cls, num_pairs: int) -> AlignMethod:
+        return cls.ONE_PROGRAM if 0 < num_pairs <= ONE_PROGRAM_MAX_PAIRS else cls.CHUNKED
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,34 +84,28 @@ def align_routing(
     num_local_experts: int,
     block_m: int,
     expert_map: torch.Tensor | None = None,
-    use_kernel: bool | None = None,
+    method: AlignMethod | None = None,
 ) -> AlignedRouting:
     """Group the (token, k) pairs of `ids [T, K]` by local expert, padded to multiples of `block_m`.
 
-    `use_kernel`: True runs the one-program Triton kernel (P <= FAST_ALIGN_MAX_PAIRS), False the torch
-    ops, None picks the kernel whenever P allows it.
+    `method`: None picks `AlignMethod.for_pairs(T * K)`; every method gives the same tensors.
     """
     if ids.dim() != 2:
         raise ShapeError(f"routing ids must be [T, K], got shape {tuple(ids.shape)}")
     if block_m < 1 or num_local_experts < 1:
         raise ShapeError(f"need block_m >= 1 and num_local_experts >= 1, got {block_m}, {num_local_experts}")
     num_pairs = ids.numel()
-    if use_kernel is None:
-        use_kernel = 0 < num_pairs <= FAST_ALIGN_MAX_PAIRS
-    if use_kernel:
-        if not 0 < num_pairs <= FAST_ALIGN_MAX_PAIRS:
-            raise ShapeError(f"the align kernel takes 1..{FAST_ALIGN_MAX_PAIRS} pairs, got {num_pairs}")
-        return _align_kernel(ids, num_local_experts=num_local_experts, block_m=block_m, expert_map=expert_map)
-    return _align_torch(ids, num_local_experts=num_local_experts, block_m=block_m, expert_map=expert_map)
+    method = AlignMethod.for_pairs(num_pairs) if method is None else method
+    if num_pairs == 0 or method is AlignMethod.TORCH:
+        return _align_torch(ids, num_local_experts=num_local_experts, block_m=block_m, expert_map=expert_map)
+    if method is AlignMethod.ONE_PROGRAM and num_pairs > ONE_PROGRAM_MAX_PAIRS:
+        raise ShapeError(f"the one-program align takes 1..{ONE_PROGRAM_MAX_PAIRS} pairs, got {num_pairs}")
+    run = _align_one_program if method is AlignMethod.ONE_PROGRAM else _align_chunked
+    return run(ids, num_local_experts=num_local_experts, block_m=block_m, expert_map=expert_map)
 
 
-def _align_kernel(
-    ids: torch.Tensor, *, num_local_experts: int, block_m: int, expert_map: torch.Tensor | None
-) -> AlignedRouting:
-    device, num_pairs, e_local = ids.device, ids.numel(), num_local_experts
-    max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
-    block_p = triton.next_power_of_2(num_pairs)  # compiles once per power of two, not per T
-    out = dict(
+def _outputs(device: torch.device, *, num_pairs: int, e_local: int, block_m: int, max_blocks: int) -> dict:
+    return dict(
         sorted_pair_ids=torch.empty(max_blocks * block_m, dtype=torch.int32, device=device),
         block_expert=torch.empty(max_blocks, dtype=torch.int32, device=device),
         num_valid_blocks=torch.empty(1, dtype=torch.int32, device=device),
@@ -103,9 +113,76 @@ def _align_kernel(
         expert_counts=torch.empty(e_local, dtype=torch.int32, device=device),
         pair_expert=torch.empty(num_pairs, dtype=torch.int32, device=device),
     )
+
+
+def _align_chunked(
+    ids: torch.Tensor, *, num_local_experts: int, block_m: int, expert_map: torch.Tensor | None
+) -> AlignedRouting:
+    device, num_pairs, e_local = ids.device, ids.numel(), num_local_experts
+    max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
+    out = _outputs(device, num_pairs=num_pairs, e_local=e_local, block_m=block_m, max_blocks=max_blocks)
+    block_e = triton.next_power_of_2(e_local)
+    chunk = max(16, min(256, _ONE_HOT_ELEMENTS // block_e))
+    num_chunks = cdiv(num_pairs, chunk)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    num_warps = 8 if chunk * block_e > 4096 else 4
+    _jit_align._align_count[(num_chunks,)](
+        ids_ptr=ids,  # int32 [T, K] = [P]
+        expert_map_ptr=expert_map,  # int32 [E] or None
+        pair_expert_ptr=out["pair_expert"],  # int32 [P]
+        rank_ptr=rank,  # int32 [P]
+        chunk_counts_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E]
+        num_pairs=num_pairs,
+        num_experts=expert_map.numel() if expert_map is not None else e_local,
+        NUM_LOCAL=e_local,
+        HAS_MAP=expert_map is not None,
+        CHUNK=chunk,
+        BLOCK_E=block_e,
+        num_warps=num_warps,
+    )
+    _jit_align._align_finish[(1,)](
+        chunk_counts_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E], counts -> first ranks
+        sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * BLOCK_M]
+        block_expert_ptr=out["block_expert"],  # int32 [max_blocks]
+        num_blocks_ptr=out["num_valid_blocks"],  # int32 [1]
+        expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
+        expert_counts_ptr=out["expert_counts"],  # int32 [E_local]
+        num_pairs=num_pairs,
+        num_chunks=num_chunks,
+        max_blocks=max_blocks,
+        NUM_LOCAL=e_local,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        TILE=max(8, min(32, 4096 // block_e)),
+        CHUNKS_BOUND=triton.next_power_of_2(num_chunks),
+        BLOCKS_BOUND=triton.next_power_of_2(max_blocks),
+        num_warps=num_warps,
+    )
+    _jit_align._align_scatter[(num_chunks,)](
+        pair_expert_ptr=out["pair_expert"],  # int32 [P]
+        rank_ptr=rank,  # int32 [P]
+        chunk_first_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E]
+        expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
+        sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * BLOCK_M]
+        num_pairs=num_pairs,
+        CHUNK=chunk,
+        BLOCK_E=block_e,
+    )
+    return AlignedRouting(block_m=block_m, max_blocks=max_blocks, num_pairs=num_pairs, **out)
+
+
+def _align_one_program(
+    ids: torch.Tensor, *, num_local_experts: int, block_m: int, expert_map: torch.Tensor | None
+) -> AlignedRouting:
+    device, num_pairs, e_local = ids.device, ids.numel(), num_local_experts
+    max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
+    block_p = triton.next_power_of_2(num_pairs)  # compiles once per power of two, not per T
+    out = _outputs(device, num_pairs=num_pairs, e_local=e_local, block_m=block_m, max_blocks=max_blocks)
     seg_start = torch.empty(e_local + 1, dtype=torch.int32, device=device)
     ids = ids if ids.is_contiguous() else ids.contiguous()
-    _jit._align_pairs[(1,)](
+    _jit_align._align_pairs[(1,)](
         ids_ptr=ids,  # int32 [T, K] = [P]
         expert_map_ptr=expert_map,  # int32 [E] or None
         pair_expert_ptr=out["pair_expert"],  # int32 [P]

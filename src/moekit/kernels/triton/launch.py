@@ -186,9 +186,8 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (16, 128, 128, 1, 8, 3),
             (16, 64, 128, 1, 8, 3),
         ]
-        if mxfp4:  # the decode is latency-bound: capped registers fit 5 (96) or 6 (80) programs per SM
-            tiles += [(16, 128, 128, 1, 8, 4), (16, 64, 128, 1, 4, 3, 96), (16, 64, 128, 1, 4, 4, 96)]
-            tiles += [(16, 64, 128, 1, 4, 3, 80)]
+        # Register caps (5 or 6 programs per SM instead of 4) and 4-stage 2-warpgroup tiles were 5 - 60 %
+        # slower for gpt-oss on an H200 at every T <= 256 (benchmarks/RESULTS.md, session 3): not swept.
     elif per_expert <= 32:
         tiles = [
             (16, 64, 64, 4, 4, 4),
@@ -197,9 +196,13 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (32, 128, 64, 4, 8, 4),
             (64, 64, 64, 8, 4, 4),
         ]
-        if mxfp4:
-            tiles += [(16, 64, 128, 4, 4, 3), (32, 64, 128, 4, 4, 3), (16, 128, 128, 4, 8, 4)]
-            tiles += [(32, 128, 128, 4, 8, 4), (16, 64, 128, 4, 4, 3, 96)]
+        if mxfp4:  # one M-block per expert decodes each weight tile once, half-empty or not
+            tiles += [
+                (32, 64, 128, 4, 4, 3),
+                (64, 64, 64, 8, 4, 3),
+                (64, 128, 64, 8, 8, 4),
+                (64, 128, 128, 8, 8, 4),
+            ]
     elif per_expert <= 128:
         tiles = [
             (32, 64, 64, 8, 4, 4),

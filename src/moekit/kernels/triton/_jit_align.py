@@ -1,0 +1,187 @@
+"""Triton JIT code of the routing preparation (host side: `align.py`).
+
+Two ways to the same result, a stable counting sort of the (token, k) pairs by local expert:
+- `_align_pairs`: one program (histogram, cumsum, bitonic sort in registers); one launch, for small P.
+- `_align_count` -> `_align_finish` -> `_align_scatter`: the pairs in chunks of CHUNK, one program per
+  chunk, so the work spreads over the GPU whatever P is. `_align_count` finds each pair's local expert,
+  its rank among the chunk's earlier pairs of that expert (a one-hot cumsum) and the chunk's histogram;
+  `_align_finish` (one program) turns the histograms into each chunk's first row per expert, the padded
+  expert offsets, the owner of every M-block and the padding rows; `_align_scatter` writes each pair at
+  its expert's offset + its chunk's first row + its rank.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _local_expert(
+    ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL: tl.constexpr, HAS_MAP: tl.constexpr
+):
+    """(local expert, kept) of pairs `p`: ids outside [0, E) or mapped outside [0, E_local) are dropped."""
+    gid = tl.load(ids_ptr + p, mask=in_p, other=-1)
+    if HAS_MAP:
+        local = tl.load(expert_map_ptr + gid, mask=in_p & (gid >= 0) & (gid < num_experts), other=-1)
+    else:
+        local = gid
+    return local, in_p & (local >= 0) & (local < NUM_LOCAL)
+
+
+@triton.jit
+def _align_pairs(
+    ids_ptr,  # int32 [P] global expert ids (P = T*K pairs)
+    expert_map_ptr,  # int32 [E] global -> local (-1 = another rank) or None
+    pair_expert_ptr,  # out int32 [P]: local expert of each pair, -1 if dropped
+    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: pair ids by expert, P for padding
+    block_expert_ptr,  # out int32 [max_blocks]: local expert of each M-block (NUM_LOCAL past the last)
+    num_blocks_ptr,  # out int32 [1]
+    expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1]: padded start row of each expert, last = total
+    expert_counts_ptr,  # out int32 [NUM_LOCAL]
+    seg_start_ptr,  # scratch int32 [NUM_LOCAL + 1]: unpadded start of each expert in sorted order
+    num_pairs,
+    max_blocks,
+    num_experts,
+    NUM_LOCAL: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr,
+):
+    """align.py's routing preparation in one program (P <= BLOCK_P): one launch instead of ~15 torch ops.
+
+    histogram -> padded counts -> cumsum (offsets) -> bitonic sort of (expert, pair) keys -> each sorted
+    pair's row = its expert's padded start + its rank. MAX_BLOCKS is a constexpr bound of max_blocks.
+    """
+    p = tl.arange(0, BLOCK_P)
+    in_p = p < num_pairs
+    local, valid = _local_expert(ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL, HAS_MAP)
+    tl.store(pair_expert_ptr + p, tl.where(valid, local, -1), mask=in_p)
+    key = tl.where(valid, local, NUM_LOCAL)  # dropped pairs and lanes past P fall in bucket NUM_LOCAL
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.where(e < NUM_LOCAL, tl.histogram(key, BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    seg_start = tl.cumsum(counts, 0) - counts
+    tl.store(expert_offsets_ptr + e, padded_start.to(tl.int64), mask=e <= NUM_LOCAL)
+    tl.store(expert_counts_ptr + e, counts, mask=e < NUM_LOCAL)
+    tl.store(seg_start_ptr + e, seg_start, mask=e <= NUM_LOCAL)
+    tl.store(num_blocks_ptr, tl.sum(padded, 0) // BLOCK_M)
+    # Padding rows hold P and blocks past the last hold NUM_LOCAL; real entries overwrite after the barrier.
+    for r0 in range(0, MAX_BLOCKS * BLOCK_M, BLOCK_P):
+        r = r0 + p
+        tl.store(sorted_pairs_ptr + r, num_pairs, mask=r < max_blocks * BLOCK_M)
+    for b0 in range(0, MAX_BLOCKS, BLOCK_P):
+        b = b0 + p
+        tl.store(block_expert_ptr + b, NUM_LOCAL, mask=b < max_blocks)
+    tl.debug_barrier()
+    first_block = padded_start // BLOCK_M
+    end_block = padded_end // BLOCK_M
+    for j in range(0, (BLOCK_P + BLOCK_M - 1) // BLOCK_M):  # expert e owns blocks [first_block, end_block)
+        tl.store(block_expert_ptr + first_block + j, e, mask=(e < NUM_LOCAL) & (first_block + j < end_block))
+    # Sort by (expert, pair): pairs of one expert stay in increasing pair order, as the torch path.
+    order = tl.sort(key * BLOCK_P + p)
+    s_expert = order // BLOCK_P
+    keep = s_expert < NUM_LOCAL
+    rank = p - tl.load(seg_start_ptr + s_expert, mask=keep, other=0)
+    row = tl.load(expert_offsets_ptr + s_expert, mask=keep, other=0) + rank
+    tl.store(sorted_pairs_ptr + row, order % BLOCK_P, mask=keep)
+
+
+@triton.jit
+def _align_count(
+    ids_ptr,  # int32 [P] global expert ids
+    expert_map_ptr,  # int32 [E] global -> local (-1 = another rank) or None
+    pair_expert_ptr,  # out int32 [P]: local expert of each pair, -1 if dropped
+    rank_ptr,  # out int32 [P]: rank of the pair among its chunk's pairs of the same expert
+    chunk_counts_ptr,  # out int32 [num_chunks, BLOCK_E]: pairs of each expert in each chunk
+    num_pairs,
+    num_experts,
+    NUM_LOCAL: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    p = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_p = p < num_pairs
+    local, kept = _local_expert(ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL, HAS_MAP)
+    tl.store(pair_expert_ptr + p, tl.where(kept, local, -1), mask=in_p)
+    e = tl.arange(0, BLOCK_E)
+    onehot = ((local[:, None] == e[None, :]) & kept[:, None]).to(tl.int32)  # [CHUNK, BLOCK_E]
+    earlier = tl.cumsum(onehot, 0) - onehot
+    tl.store(rank_ptr + p, tl.sum(earlier * onehot, 1), mask=in_p)
+    tl.store(chunk_counts_ptr + chunk * BLOCK_E + e, tl.sum(onehot, 0))
+
+
+@triton.jit
+def _align_finish(
+    chunk_counts_ptr,  # in/out int32 [num_chunks, BLOCK_E]: counts in, each chunk's first rank out
+    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: P on every padding row (the rest: scatter)
+    block_expert_ptr,  # out int32 [max_blocks]
+    num_blocks_ptr,  # out int32 [1]
+    expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1]
+    expert_counts_ptr,  # out int32 [NUM_LOCAL]
+    num_pairs,
+    num_chunks,
+    max_blocks,
+    NUM_LOCAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TILE: tl.constexpr,  # chunks, blocks and padding rows handled per step
+    CHUNKS_BOUND: tl.constexpr,  # power-of-two bounds of num_chunks and max_blocks (loop trip counts are
+    BLOCKS_BOUND: tl.constexpr,  # constexpr: one compile per power of two, and the interpreter needs them)
+):
+    e = tl.arange(0, BLOCK_E)
+    is_expert = e < NUM_LOCAL
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, CHUNKS_BOUND, TILE):  # exclusive cumsum over chunks, in place
+        c = c0 + tl.arange(0, TILE)
+        ptrs = chunk_counts_ptr + c[:, None] * BLOCK_E + e[None, :]
+        tile = tl.load(ptrs, mask=(c < num_chunks)[:, None], other=0)
+        tl.store(ptrs, counts[None, :] + tl.cumsum(tile, 0) - tile, mask=(c < num_chunks)[:, None])
+        counts += tl.sum(tile, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    total = tl.sum(padded, 0)
+    tl.store(expert_offsets_ptr + e, padded_start.to(tl.int64), mask=is_expert)
+    tl.store(expert_offsets_ptr + NUM_LOCAL, total.to(tl.int64))
+    tl.store(expert_counts_ptr + e, counts, mask=is_expert)
+    tl.store(num_blocks_ptr, total // BLOCK_M)
+    # Owner of block b: the experts whose padded rows end at or before its first row (NUM_LOCAL past the
+    # last block), as torch.searchsorted(padded_end, start, right=True) in the torch path.
+    for b0 in range(0, BLOCKS_BOUND, TILE):
+        b = b0 + tl.arange(0, TILE)
+        before = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & is_expert[None, :]
+        tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < max_blocks)
+    # Padding rows: the tail of each expert's last block, then every row past the last block.
+    pad_start = padded_start + counts
+    for j0 in range(0, BLOCK_M, TILE):
+        r = pad_start[:, None] + (j0 + tl.arange(0, TILE))[None, :]
+        tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r < padded_end[:, None]) & is_expert[:, None])
+    for r0 in range(0, BLOCKS_BOUND * BLOCK_M, TILE * TILE):
+        r = r0 + tl.arange(0, TILE * TILE)
+        tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r >= total) & (r < max_blocks * BLOCK_M))
+
+
+@triton.jit
+def _align_scatter(
+    pair_expert_ptr,  # int32 [P]
+    rank_ptr,  # int32 [P]
+    chunk_first_ptr,  # int32 [num_chunks, BLOCK_E]: `_align_finish`'s first rank of each chunk
+    expert_offsets_ptr,  # int64 [NUM_LOCAL + 1]
+    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]
+    num_pairs,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    p = chunk * CHUNK + tl.arange(0, CHUNK)
+    local = tl.load(pair_expert_ptr + p, mask=p < num_pairs, other=-1)
+    kept = local >= 0
+    first = tl.load(chunk_first_ptr + chunk * BLOCK_E + local, mask=kept, other=0)
+    rank = tl.load(rank_ptr + p, mask=kept, other=0)
+    row = tl.load(expert_offsets_ptr + local, mask=kept, other=0) + first + rank
+    tl.store(sorted_pairs_ptr + row, p, mask=kept)
