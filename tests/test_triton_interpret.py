@@ -258,8 +258,13 @@ def test_align_invariants(t, k, e, e_local, bm, why, method):
     assert torch.equal(a.expert_offsets, padded)
 
 
-def test_align_methods_agree_bit_for_bit():
-    """Out-of-range ids, an expert map and experts with zero pairs: every tensor identical."""
+@pytest.mark.parametrize("max_chunks", [256, 3], ids=["one-step-chunks", "multi-step-chunks"])
+def test_align_methods_agree_bit_for_bit(max_chunks, monkeypatch):
+    """Out-of-range ids, an expert map and experts with zero pairs: every tensor identical. Capping the
+    chunks at 3 makes each chunked program walk several one-hot steps, as at large P on a GPU."""
+    from moekit.kernels.triton import align
+
+    monkeypatch.setattr(align, "_MAX_CHUNKS", max_chunks)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(-2, 70, (250, 4), generator=gen, dtype=torch.int32)  # P = 1000, some dropped
     expert_map = torch.full((64,), -1, dtype=torch.int32)

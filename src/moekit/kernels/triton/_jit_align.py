@@ -100,38 +100,40 @@ def _align_count(
     num_experts,
     NUM_LOCAL: tl.constexpr,
     HAS_MAP: tl.constexpr,
-    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,  # pairs per one-hot step; a chunk is N_SUB steps
+    N_SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    p = chunk * CHUNK + tl.arange(0, CHUNK)
-    in_p = p < num_pairs
-    local, kept = _local_expert(ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL, HAS_MAP)
-    tl.store(pair_expert_ptr + p, tl.where(kept, local, -1), mask=in_p)
     e = tl.arange(0, BLOCK_E)
-    onehot = ((local[:, None] == e[None, :]) & kept[:, None]).to(tl.int32)  # [CHUNK, BLOCK_E]
-    earlier = tl.cumsum(onehot, 0) - onehot
-    tl.store(rank_ptr + p, tl.sum(earlier * onehot, 1), mask=in_p)
-    tl.store(chunk_counts_ptr + chunk * BLOCK_E + e, tl.sum(onehot, 0))
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)  # the chunk's pairs of each expert so far
+    for step in range(N_SUB):
+        p = (chunk * N_SUB + step) * SUB + tl.arange(0, SUB)
+        in_p = p < num_pairs
+        local, kept = _local_expert(ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL, HAS_MAP)
+        tl.store(pair_expert_ptr + p, tl.where(kept, local, -1), mask=in_p)
+        onehot = ((local[:, None] == e[None, :]) & kept[:, None]).to(tl.int32)  # [SUB, BLOCK_E]
+        earlier = seen[None, :] + tl.cumsum(onehot, 0) - onehot
+        tl.store(rank_ptr + p, tl.sum(earlier * onehot, 1), mask=in_p)
+        seen += tl.sum(onehot, 0)
+    tl.store(chunk_counts_ptr + chunk * BLOCK_E + e, seen)
 
 
 @triton.jit
 def _align_finish(
     chunk_counts_ptr,  # in/out int32 [num_chunks, BLOCK_E]: counts in, each chunk's first rank out
-    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: P on every padding row (the rest: scatter)
-    block_expert_ptr,  # out int32 [max_blocks]
+    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: P on the padding rows of each expert
     num_blocks_ptr,  # out int32 [1]
     expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1]
     expert_counts_ptr,  # out int32 [NUM_LOCAL]
     num_pairs,
     num_chunks,
-    max_blocks,
     NUM_LOCAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    TILE: tl.constexpr,  # chunks, blocks and padding rows handled per step
-    CHUNKS_BOUND: tl.constexpr,  # power-of-two bounds of num_chunks and max_blocks (loop trip counts are
-    BLOCKS_BOUND: tl.constexpr,  # constexpr: one compile per power of two, and the interpreter needs them)
+    TILE: tl.constexpr,  # chunks and padding rows per step
+    CHUNKS_BOUND: tl.constexpr,  # power of two >= num_chunks (constexpr trip counts: the interpreter
+    # cannot loop to a runtime bound, and it compiles once per power of two)
 ):
     e = tl.arange(0, BLOCK_E)
     is_expert = e < NUM_LOCAL
@@ -150,20 +152,10 @@ def _align_finish(
     tl.store(expert_offsets_ptr + NUM_LOCAL, total.to(tl.int64))
     tl.store(expert_counts_ptr + e, counts, mask=is_expert)
     tl.store(num_blocks_ptr, total // BLOCK_M)
-    # Owner of block b: the experts whose padded rows end at or before its first row (NUM_LOCAL past the
-    # last block), as torch.searchsorted(padded_end, start, right=True) in the torch path.
-    for b0 in range(0, BLOCKS_BOUND, TILE):
-        b = b0 + tl.arange(0, TILE)
-        before = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & is_expert[None, :]
-        tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < max_blocks)
-    # Padding rows: the tail of each expert's last block, then every row past the last block.
-    pad_start = padded_start + counts
+    pad_start = padded_start + counts  # the tail of each expert's last block
     for j0 in range(0, BLOCK_M, TILE):
         r = pad_start[:, None] + (j0 + tl.arange(0, TILE))[None, :]
         tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r < padded_end[:, None]) & is_expert[:, None])
-    for r0 in range(0, BLOCKS_BOUND * BLOCK_M, TILE * TILE):
-        r = r0 + tl.arange(0, TILE * TILE)
-        tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r >= total) & (r < max_blocks * BLOCK_M))
 
 
 @triton.jit
@@ -173,15 +165,36 @@ def _align_scatter(
     chunk_first_ptr,  # int32 [num_chunks, BLOCK_E]: `_align_finish`'s first rank of each chunk
     expert_offsets_ptr,  # int64 [NUM_LOCAL + 1]
     sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]
+    block_expert_ptr,  # out int32 [max_blocks]
     num_pairs,
-    CHUNK: tl.constexpr,
+    max_blocks,
+    NUM_LOCAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SUB: tl.constexpr,
+    N_SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,  # program c also owns blocks [c, c + 1) * BLOCKS_PER_PROGRAM
+    BLOCK_TILE: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    p = chunk * CHUNK + tl.arange(0, CHUNK)
-    local = tl.load(pair_expert_ptr + p, mask=p < num_pairs, other=-1)
-    kept = local >= 0
-    first = tl.load(chunk_first_ptr + chunk * BLOCK_E + local, mask=kept, other=0)
-    rank = tl.load(rank_ptr + p, mask=kept, other=0)
-    row = tl.load(expert_offsets_ptr + local, mask=kept, other=0) + first + rank
-    tl.store(sorted_pairs_ptr + row, p, mask=kept)
+    for step in range(N_SUB):
+        p = (chunk * N_SUB + step) * SUB + tl.arange(0, SUB)
+        local = tl.load(pair_expert_ptr + p, mask=p < num_pairs, other=-1)
+        kept = local >= 0
+        first = tl.load(chunk_first_ptr + chunk * BLOCK_E + local, mask=kept, other=0)
+        rank = tl.load(rank_ptr + p, mask=kept, other=0)
+        row = tl.load(expert_offsets_ptr + local, mask=kept, other=0) + first + rank
+        tl.store(sorted_pairs_ptr + row, p, mask=kept)
+    # This program's blocks: the owner of block b is the number of experts whose padded rows end at or
+    # before its first row (NUM_LOCAL past the last block), as torch.searchsorted(padded_end, start,
+    # right=True) in the torch path; rows past the last block are padding.
+    e = tl.arange(0, BLOCK_E)
+    is_expert = e < NUM_LOCAL
+    padded_end = tl.load(expert_offsets_ptr + 1 + e, mask=is_expert, other=0)
+    total = tl.load(expert_offsets_ptr + NUM_LOCAL)
+    for b0 in range(0, BLOCKS_PER_PROGRAM, BLOCK_TILE):
+        b = chunk * BLOCKS_PER_PROGRAM + b0 + tl.arange(0, BLOCK_TILE)
+        before = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & is_expert[None, :]
+        tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < max_blocks)
+        r = (b * BLOCK_M)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r >= total) & (b < max_blocks)[:, None])

@@ -37,6 +37,7 @@ from moekit.kernels.triton import _jit_align
 ONE_PROGRAM_MAX_PAIRS = 1024
 # Chunked counting sort: a chunk's one-hot [CHUNK, BLOCK_E] holds at most this many int32.
 _ONE_HOT_ELEMENTS = 8192
+_MAX_CHUNKS = 256
 
 
 class AlignMethod(enum.Enum):
@@ -122,12 +123,15 @@ def _align_chunked(
     max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
     out = _outputs(device, num_pairs=num_pairs, e_local=e_local, block_m=block_m, max_blocks=max_blocks)
     block_e = triton.next_power_of_2(e_local)
-    chunk = max(16, min(256, _ONE_HOT_ELEMENTS // block_e))
-    num_chunks = cdiv(num_pairs, chunk)
+    sub = max(16, min(256, _ONE_HOT_ELEMENTS // block_e))
+    # At most _MAX_CHUNKS chunks, so that `_align_finish` (one program) walks few of them.
+    n_sub = triton.next_power_of_2(cdiv(num_pairs, sub * _MAX_CHUNKS))
+    num_chunks = cdiv(num_pairs, sub * n_sub)
+    blocks_per_program = triton.next_power_of_2(cdiv(max_blocks, num_chunks))
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     ids = ids if ids.is_contiguous() else ids.contiguous()
-    num_warps = 8 if chunk * block_e > 4096 else 4
+    num_warps = 8 if sub * block_e > 4096 else 4
     _jit_align._align_count[(num_chunks,)](
         ids_ptr=ids,  # int32 [T, K] = [P]
         expert_map_ptr=expert_map,  # int32 [E] or None
@@ -138,26 +142,24 @@ def _align_chunked(
         num_experts=expert_map.numel() if expert_map is not None else e_local,
         NUM_LOCAL=e_local,
         HAS_MAP=expert_map is not None,
-        CHUNK=chunk,
+        SUB=sub,
+        N_SUB=n_sub,
         BLOCK_E=block_e,
         num_warps=num_warps,
     )
     _jit_align._align_finish[(1,)](
         chunk_counts_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E], counts -> first ranks
         sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * BLOCK_M]
-        block_expert_ptr=out["block_expert"],  # int32 [max_blocks]
         num_blocks_ptr=out["num_valid_blocks"],  # int32 [1]
         expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
         expert_counts_ptr=out["expert_counts"],  # int32 [E_local]
         num_pairs=num_pairs,
         num_chunks=num_chunks,
-        max_blocks=max_blocks,
         NUM_LOCAL=e_local,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
         TILE=max(8, min(32, 4096 // block_e)),
         CHUNKS_BOUND=triton.next_power_of_2(num_chunks),
-        BLOCKS_BOUND=triton.next_power_of_2(max_blocks),
         num_warps=num_warps,
     )
     _jit_align._align_scatter[(num_chunks,)](
@@ -166,9 +168,17 @@ def _align_chunked(
         chunk_first_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E]
         expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
         sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * BLOCK_M]
+        block_expert_ptr=out["block_expert"],  # int32 [max_blocks]
         num_pairs=num_pairs,
-        CHUNK=chunk,
+        max_blocks=max_blocks,
+        NUM_LOCAL=e_local,
+        BLOCK_M=block_m,
+        SUB=sub,
+        N_SUB=n_sub,
         BLOCK_E=block_e,
+        BLOCKS_PER_PROGRAM=blocks_per_program,
+        BLOCK_TILE=min(blocks_per_program, max(1, 4096 // max(block_e, block_m))),
+        num_warps=num_warps,
     )
     return AlignedRouting(block_m=block_m, max_blocks=max_blocks, num_pairs=num_pairs, **out)
 
