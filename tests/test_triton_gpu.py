@@ -321,10 +321,8 @@ def test_orientations_match_reference(name, orientation, t):
 WORD_CONFIGS = {
     "default": None,
     "bk128": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),  # 2880 % 128 != 0
-    "bn128-w8": dict(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
     "bm128": dict(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3),
-    "bm256-w8": dict(block_m=256, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
-    "bn128-bk128-w8": dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3),
+    "bm64-bk128": dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3),
     "regs96": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, max_registers=96),
 }
 

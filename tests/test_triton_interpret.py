@@ -509,6 +509,17 @@ def test_configs_that_do_not_fit_the_spec_are_refused():
         triton_fused_moe(x, _weights(mx, gen), _routing(mx, 1, gen), spec=mx, config=bad)
 
 
+def test_the_word_path_refuses_more_than_four_warps():
+    """8-warp tiles gave intermittently wrong results on the MXFP4 word path (H200, session 3)."""
+    words = _spec(fmt=WeightFormat.MXFP4, dtype=torch.bfloat16, h=256, i=128)
+    eight = TritonMoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
+    assert "num_warps=4" in eight.reason_unusable(words)
+    assert TritonMoEConfig(num_warps=4).reason_unusable(words) is None
+    no_words = _spec(fmt=WeightFormat.MXFP4, dtype=torch.float16, h=256, i=128)  # fp16: dot_scaled path
+    assert eight.reason_unusable(no_words) is None
+    assert eight.reason_unusable(_spec(fmt=WeightFormat.BF16, dtype=torch.bfloat16)) is None
+
+
 def test_supports_and_default_configs():
     hopper = DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0))
     ampere = DeviceInfo(DeviceKind.CUDA, "NVIDIA A100", (8, 0))

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from moekit.formats.mxfp4_words import pack_mma_words, rows_reason, scales_reason
+from moekit.formats.mxfp4_words import pack_mma_words, scales_reason
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.triton.launch import (
     TRITON_CAPABILITIES,
@@ -21,22 +21,11 @@ from moekit.kernels.triton.launch import (
     triton_fused_moe,
     triton_supports,
     tuning_space,
+    words_reason,
     workspace_bytes,
 )
 from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
-
-
-def words_reason(spec: MoESpec) -> str | None:
-    """None if `spec`'s shapes and activations allow MXFP4_MMA_WORDS, else why not. The weights'
-    scale bytes must fit too (`mxfp4_words.scales_reason`), which only the data can tell."""
-    if spec.act_dtype not in (torch.bfloat16, torch.float32):
-        return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
-    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
-        reason = rows_reason(rows)
-        if reason is not None:
-            return f"{name}: {reason}"
-    return None
 
 
 def n_major(scales: torch.Tensor) -> torch.Tensor:

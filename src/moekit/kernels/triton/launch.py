@@ -18,6 +18,7 @@ import torch
 
 import triton
 from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
+from moekit.formats.mxfp4_words import rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
 from moekit.kernels.triton import _jit
 from moekit.kernels.triton.align import align_routing
@@ -85,7 +86,26 @@ class TritonMoEConfig(KernelConfig):
             return f"128-wide FP8 scale groups need block_k <= 128, got {self.block_k}"
         if spec.act_quant is not ActivationQuant.NONE and self.block_k < 32:
             return f"FP8 x FP8 dots need block_k >= 32, got {self.block_k}"
+        if spec.weight_format is WeightFormat.MXFP4 and self.num_warps > 4 and words_reason(spec) is None:
+            # Measured on an H200 (benchmarks/RESULTS.md, session 3): the same inputs gave rel L2 3e-3
+            # on most runs and 1e32 or inf on some, with block_n 128 / 8 warps; the race is not found yet.
+            return (
+                f"the MXFP4 word path (MXFP4_MMA_WORDS, {spec.act_dtype} activations) gives intermittently "
+                f"wrong results with {self.num_warps} warps; use num_warps=4"
+            )
         return None
+
+
+def words_reason(spec: MoESpec) -> str | None:
+    """None if `spec`'s shapes and activations allow MXFP4_MMA_WORDS, else why not. The weights'
+    scale bytes must fit too (`mxfp4_words.scales_reason`), which only the data can tell."""
+    if spec.act_dtype not in (torch.bfloat16, torch.float32):
+        return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
+    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
+        reason = rows_reason(rows)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
 
 
 TRITON_CAPABILITIES = Capabilities(
@@ -197,12 +217,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (64, 64, 64, 8, 4, 4),
         ]
         if mxfp4:  # one M-block per expert decodes each weight tile once, half-empty or not
-            tiles += [
-                (32, 64, 128, 4, 4, 3),
-                (64, 64, 64, 8, 4, 3),
-                (64, 128, 64, 8, 8, 4),
-                (64, 128, 128, 8, 8, 4),
-            ]
+            tiles += [(32, 64, 128, 4, 4, 3), (64, 64, 64, 8, 4, 3)]
     elif per_expert <= 128:
         tiles = [
             (32, 64, 64, 8, 4, 4),
@@ -211,8 +226,6 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (64, 128, 64, 8, 8, 4),
             (128, 64, 64, 8, 4, 4),
         ]
-        if mxfp4:
-            tiles += [(64, 128, 128, 8, 8, 4), (128, 128, 64, 8, 8, 4), (32, 128, 128, 8, 8, 4)]
     else:
         tiles = [
             (128, 64, 64, 8, 4, 4),
@@ -221,8 +234,8 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (128, 128, 64, 8, 8, 4),
             (128, 128, 64, 8, 8, 3),
         ]
-        if mxfp4:  # 256 tokens per tile halve the decode per FLOP (244 registers in GEMM1, no spills)
-            tiles += [(256, 64, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
+        # 8-warp MXFP4 tiles (block_m 256, block_n / block_k 128) were 2 - 13 % slower at T >= 2048 on an
+        # H200 before the word path refused them (`reason_unusable`); RESULTS.md, session 3.
     # MXFP4 upcasts on the register side of the MMA whichever way round (Triton's dot_scaled), so
     # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
     swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
