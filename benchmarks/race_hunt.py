@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Race hunt: run the planned Triton kernel of each preset many times on the same inputs (output poisoned with
+NaN each time) and report the worst rel L2 against the reference. A race shows as runs that disagree:
+the MXFP4 word path with 8 warps gave 3e-3 on most runs and 1e32 or inf on some (session 3,
+benchmarks/RESULTS.md), which one verified run per candidate in a sweep can miss.
+
+Usage (GPU): python benchmarks/race_hunt.py --presets gpt-oss-120b,qwen3-30b-a3b --tokens 8,512,4096
+"""
+
+import argparse
+import math
+
+import torch
+
+from moekit import fused_moe_reference, prepare_weights, route
+from moekit.kernels.base import DeviceInfo
+from moekit.kernels.triton.launch import triton_fused_moe
+from moekit.plan import plan
+from moekit.presets import cap_experts, preset
+from moekit.reference import TOLERANCE, relative_l2_error
+from moekit.synthetic import random_batch, random_layer
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--presets", default="gpt-oss-120b")
+    p.add_argument("--tokens", default="1,8,64,512,1024,4096")
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--experts", type=int, default=None, help="cap E (memory)")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    info = DeviceInfo.of(device)
+    failures = 0
+    for name in args.presets.split(","):
+        spec = cap_experts(preset(name), args.experts)
+        layer = random_layer(spec, seed=0, device=device)
+        prepared = {}
+        for t in (int(v) for v in args.tokens.split(",")):
+            chosen = plan(spec, num_tokens=t, device=info)
+            if chosen.kernel != "triton_fused":
+                print(f"{name} T={t}: planned {chosen.kernel}, not the Triton path; skipped", flush=True)
+                continue
+            if chosen.kernel not in prepared:
+                prepared[chosen.kernel] = prepare_weights(layer.weights, chosen)
+            x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
+            routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+            expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
+            errors = []
+            for _ in range(args.repeats):
+                out = torch.full((t, spec.H), math.nan, dtype=spec.act_dtype, device=device)
+                weights = prepared[chosen.kernel]
+                triton_fused_moe(x, weights, routing, spec=spec, config=chosen.config, out=out)
+                errors.append(relative_l2_error(out, expected))
+            bad = [e for e in errors if not e <= TOLERANCE[spec.act_dtype]]
+            failures += len(bad)
+            print(
+                f"{name} T={t} {chosen.kernel} {chosen.config.as_dict()}: worst of {args.repeats} "
+                f"{max(errors):.2e}, {len(bad)} over tolerance",
+                flush=True,
+            )
+        del layer, prepared
+        torch.cuda.empty_cache()
+    print(f"runs over tolerance: {failures}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
