@@ -376,10 +376,15 @@ def test_mma_words_round_trip_and_element_positions():
     gen = torch.Generator().manual_seed(5)
     blocks = torch.randint(0, 256, (3, 32, 5, 16), generator=gen, dtype=torch.uint8)
     words = pack_mma_words(blocks)
-    assert words.dtype == torch.int32 and tuple(words.shape) == (3, 2, 8, 4, 10)
-    assert torch.equal(unpack_mma_words(words), blocks)
+    # 10 chunks in 2 runs of 8, the last 6 words of the second run padding (zero codes)
+    assert words.dtype == torch.int32 and tuple(words.shape) == (3, 2, 2, 8, 4, 8)
+    assert words.is_contiguous() and not words[:, :, 1, :, :, 2:].any()
+    assert torch.equal(unpack_mma_words(words, num_groups=5), blocks)
+    with pytest.raises(ShapeError, match="groups"):
+        unpack_mma_words(words, num_groups=9)
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).reshape(3, 32, 10, 16)  # [E, N, chunk, 16]
-    # Word [rb, g, q, c], nibble j: row 16rb + g + 8*(j % 2), column 16c + 2q + 8*(j % 4 // 2) + j // 4.
+    # Word [rb, c // 8, g, q, c % 8], nibble j: row 16rb + g + 8*(j % 2), column 16c + 2q + 8*(j % 4 // 2)
+    # + j // 4.
     for e, row, col in [(0, 0, 0), (1, 9, 17), (2, 31, 159), (0, 24, 90), (2, 15, 8)]:
         rb, r = divmod(row, 16)
         half_r, g = divmod(r, 8)
@@ -387,7 +392,7 @@ def test_mma_words_round_trip_and_element_positions():
         half_c, k = divmod(k, 8)
         q, odd = divmod(k, 2)
         j = half_r + 2 * half_c + 4 * odd
-        word = int(words[e, rb, g, q, c]) & 0xFFFFFFFF
+        word = int(words[e, rb, c // 8, g, q, c % 8]) & 0xFFFFFFFF
         assert (word >> (4 * j)) & 0xF == int(codes[e, row, c, col % 16])
 
 

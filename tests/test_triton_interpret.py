@@ -619,5 +619,5 @@ def test_mxfp4_words_decode_every_code_at_every_scale_it_accepts():
     words = pack_mma_words(blocks)
     out = torch.full((rows, in_dim), math.nan)
     for bk in (32, 64):
-        _words_tile_probe[(1,)](words, scales, out, words.stride(0), in_dim, rows, bk)
+        _words_tile_probe[(1,)](words, scales, out, words.stride(0), in_dim, rows, bk)  # stride per block
         assert torch.equal(out, dequantize_mxfp4(blocks, scales, in_dim=in_dim)), f"block_k {bk}"

@@ -32,7 +32,7 @@ from moekit.formats import (
     quantize_mxfp4,
 )
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
-from moekit.formats.mxfp4_words import unpack_mma_words
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, num_runs, unpack_mma_words
 from moekit.spec import Fp8Scale, GateLayout, MoESpec, WeightFormat
 
 
@@ -43,7 +43,7 @@ class WeightPacking(enum.Enum):
     # Quantized weights dequantized once at load into float [E, 2I, H] / [E, H, I] (no scales), for
     # unfused paths; `format` still records the source format, so the spec check stays meaningful.
     DEQUANTIZED = "dequantized"
-    # MXFP4 codes as int32 words [E, N/16, 8, 4, 2G] laid out for Hopper MMA operand registers
+    # MXFP4 codes as int32 words [E, N/16, S, 8, 4, 8] laid out for Hopper MMA operand registers
     # (`moekit.formats.mxfp4_words`); scales keep their [E, N, G] shape. Made by the Triton kernel's
     # `prepare_weights`; `unpacked()` returns CHECKPOINT packing.
     MXFP4_MMA_WORDS = "mxfp4_mma_words"
@@ -134,7 +134,7 @@ class ExpertWeights:
         words = self.packing is WeightPacking.MXFP4_MMA_WORDS
         if words and fmt is not WeightFormat.MXFP4:
             raise LayoutMismatchError(f"{self.packing.name} packing is for MXFP4 weights, got {fmt.name}")
-        rank = 3 if self.stores_floats else 5 if words else 4 if fmt is WeightFormat.MXFP4 else 3
+        rank = 3 if self.stores_floats else 6 if words else 4 if fmt is WeightFormat.MXFP4 else 3
         for name in ("w13", "w2"):
             t = getattr(self, name)
             if t.dim() != rank:
@@ -156,13 +156,18 @@ class ExpertWeights:
             if self.hidden_size is None:
                 raise ShapeError("MXFP4 weights need hidden_size (H): blocks of 32 cannot tell a ragged tail")
             w2_rows = self.w2.shape[1] * 16 if words else self.w2.shape[1]
-            w13_groups = self.w13.shape[4] // 2 if words else self.w13.shape[2]
             if self.hidden_size != w2_rows:
                 raise ShapeError(f"hidden_size={self.hidden_size} but w2 has {w2_rows} rows (H)")
-            if mxfp4_groups(self.hidden_size) != w13_groups:
+            groups = mxfp4_groups(self.hidden_size)
+            if words and num_runs(groups) != self.w13.shape[2]:
                 raise ShapeError(
-                    f"hidden_size={self.hidden_size} needs {mxfp4_groups(self.hidden_size)} groups of "
-                    f"{MXFP4_BLOCK} in w13, got {w13_groups}"
+                    f"hidden_size={self.hidden_size} needs {num_runs(groups)} runs of {CHUNKS_PER_RUN} "
+                    f"chunks in the w13 words, got {self.w13.shape[2]}"
+                )
+            if not words and groups != self.w13.shape[2]:
+                raise ShapeError(
+                    f"hidden_size={self.hidden_size} needs {groups} groups of {MXFP4_BLOCK} in w13, "
+                    f"got {self.w13.shape[2]}"
                 )
         elif self.hidden_size is not None and self.hidden_size != self.w13.shape[2]:
             raise ShapeError(f"hidden_size={self.hidden_size} but w13 has {self.w13.shape[2]} columns")
@@ -222,8 +227,8 @@ class ExpertWeights:
             gh, gi = mxfp4_groups(h), mxfp4_groups(i)
             words = self.packing is WeightPacking.MXFP4_MMA_WORDS
             shapes = {
-                "w13": (e, 2 * i // 16, 8, 4, 2 * gh) if words else (e, 2 * i, gh, 16),
-                "w2": (e, h // 16, 8, 4, 2 * gi) if words else (e, h, gi, 16),
+                "w13": (e, 2 * i // 16, num_runs(gh), 8, 4, CHUNKS_PER_RUN) if words else (e, 2 * i, gh, 16),
+                "w2": (e, h // 16, num_runs(gi), 8, 4, CHUNKS_PER_RUN) if words else (e, h, gi, 16),
                 "w13_scale": (e, 2 * i, gh),
                 "w2_scale": (e, h, gi),
             }
@@ -279,8 +284,8 @@ class ExpertWeights:
         return replace(
             self,
             packing=WeightPacking.CHECKPOINT,
-            w13=unpack_mma_words(self.w13),
-            w2=unpack_mma_words(self.w2),
+            w13=unpack_mma_words(self.w13, num_groups=mxfp4_groups(self.H)),
+            w2=unpack_mma_words(self.w2, num_groups=mxfp4_groups(self.I)),
             w13_scale=self.w13_scale.contiguous(),
             w2_scale=self.w2_scale.contiguous(),
         )
@@ -323,7 +328,7 @@ class ExpertWeights:
         if self.stores_floats:
             return data.float()
         if self.packing is WeightPacking.MXFP4_MMA_WORDS:
-            data = unpack_mma_words(data)
+            data = unpack_mma_words(data, num_groups=mxfp4_groups(in_dim))
         scale = getattr(self, f"{name}_scale")
         if self.format is WeightFormat.MXFP4:
             return dequantize_mxfp4(data, scale[expert], in_dim=in_dim, dtype=torch.float32)

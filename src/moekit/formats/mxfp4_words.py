@@ -1,9 +1,15 @@
 """MXFP4 codes rearranged into 32-bit words that decode straight into Hopper MMA operand registers.
 
 Data flow: checkpoint blocks uint8 [..., N, G, 16] (two E2M1 codes a byte, low nibble first)
--> `pack_mma_words` (once, at load time) -> int32 words [..., N/16, 8, 4, 2G]
+-> `pack_mma_words` (once, at load time) -> int32 words [..., N/16, S, 8, 4, 8], S = ceil(2G / 8)
 -> the Triton kernel loads 16 bytes (four words) per thread and turns each word into four bf16 pairs
    with two shifts and two masks per pair; `unpack_mma_words` is the exact inverse.
+
+Runs: the 16-column chunks of a 16-row block come in runs of 8 (128 columns), each run the 32 lanes'
+8 words one after the other (1 KiB), the last run padded with zero words. A K-step of 128 columns then
+reads one contiguous KiB per 16-row block, every lane one whole 32-byte sector; lane-major rows of
+2G words (720 bytes for K = 2880) left half the lanes straddling two sectors, and an H200 profile showed
+an L2 hit rate of 48 % from those re-read sectors (benchmarks/RESULTS.md, session 3).
 
 Why this arrangement: a Hopper warpgroup MMA (wgmma m64nNk16, bf16) takes its A operand from
 registers. Lane (g, q) of a warp (g = lane // 4, q = lane % 4) holds, for each 16-row block and each
@@ -13,8 +19,9 @@ exactly one word here. Word [rb, g, q, c] holds, nibble by nibble (bits 4j .. 4j
     slot j:   0         1           2             3               4 .. 7
     element:  (r, k)    (r + 8, k)  (r, k + 8)    (r + 8, k + 8)  the same with k + 1
 
-with r = 16 rb + g and k = 16 c + 2q. Slots j and j + 4 sit 16 bits apart, so one shift moves both
-codes of a pair into the two bf16 halves of a register at once.
+with r = 16 rb + g and k = 16 c + 2q (word [rb, c // 8, g, q, c % 8] of the stored tensor). Slots j
+and j + 4 sit 16 bits apart, so one shift moves both codes of a pair into the two bf16 halves of a
+register at once.
 
 Decoding (see `_jit._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) moved to bf16
 bits 8..6 and the sign to bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
@@ -32,6 +39,7 @@ from moekit.errors import DTypeError, ShapeError
 
 ROWS_PER_BLOCK = 16  # rows of one MMA A-fragment block
 COLS_PER_CHUNK = 16  # columns (elements) per MMA k-step
+CHUNKS_PER_RUN = 8  # 16-column chunks stored together: one run is 32 lanes x 8 words = 1 KiB
 MAX_SCALE_BYTE = 128  # largest E8M0 byte whose combined factor 2^(s - 1) is a normal bf16 / fp32
 
 # Slot j of a word holds element (row offset, column offset) of the (g, q) lane's 16x16 fragment, in
@@ -69,8 +77,13 @@ def _check_blocks(blocks: Tensor) -> None:
         raise ShapeError(f"the word packing needs N % {ROWS_PER_BLOCK} == 0, got N = {blocks.shape[-3]}")
 
 
+def num_runs(num_groups: int) -> int:
+    """Runs of CHUNKS_PER_RUN chunks that hold a row of `num_groups` 32-element groups."""
+    return -(-2 * num_groups // CHUNKS_PER_RUN)
+
+
 def pack_mma_words(blocks: Tensor) -> Tensor:
-    """Checkpoint blocks uint8 [..., N, G, 16] -> int32 words [..., N/16, 8, 4, 2G] (see module doc)."""
+    """Checkpoint blocks uint8 [..., N, G, 16] -> int32 words [..., N/16, S, 8, 4, 8] (see module doc)."""
     _check_blocks(blocks)
     *lead, n, g, _ = blocks.shape
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).reshape(*lead, n, 2 * g, 16)  # [.., N, C, 16]
@@ -81,17 +94,29 @@ def pack_mma_words(blocks: Tensor) -> Tensor:
     for slot, (row_half, col_half, odd) in enumerate(_SLOTS):
         part = codes.select(b + 6, odd).select(b + 4, col_half).select(b + 1, row_half)  # [.., rb, g8, C, q]
         word |= part.transpose(-1, -2) << (4 * slot)
-    return (word - ((word >> 31) << 32)).to(torch.int32)  # the same 32 bits as a signed int
+    word = (word - ((word >> 31) << 32)).to(torch.int32)  # the same 32 bits as a signed int
+    runs = num_runs(g)
+    word = torch.nn.functional.pad(word, (0, runs * CHUNKS_PER_RUN - 2 * g))  # zero words: code 0
+    word = word.reshape(*lead, n // 16, 8, 4, runs, CHUNKS_PER_RUN)
+    return word.movedim(-2, -4).contiguous()  # [.., rb, run, g8, q, chunk in run]
 
 
-def unpack_mma_words(words: Tensor) -> Tensor:
-    """The exact inverse of `pack_mma_words`: int32 [..., N/16, 8, 4, C] -> uint8 [..., N, C/2, 16]."""
-    if not isinstance(words, Tensor) or words.dtype != torch.int32 or words.dim() < 4:
+def unpack_mma_words(words: Tensor, *, num_groups: int) -> Tensor:
+    """The exact inverse of `pack_mma_words`: int32 [..., N/16, S, 8, 4, 8] -> uint8 [..., N, G, 16]
+    with G = `num_groups` (the padding words of the last run are dropped)."""
+    if not isinstance(words, Tensor) or words.dtype != torch.int32 or words.dim() < 5:
         raise ShapeError(
-            f"MXFP4 words must be int32 [..., N/16, 8, 4, C], got {getattr(words, 'shape', words)}"
+            f"MXFP4 words must be int32 [..., N/16, S, 8, 4, 8], got {getattr(words, 'shape', words)}"
         )
-    *lead, nb, _, _, c = words.shape
-    w = words.to(torch.int64) & 0xFFFFFFFF
+    if tuple(words.shape[-4:]) != (num_runs(num_groups), 8, 4, CHUNKS_PER_RUN):
+        raise ShapeError(
+            f"MXFP4 words of {num_groups} groups must end in [{num_runs(num_groups)}, 8, 4, "
+            f"{CHUNKS_PER_RUN}], got {list(words.shape)}"
+        )
+    *lead, nb, runs, _, _, _ = words.shape
+    c = 2 * num_groups
+    w = words.movedim(-4, -2).reshape(*lead, nb, 8, 4, runs * CHUNKS_PER_RUN)[..., :c]
+    w = w.to(torch.int64) & 0xFFFFFFFF
     b = len(lead)
     codes = torch.zeros(*lead, nb, 2, 8, c, 2, 4, 2, dtype=torch.int64, device=words.device)
     for slot, (row_half, col_half, odd) in enumerate(_SLOTS):

@@ -26,7 +26,7 @@ from moekit.kernels.triton._jit_mxfp4 import (
 WFMT_FLOAT = tl.constexpr(0)  # bf16 / fp16 / fp32 [E, N, K]
 WFMT_FP8 = tl.constexpr(1)  # float8_e4m3fn [E, N, K], fp32 scales per FP8_SCALE
 WFMT_MXFP4 = tl.constexpr(2)  # uint8 blocks [E, N, ceil(K/32)*16] + E8M0 scales [E, N, ceil(K/32)]
-# MXFP4 in WeightPacking.MXFP4_MMA_WORDS: int32 words [E, N/16, 8, 4, 2*ceil(K/32)] (see
+# MXFP4 in WeightPacking.MXFP4_MMA_WORDS: int32 words [E, N/16, S, 8, 4, 8] in 1 KiB runs (see
 # moekit.formats.mxfp4_words) + the same E8M0 scales, every scale byte <= 128.
 WFMT_MXFP4_WORDS = tl.constexpr(3)
 # FP8 weight scale granularity (FP8_SCALE).

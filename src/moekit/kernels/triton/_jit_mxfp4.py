@@ -155,12 +155,12 @@ def _mxfp4_words_tile(
     RB: tl.constexpr = ROWS // 16
     C: tl.constexpr = BLOCK_K // 16
     G: tl.constexpr = BLOCK_K // 32
-    NUM_CHUNKS: tl.constexpr = (IN_DIM + 31) // 32 * 2
+    RUN: tl.constexpr = 8  # mxfp4_words.CHUNKS_PER_RUN: a run is 32 lanes x RUN words, contiguous
+    NUM_CHUNKS: tl.constexpr = ((IN_DIM + 31) // 32 * 2 + RUN - 1) // RUN * RUN  # padded to whole runs
     chunk = k0 // 16 + tl.arange(0, C)
     lane = tl.arange(0, 32)  # (g, q) of the MMA fragment: 8 row pairs x 4 column pairs
-    ptrs = (
-        w_base + w_blocks[:, None, None] * stride_wn + lane[None, :, None] * NUM_CHUNKS + chunk[None, None, :]
-    )
+    in_run = (chunk // RUN) * (32 * RUN) + chunk % RUN
+    ptrs = w_base + w_blocks[:, None, None] * stride_wn + lane[None, :, None] * RUN + in_run[None, None, :]
     if IN_DIM % BLOCK_K == 0:
         words = tl.load(ptrs, mask=w_block_mask[:, None, None], other=0)
     else:

@@ -359,11 +359,10 @@ class _WeightArgs:
     def of(
         cls, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, *, name: str
     ) -> _WeightArgs:
-        if data.dim() == 5:  # MXFP4_MMA_WORDS [E, N/16, 8, 4, C]: one block's 32*C words as one run
-            c = data.shape[4]
-            if data.stride(4) != 1 or data.stride(3) != c or data.stride(2) != 4 * c:
+        if data.dim() == 6:  # MXFP4_MMA_WORDS [E, N/16, S, 8, 4, 8]: runs of 1 KiB, one after the other
+            if data.stride()[3:] != (32, 8, 1) or (data.shape[2] > 1 and data.stride(2) != 256):
                 raise LayoutMismatchError(
-                    f"MXFP4 words {name} must be contiguous in their last three dims, strides "
+                    f"MXFP4 words {name} must be contiguous in their last four dims, strides "
                     f"{data.stride()}; call .contiguous() once at load time"
                 )
         elif data.dim() == 4:  # MXFP4 [E, N, G, 16]: the kernel walks a row's G*16 bytes as one run
