@@ -204,3 +204,23 @@ def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
         result = plan(mx, num_tokens=t, device=h200, tuned=path)
         assert result.source is ConfigSource.TUNED_ROW and result.kernel == "triton_fused"
         assert result.config == want
+
+
+def test_an_eight_warp_row_for_the_mxfp4_word_path_is_rejected_with_the_reason(tmp_path):
+    """Tables written before the word path refused 8 warps: the row is rejected at load, and the plan
+    falls back to the kernel default rather than run a config with intermittently wrong results."""
+    from moekit.cli_spec import SIMULATED_DEVICES
+    from moekit.kernels.triton.launch import TritonMoEConfig
+
+    h200 = SIMULATED_DEVICES["h200"]
+    mx = replace(moekit.preset("gpt-oss-20b"), num_experts=4)
+    eight = TritonMoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
+    row = row_to_json(
+        spec=mx, device=h200.name, triton=triton_version(), tokens=64, kernel="triton_fused", config=eight
+    )
+    path = _write(tmp_path / "t.json", [row])
+    tables = load_tables([path], registry=default_registry())
+    assert not tables.rows and "num_warps=4" in tables.rejected[0].reason
+    result = plan(mx, num_tokens=64, device=h200, tuned=path)
+    assert result.kernel == "triton_fused" and result.source is ConfigSource.DEFAULT
+    assert result.config.num_warps == 4
