@@ -10,6 +10,9 @@ Three ways, chosen by the launch (`launch.py`) from the weights' packing and the
 
 import triton
 import triton.language as tl
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
+
+_RUN = tl.constexpr(CHUNKS_PER_RUN)  # 16-column chunks per stored run (32 lanes x _RUN words, contiguous)
 
 
 @triton.jit
@@ -155,12 +158,11 @@ def _mxfp4_words_tile(
     RB: tl.constexpr = ROWS // 16
     C: tl.constexpr = BLOCK_K // 16
     G: tl.constexpr = BLOCK_K // 32
-    RUN: tl.constexpr = 8  # mxfp4_words.CHUNKS_PER_RUN: a run is 32 lanes x RUN words, contiguous
-    NUM_CHUNKS: tl.constexpr = ((IN_DIM + 31) // 32 * 2 + RUN - 1) // RUN * RUN  # padded to whole runs
+    NUM_CHUNKS: tl.constexpr = ((IN_DIM + 31) // 32 * 2 + _RUN - 1) // _RUN * _RUN  # padded to whole runs
     chunk = k0 // 16 + tl.arange(0, C)
     lane = tl.arange(0, 32)  # (g, q) of the MMA fragment: 8 row pairs x 4 column pairs
-    in_run = (chunk // RUN) * (32 * RUN) + chunk % RUN
-    ptrs = w_base + w_blocks[:, None, None] * stride_wn + lane[None, :, None] * RUN + in_run[None, None, :]
+    in_run = (chunk // _RUN) * (32 * _RUN) + chunk % _RUN
+    ptrs = w_base + w_blocks[:, None, None] * stride_wn + lane[None, :, None] * _RUN + in_run[None, None, :]
     if IN_DIM % BLOCK_K == 0:
         words = tl.load(ptrs, mask=w_block_mask[:, None, None], other=0)
     else:

@@ -18,7 +18,7 @@ import torch
 
 import triton
 from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
-from moekit.formats.mxfp4_words import rows_reason
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
 from moekit.kernels.triton import _jit
 from moekit.kernels.triton.align import align_routing
@@ -359,8 +359,9 @@ class _WeightArgs:
     def of(
         cls, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, *, name: str
     ) -> _WeightArgs:
-        if data.dim() == 6:  # MXFP4_MMA_WORDS [E, N/16, S, 8, 4, 8]: runs of 1 KiB, one after the other
-            if data.stride()[3:] != (32, 8, 1) or (data.shape[2] > 1 and data.stride(2) != 256):
+        if data.dim() == 6:  # MXFP4_MMA_WORDS [E, N/16, S, 8, 4, CHUNKS_PER_RUN]: contiguous runs
+            run = CHUNKS_PER_RUN
+            if data.stride()[3:] != (4 * run, run, 1) or (data.shape[2] > 1 and data.stride(2) != 32 * run):
                 raise LayoutMismatchError(
                     f"MXFP4 words {name} must be contiguous in their last four dims, strides "
                     f"{data.stride()}; call .contiguous() once at load time"
