@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from moekit import fused_moe, prepare_weights, route
+from moekit.bench import prepared_weights, whole_layer
 from moekit.kernels.base import DeviceInfo
 from moekit.plan import plan
 from moekit.presets import preset
@@ -26,12 +26,11 @@ def main() -> int:
     spec = preset(args.preset)
     layer = random_layer(spec, seed=0, device=device)
     chosen = plan(spec, num_tokens=args.tokens, device=DeviceInfo.of(device))
-    weights = prepare_weights(layer.weights, chosen)
     bias = layer.correction_bias
     x, logits, _ = random_batch(spec, args.tokens, correction_bias=bias, seed=0, device=device)
+    call = whole_layer(chosen, layer, prepared_weights(chosen, layer, {}), x, logits, check_values=False)
     for _ in range(args.iters):
-        r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
-        fused_moe(x, weights, r, plan=chosen, check_values=False)
+        call()
     torch.cuda.synchronize(device)
     print(f"{args.preset} T={args.tokens}: {chosen.kernel} {chosen.config.as_dict()}")
     return 0

@@ -17,8 +17,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moekit import fused_moe, prepare_weights, route
-from moekit.bench import capture_graph
+from moekit.bench import capture_graph, prepared_weights, whole_layer
 from moekit.kernels.base import DeviceInfo
 from moekit.plan import plan
 from moekit.presets import preset
@@ -56,16 +55,9 @@ def main() -> int:
     results = []
     for t in (int(v) for v in args.tokens.split(",")):
         chosen = plan(spec, num_tokens=t, device=info)
-        key = (chosen.kernel, spec)
-        if key not in prepared:
-            prepared[key] = prepare_weights(layer.weights, chosen)
-        weights = prepared[key]
+        weights = prepared_weights(chosen, layer, prepared)
         x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
-
-        def layer_fn(weights=weights, chosen=chosen, x=x, logits=logits):
-            r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
-            return fused_moe(x, weights, r, plan=chosen)
-
+        layer_fn = whole_layer(chosen, layer, weights, x, logits)
         graph, _ = capture_graph(layer_fn, device, repeats=args.repeats, flush=flush)
         graph.replay()
         torch.cuda.synchronize(device)

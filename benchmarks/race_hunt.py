@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from moekit import fused_moe_reference, prepare_weights, route
+from moekit import fused_moe_reference, route
+from moekit.bench import prepared_weights
 from moekit.kernels.base import DeviceInfo
 from moekit.kernels.triton.launch import triton_fused_moe
 from moekit.plan import plan
@@ -40,15 +41,13 @@ def main() -> int:
             if chosen.kernel != "triton_fused":
                 print(f"{name} T={t}: planned {chosen.kernel}, not the Triton path; skipped", flush=True)
                 continue
-            if chosen.kernel not in prepared:
-                prepared[chosen.kernel] = prepare_weights(layer.weights, chosen)
             x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
             routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
             expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
+            weights = prepared_weights(chosen, layer, prepared)
             errors = []
             for _ in range(args.repeats):
                 out = torch.full((t, spec.H), math.nan, dtype=spec.act_dtype, device=device)
-                weights = prepared[chosen.kernel]
                 triton_fused_moe(x, weights, routing, spec=spec, config=chosen.config, out=out)
                 errors.append(relative_l2_error(out, expected))
             bad = [e for e in errors if not e <= TOLERANCE[spec.act_dtype]]

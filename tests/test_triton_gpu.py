@@ -9,20 +9,14 @@ Run in its own pytest process (the interpreter tests set TRITON_INTERPRET=1 for 
 """
 
 import math
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip(
-        "TRITON_INTERPRET=1 is set in this process: Triton would not compile for the GPU",
-        allow_module_level=True,
-    )
-pytest.importorskip("triton")
+from gpu_only import skip_unless_compiled_gpu
+
+skip_unless_compiled_gpu()
 
 from moekit import (  # noqa: E402
     Activation,

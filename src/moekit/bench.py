@@ -197,18 +197,28 @@ def bench_preset(
     return records
 
 
+def prepared_weights(chosen, layer, cache: dict):
+    """`layer`'s weights as `chosen`'s kernel reads them, prepared once per (kernel, spec) in `cache`."""
+    key = (chosen.kernel, chosen.spec)
+    if key not in cache:
+        cache[key] = prepare_weights(layer.weights, chosen)
+    return cache[key]
+
+
+def whole_layer(chosen, layer, weights, x, logits, *, check_values: bool = True):
+    """The function the benchmarks time and profile: route `logits`, then run `chosen` on `x`."""
+    spec = chosen.spec
+
+    def call():
+        r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
+        return fused_moe(x, weights, r, plan=chosen, check_values=check_values)
+
+    return call
+
+
 def time_plan(chosen, layer, x, logits, expected, prepared, flush, device) -> tuple[float, float]:
     """(seconds per whole layer, rel L2 vs `expected`) for one plan: poisoned graph replay, then timing."""
-    spec = chosen.spec
-    key = (chosen.kernel, spec)
-    if key not in prepared:
-        prepared[key] = prepare_weights(layer.weights, chosen)
-    weights = prepared[key]
-
-    def layer_fn():
-        r = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
-        return fused_moe(x, weights, r, plan=chosen)
-
+    layer_fn = whole_layer(chosen, layer, prepared_weights(chosen, layer, prepared), x, logits)
     graph, out = capture_graph(layer_fn, device)
     out.fill_(float("nan"))  # poison: the replay must write every element
     graph.replay()

@@ -30,7 +30,7 @@ _GPT_OSS = dict(
     has_bias=True,
     routing=RoutingSpec(RoutingMethod.TOPK_SOFTMAX),
 )
-_QWEN3_ROUTING = RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True)
+_SOFTMAX_TOPK_RENORM = RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True)  # Qwen3, Mixtral
 _SILU = ActivationSpec(Activation.SILU)
 
 PRESETS: dict[str, MoESpec] = {
@@ -42,7 +42,7 @@ PRESETS: dict[str, MoESpec] = {
         hidden_size=2048,
         intermediate_size=768,
         activation=_SILU,
-        routing=_QWEN3_ROUTING,
+        routing=_SOFTMAX_TOPK_RENORM,
     ),
     "qwen3-235b-a22b": MoESpec(
         num_experts=128,
@@ -50,7 +50,7 @@ PRESETS: dict[str, MoESpec] = {
         hidden_size=4096,
         intermediate_size=1536,
         activation=_SILU,
-        routing=_QWEN3_ROUTING,
+        routing=_SOFTMAX_TOPK_RENORM,
     ),
     "mixtral-8x7b": MoESpec(
         num_experts=8,
@@ -58,7 +58,7 @@ PRESETS: dict[str, MoESpec] = {
         hidden_size=4096,
         intermediate_size=14336,
         activation=_SILU,
-        routing=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True),
+        routing=_SOFTMAX_TOPK_RENORM,
     ),
     "deepseek-v3": MoESpec(
         num_experts=256,

@@ -11,6 +11,7 @@ breaks ties by index: a stable descending sort keeps the lower index first among
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -119,14 +120,21 @@ def _fast_softmax_route(logits: torch.Tensor, *, top_k: int, spec: RoutingSpec) 
     None otherwise."""
     if not logits.is_cuda:
         return None
-    try:
-        from moekit.kernels.triton.route import fast_route_supported, route_softmax
-    except ImportError:  # no Triton: the torch path
+    triton_route = _triton_route_module()
+    if triton_route is None or not triton_route.fast_route_supported(spec, logits.shape[1]):
         return None
-    if not fast_route_supported(spec, logits.shape[1]):
-        return None
-    weights, ids = route_softmax(logits, top_k=top_k, spec=spec)
+    weights, ids = triton_route.route_softmax(logits, top_k=top_k, spec=spec)
     return RoutingResult(weights=weights, ids=ids)
+
+
+@functools.cache
+def _triton_route_module():
+    """`moekit.kernels.triton.route`, imported on first use (Triton is optional), or None without Triton."""
+    try:
+        from moekit.kernels.triton import route as triton_route
+    except ImportError:
+        return None
+    return triton_route
 
 
 def _sigmoid_grouped(

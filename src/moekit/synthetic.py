@@ -73,42 +73,27 @@ def random_layer(
             b2=torch.randn(e, h, generator=gen, device=dev) * 0.05,
         )
         bias = {n: t.to(spec.act_dtype) for n, t in bias.items()}
+    s13 = s2 = None  # float formats carry no scales
     if fmt is WeightFormat.MXFP4:
         w13, s13 = _mxfp4_matrix(e, 2 * i, h, std=weight_std, gen=gen)
         w2, s2 = _mxfp4_matrix(e, h, i, std=weight_std, gen=gen)
-        weights = ExpertWeights(
-            format=fmt,
-            gate_layout=spec.gate_layout,
-            w13=w13,
-            w13_scale=s13,
-            w2=w2,
-            w2_scale=s2,
-            hidden_size=h,
-            **bias,
-        )
     elif fmt is WeightFormat.FP8_E4M3:
         w13, s13 = _fp8_matrix(e, 2 * i, h, spec, std=weight_std, gen=gen)
         w2, s2 = _fp8_matrix(e, h, i, spec, std=weight_std, gen=gen)
-        weights = ExpertWeights(
-            format=fmt,
-            gate_layout=spec.gate_layout,
-            w13=w13,
-            w13_scale=s13,
-            w2=w2,
-            w2_scale=s2,
-            fp8_scale=spec.fp8_scale,
-            **bias,
-        )
     else:
-        w13 = torch.randn(e, 2 * i, h, generator=gen, device=dev) * weight_std
-        w2 = torch.randn(e, h, i, generator=gen, device=dev) * weight_std
-        weights = ExpertWeights(
-            format=fmt,
-            gate_layout=spec.gate_layout,
-            w13=w13.to(fmt.float_dtype),
-            w2=w2.to(fmt.float_dtype),
-            **bias,
-        )
+        w13 = (torch.randn(e, 2 * i, h, generator=gen, device=dev) * weight_std).to(fmt.float_dtype)
+        w2 = (torch.randn(e, h, i, generator=gen, device=dev) * weight_std).to(fmt.float_dtype)
+    weights = ExpertWeights(
+        format=fmt,
+        gate_layout=spec.gate_layout,
+        w13=w13,
+        w13_scale=s13,
+        w2=w2,
+        w2_scale=s2,
+        fp8_scale=spec.fp8_scale,  # None unless FP8_E4M3 (MoESpec checks)
+        hidden_size=h,
+        **bias,
+    )
     router = (torch.randn(spec.E, h, generator=gen, device=dev) / math.sqrt(h)).to(spec.act_dtype)
     correction = None
     if spec.routing.has_correction_bias:

@@ -96,6 +96,7 @@ class TritonMoEConfig(KernelConfig):
         return None
 
 
+@functools.cache  # `reason_unusable` asks on every forward (`_check`)
 def words_reason(spec: MoESpec) -> str | None:
     """None if `spec`'s shapes and activations allow MXFP4_MMA_WORDS, else why not. The weights'
     scale bytes must fit too (`mxfp4_words.scales_reason`), which only the data can tell."""
@@ -192,7 +193,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
     """`default_config` first, then tiles for the regime of tokens per expert (see TritonFusedKernel)."""
     per_expert = _tokens_per_expert(spec, num_tokens)
     mxfp4 = spec.weight_format is WeightFormat.MXFP4
-    # (block_m, block_n, block_k, group_m, num_warps, num_stages[, max_registers])
+    # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     if per_expert <= 8:
         tiles = [
             (16, 32, 128, 1, 4, 3),
@@ -240,17 +241,8 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
     # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
     swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
     grid = [
-        TritonMoEConfig(
-            block_m=m,
-            block_n=n,
-            block_k=k,
-            group_m=g,
-            num_warps=w,
-            num_stages=st,
-            swap_ab=swap,
-            max_registers=regs[0] if regs else None,
-        )
-        for m, n, k, g, w, st, *regs in tiles
+        TritonMoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=st, swap_ab=swap)
+        for m, n, k, g, w, st in tiles
         for swap in swaps
     ]
     unique = dict.fromkeys([default_config(spec, num_tokens), *grid])
