@@ -382,6 +382,15 @@ def test_every_format_swap_ab(fmt, scale, quant, dtype, why, variant):
     _check_layer(spec, t=19, seed=10 + variant, config=TINY_SWAP)
 
 
+@pytest.mark.parametrize(("fmt", "scale", "quant", "dtype", "why"), FORMATS, ids=[f[-1] for f in FORMATS])
+def test_every_format_with_gemm2_on_its_own_tile(fmt, scale, quant, dtype, why):
+    """GEMM2 on a wider N tile than GEMM1 (H = 200: 64 + 64 + 64 + 8 rows, the last tile ragged)."""
+    spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[1])
+    config = replace(TINY, gemm2_block_n=64)
+    assert config.block_n_gemm2 == 64 and TINY.block_n_gemm2 == TINY.block_n
+    _check_layer(spec, t=9, seed=21, config=config)
+
+
 SHAPES = [
     # (T, K, E, H, I, why)
     (1, 1, 4, 32, 32, "decode: one token, K = 1 writes out directly"),
@@ -489,6 +498,10 @@ def test_default_configs_run():
         dict(max_registers=16),
         dict(max_registers=256),
         dict(max_registers=True),
+        dict(gemm2_block_n=48),
+        dict(gemm2_block_n=8),
+        dict(gemm2_block_n=512),
+        dict(gemm2_block_n=True),
     ],
 )
 def test_bad_configs_are_refused(bad):
@@ -553,11 +566,13 @@ WORD_CONFIGS = [
     TritonMoEConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=2),  # K % 64 != 0
     # A register cap is a compile option: the interpreter must take it and compute the same layer.
     TritonMoEConfig(block_m=16, block_n=32, block_k=64, num_stages=2, max_registers=96),
+    # GEMM2 on its own N tile: 64 of H = 96 rows, the second tile half masked.
+    TritonMoEConfig(block_m=16, block_n=32, block_k=64, num_stages=2, gemm2_block_n=64),
 ]
 
 
 @pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
-@pytest.mark.parametrize("config", WORD_CONFIGS, ids=["bk32", "bk64", "bk64_regs96"])
+@pytest.mark.parametrize("config", WORD_CONFIGS, ids=["bk32", "bk64", "bk64_regs96", "bk64_gemm2_n64"])
 def test_mxfp4_mma_words_match_reference(layout, config):
     """prepare_weights turns MXFP4 into MXFP4_MMA_WORDS (fp32 activations here: the interpreter's bf16
     arithmetic is broken); the kernel's word decode and fragment reshapes must reproduce the layer."""

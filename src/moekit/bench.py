@@ -226,7 +226,7 @@ def time_plan(chosen, layer, x, logits, expected, prepared, flush, device) -> tu
     rel = relative_l2_error(out, expected)
     del graph, out
     t = x.shape[0]
-    return _flushed_seconds(layer_fn, device, flush, repeats=20 if t <= 1024 else 4), rel
+    return _flushed_seconds(layer_fn, device, flush, repeats=20 if t <= 1024 else 10), rel
 
 
 def _problem(t, info):

@@ -39,7 +39,11 @@ _POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
 
 @dataclass(frozen=True)
 class TritonMoEConfig(KernelConfig):
-    """Tile sizes of both grouped GEMMs (GEMM1 loads 2 * block_n weight rows: gate and up)."""
+    """Tile sizes of both grouped GEMMs (GEMM1 loads 2 * block_n weight rows: gate and up).
+
+    Both GEMMs share the M-blocks (block_m: one routing alignment per call), K-step, warps and stages;
+    GEMM2 may take a different N tile (`gemm2_block_n`), since its full tile is half GEMM1's.
+    """
 
     block_m: int = 16
     block_n: int = 64
@@ -51,6 +55,14 @@ class TritonMoEConfig(KernelConfig):
     # ptxas register cap per thread (PTX .maxnreg); None lets ptxas choose. Fewer registers fit more
     # programs on an SM, which hides the latency of the MXFP4 decode at small T, at some extra moves.
     max_registers: int | None = None
+    # GEMM2's weight rows per tile; None: block_n. With 4 warps, GEMM1's 2 * 64 rows and GEMM2's 128 rows
+    # give both the same 128-row register operand (two m64 wgmma per warpgroup).
+    gemm2_block_n: int | None = None
+
+    @property
+    def block_n_gemm2(self) -> int:
+        """The N tile GEMM2 runs with."""
+        return self.block_n if self.gemm2_block_n is None else self.gemm2_block_n
 
     def __post_init__(self) -> None:
         for name in (*_POW2_FIELDS, "num_stages"):
@@ -68,6 +80,13 @@ class TritonMoEConfig(KernelConfig):
             raise SpecError(f"TritonMoEConfig.swap_ab must be a bool, got {self.swap_ab!r}")
         if self.num_warps > 16 or self.num_stages > 8:
             raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
+        n2 = self.gemm2_block_n
+        if n2 is not None and (
+            not isinstance(n2, int) or isinstance(n2, bool) or n2 < 16 or n2 > 256 or n2 & (n2 - 1)
+        ):
+            raise SpecError(
+                f"TritonMoEConfig.gemm2_block_n must be None or a power of two in [16, 256], got {n2!r}"
+            )
         regs = self.max_registers
         if regs is not None and (
             not isinstance(regs, int) or isinstance(regs, bool) or not 32 <= regs <= 255 or regs % 8
@@ -201,6 +220,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (16, 64, 64, 1, 4, 5),
             (16, 64, 64, 1, 8, 4),
             (16, 64, 128, 1, 4, 3),
+            (16, 64, 128, 1, 4, 4),
             (16, 128, 64, 1, 8, 4),
             # Two warpgroups on wide, deep tiles, as triton_kernels decodes gpt-oss (its opt_flags:
             # block_n 256 rows of w13 = our 2 * 128, block_k 128, 8 warps).
@@ -240,10 +260,23 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
     # MXFP4 upcasts on the register side of the MMA whichever way round (Triton's dot_scaled), so
     # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
     swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
+    # GEMM2's tile is half GEMM1's (no gate/up pair): 4-warp tiles also try GEMM2 on 128 weight rows,
+    # the size of GEMM1's operand, which halves the activation rows GEMM2 re-reads per weight row.
+    gemm2_widths = {(n, w): (None, 128) if (n, w) == (64, 4) else (None,) for _, n, _, _, w, _ in tiles}
     grid = [
-        TritonMoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=st, swap_ab=swap)
+        TritonMoEConfig(
+            block_m=m,
+            block_n=n,
+            block_k=k,
+            group_m=g,
+            num_warps=w,
+            num_stages=st,
+            swap_ab=swap,
+            gemm2_block_n=n2,
+        )
         for m, n, k, g, w, st in tiles
         for swap in swaps
+        for n2 in gemm2_widths[n, w]
     ]
     unique = dict.fromkeys([default_config(spec, num_tokens), *grid])
     return tuple(c for c in unique if c.reason_unusable(spec) is None)
@@ -506,7 +539,7 @@ def triton_fused_moe(
     mx_native = p.w_format == _jit.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
     mx_native = mx_native and x.device.type == "cuda"
 
-    # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles.
+    # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles but N.
     shared = dict(
         sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [num_pid_m * BLOCK_M]
         block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
@@ -523,7 +556,6 @@ def triton_fused_moe(
         SWAP_AB=cfg.swap_ab,
         HAS_BIAS=p.has_bias,
         BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps,
@@ -549,6 +581,7 @@ def triton_fused_moe(
         ALPHA=p.alpha,
         HAS_LIMIT=p.has_limit,
         LIMIT=p.limit,
+        BLOCK_N=cfg.block_n,
         **w13.kernel_args(),
         **shared,
     )
@@ -558,7 +591,8 @@ def triton_fused_moe(
         h, h_scale = _quantize_rows(h, quant=quant)
     direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
     y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
-    _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, cfg.block_n),)](
+    block_n2 = cfg.block_n_gemm2
+    _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, block_n2),)](
         h_ptr=h,  # [T*K, I] act dtype or fp8
         h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
         route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
@@ -569,6 +603,7 @@ def triton_fused_moe(
         stride_ym=y.stride(0),
         ROUTE_ON_OUTPUT=p.route_on_output,
         **w2.kernel_args(),
+        BLOCK_N=block_n2,
         **shared,
     )
     if not direct:
