@@ -238,7 +238,12 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (64, 64, 64, 8, 4, 4),
         ]
         if mxfp4:  # one M-block per expert decodes each weight tile once, half-empty or not
-            tiles += [(32, 64, 128, 4, 4, 3), (64, 64, 64, 8, 4, 3)]
+            tiles += [
+                (32, 64, 128, 4, 4, 3),
+                (64, 64, 64, 8, 4, 3),
+                (32, 64, 128, 4, 4, 4),
+                (64, 64, 128, 8, 4, 3),
+            ]
     elif per_expert <= 128:
         tiles = [
             (32, 64, 64, 8, 4, 4),
