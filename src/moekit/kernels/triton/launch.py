@@ -283,15 +283,9 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
         for swap in swaps
         for n2 in gemm2_widths[n, w]
     ]
-    if mxfp4 and per_expert > 32:
-        # The word path's weights are the MMA's M side (64 rows a warpgroup step): 64 weight rows against
-        # 256 tokens (wgmma m64n256) decode half the weights per FLOP of 128 x 128, for twice the
-        # activation rows per weight row.
-        grid.append(
-            TritonMoEConfig(
-                block_m=256, block_n=32, block_k=64, group_m=8, num_warps=4, num_stages=3, gemm2_block_n=64
-            )
-        )
+    # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
+    # per FLOP of 128 x 128 but was 8 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
+    # (benchmarks/RESULTS.md, session 4): not swept.
     unique = dict.fromkeys([default_config(spec, num_tokens), *grid])
     return tuple(c for c in unique if c.reason_unusable(spec) is None)
 
