@@ -383,11 +383,13 @@ def test_every_format_swap_ab(fmt, scale, quant, dtype, why, variant):
 
 
 @pytest.mark.parametrize(("fmt", "scale", "quant", "dtype", "why"), FORMATS, ids=[f[-1] for f in FORMATS])
-def test_every_format_with_gemm2_on_its_own_tile(fmt, scale, quant, dtype, why):
+@pytest.mark.parametrize("swap", [False, True], ids=["tokens-first", "swap-ab"])
+def test_every_format_with_gemm2_on_its_own_tile(fmt, scale, quant, dtype, why, swap):
     """GEMM2 on a wider N tile than GEMM1 (H = 200: 64 + 64 + 64 + 8 rows, the last tile ragged)."""
     spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[1])
-    config = replace(TINY, gemm2_block_n=64)
-    assert config.block_n_gemm2 == 64 and TINY.block_n_gemm2 == TINY.block_n
+    base = TINY_SWAP if swap else TINY
+    config = replace(base, gemm2_block_n=64)
+    assert config.block_n_gemm2 == 64 and base.block_n_gemm2 == base.block_n
     _check_layer(spec, t=9, seed=21, config=config)
 
 
