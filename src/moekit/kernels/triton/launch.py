@@ -284,7 +284,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
         for n2 in gemm2_widths[n, w]
     ]
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
-    # per FLOP of 128 x 128 but was 8 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
+    # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
     # (benchmarks/RESULTS.md, session 4): not swept.
     unique = dict.fromkeys([default_config(spec, num_tokens), *grid])
     return tuple(c for c in unique if c.reason_unusable(spec) is None)
