@@ -25,11 +25,14 @@ from moekit.presets import preset
 from moekit.synthetic import random_batch, random_layer
 
 
-def _configs(name: str, tokens: list[int], info: DeviceInfo) -> list:
+def _configs(name: str, tokens: list[int], info: DeviceInfo, *, planned_only: bool) -> list:
     kernel = default_registry().get("triton_fused")
     spec = preset(name)
     unique = {}
     for t in tokens:
+        if planned_only:  # the config the shipped table (or the default) gives this T
+            unique[plan(spec, num_tokens=t, device=info).config] = None
+            continue
         for cfg in kernel.tuning_space(spec, Problem(num_tokens=t, device=info)):
             unique[cfg] = None
     return list(unique)
@@ -63,9 +66,10 @@ def main() -> int:
     p.add_argument("--preset", default="gpt-oss-120b")
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--planned", action="store_true", help="only the planned config of each T (a bench)")
     args = p.parse_args()
     tokens = [int(v) for v in args.tokens.split(",")]
-    configs = _configs(args.preset, tokens, DeviceInfo.of(torch.device("cuda")))
+    configs = _configs(args.preset, tokens, DeviceInfo.of(torch.device("cuda")), planned_only=args.planned)
     workers = max(1, min(args.workers, len(configs)))
     jobs = [(args.preset, tokens, configs[i::workers]) for i in range(workers)]
     start = time.time()
