@@ -577,6 +577,7 @@ def _moe_sum_k(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         p = t * TOP_K + k
-        keep = tl.load(pair_expert_ptr + p) >= 0
-        acc += tl.load(y_ptr + p * stride_ym + cols, mask=mask & keep, other=0.0).to(tl.float32)
+        # tl.where keeps the mask int1 under every Triton's interpreter (3.9's makes `mask & scalar` int32).
+        keep = tl.where(tl.load(pair_expert_ptr + p) >= 0, mask, False)
+        acc += tl.load(y_ptr + p * stride_ym + cols, mask=keep, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
