@@ -98,31 +98,44 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def loop_report(kernel) -> dict:
+def _cuobjdump(kernel, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
         handle.write(kernel.asm["cubin"])
         path = handle.name
     try:
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True)
-        usage = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True
-        )
+        return subprocess.run(
+            [_tool("cuobjdump"), flag, path], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         os.unlink(path)
+
+
+def loop_instructions(kernel) -> list[tuple[int, str]]:
+    """(address, instruction) of the K-loop: from the target of the last conditional backward branch
+    to that branch."""
     instructions = []
-    for line in sass.stdout.splitlines():
+    for line in _cuobjdump(kernel, "-sass").splitlines():
         match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
         if match:
             instructions.append((int(match.group(1), 16), match.group(2).strip()))
     loop = None
-    for address, text in instructions:  # the K-loop: the last conditional backward branch
+    for address, text in instructions:
         branch = re.search(r"@!?U?P\w+\s+BRA (0x[0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address:
             loop = (int(branch.group(1), 16), address)
     if loop is None:
         raise RuntimeError("no backward branch found: the kernel has no K-loop at this size")
-    body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in instructions if loop[0] <= a <= loop[1]]
-    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
+    return [(a, t) for a, t in instructions if loop[0] <= a <= loop[1]]
+
+
+def unpredicated(text: str) -> str:
+    """An instruction without its predicate (@P0, @!UP1 ...)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text)
+
+
+def loop_report(kernel) -> dict:
+    body = [unpredicated(t).split()[0] for _, t in loop_instructions(kernel)]
+    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(kernel, "-res-usage")))
     return {
         "loop_instructions": len(body),
         "opcodes": collections.Counter(body).most_common(),

@@ -17,45 +17,19 @@ Usage: python benchmarks/wgmma_hazard.py --gemm 1 --block 128,64,64 [--warps 4 -
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import tempfile
 
 import sass_report
 import triton
 
 
-def _loop_body(sass: str) -> list[tuple[int, str]]:
-    instructions = []
-    for line in sass.splitlines():
-        match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
-        if match:
-            instructions.append((int(match.group(1), 16), match.group(2).strip()))
-    loop = None
-    for address, text in instructions:
-        branch = re.search(r"@!?U?P\w+\s+BRA (0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            loop = (int(branch.group(1), 16), address)
-    if loop is None:
-        raise RuntimeError("no K-loop found")
-    return [(a, t) for a, t in instructions if loop[0] <= a <= loop[1]]
-
-
 def hazard_report(kernel) -> dict:
     """wgmma groups of the K-loop, the wait depth, and the writes to A registers still possibly read."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
-        handle.write(kernel.asm["cubin"])
-        path = handle.name
-    try:
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    body = _loop_body(sass)
+    body = [
+        (address, sass_report.unpredicated(text)) for address, text in sass_report.loop_instructions(kernel)
+    ]
     groups, current, depth = [], [], None
-    for _, text in body:
-        op = re.sub(r"^@!?U?P\w+\s+", "", text)
+    for _, op in body:
         a_reg = re.match(r"HGMMA\S+\s+R\d+, R(\d+),", op)
         if a_reg:
             current.append(int(a_reg.group(1)))
@@ -66,11 +40,10 @@ def hazard_report(kernel) -> dict:
     if current:
         groups.append(current)
     # After the last wait of an iteration, `depth` groups may still be pending: the last `depth` ones.
-    pending = groups[len(groups) - (depth or 0) :] if depth else []
+    pending = groups[len(groups) - depth :] if depth else []
     in_flight = {r + i for group in pending for r in group for i in range(4)}
     writes = []
-    for address, text in body:
-        op = re.sub(r"^@!?U?P\w+\s+", "", text)
+    for address, op in body:
         if op.startswith(("WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR")):
             break  # the first wait or new wgmma of the next iteration
         fields = op.split()

@@ -106,6 +106,16 @@ def align_routing(
     return run(ids, num_local_experts=num_local_experts, block_m=block_m, expert_map=expert_map)
 
 
+def _expert_map_args(expert_map: torch.Tensor | None, e_local: int) -> dict:
+    """The expert-map arguments `_align_count` and `_align_pairs` take under the same names."""
+    return dict(
+        expert_map_ptr=expert_map,  # int32 [E] or None
+        num_experts=expert_map.numel() if expert_map is not None else e_local,
+        NUM_LOCAL=e_local,
+        HAS_MAP=expert_map is not None,
+    )
+
+
 def _outputs(device: torch.device, *, num_pairs: int, e_local: int, block_m: int, max_blocks: int) -> dict:
     return dict(
         sorted_pair_ids=torch.empty(max_blocks * block_m, dtype=torch.int32, device=device),
@@ -135,14 +145,11 @@ def _align_chunked(
     num_warps = 8 if sub * block_e > 4096 else 4
     _jit_align._align_count[(num_chunks,)](
         ids_ptr=ids,  # int32 [T, K] = [P]
-        expert_map_ptr=expert_map,  # int32 [E] or None
         pair_expert_ptr=out["pair_expert"],  # int32 [P]
         rank_ptr=rank,  # int32 [P]
         chunk_counts_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E]
         num_pairs=num_pairs,
-        num_experts=expert_map.numel() if expert_map is not None else e_local,
-        NUM_LOCAL=e_local,
-        HAS_MAP=expert_map is not None,
+        **_expert_map_args(expert_map, e_local),
         SUB=sub,
         N_SUB=n_sub,
         BLOCK_E=block_e,
@@ -195,7 +202,6 @@ def _align_one_program(
     ids = ids if ids.is_contiguous() else ids.contiguous()
     _jit_align._align_pairs[(1,)](
         ids_ptr=ids,  # int32 [T, K] = [P]
-        expert_map_ptr=expert_map,  # int32 [E] or None
         pair_expert_ptr=out["pair_expert"],  # int32 [P]
         sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * block_m]
         block_expert_ptr=out["block_expert"],  # int32 [max_blocks]
@@ -205,9 +211,7 @@ def _align_one_program(
         seg_start_ptr=seg_start,  # int32 [E_local + 1]
         num_pairs=num_pairs,
         max_blocks=max_blocks,
-        num_experts=expert_map.numel() if expert_map is not None else e_local,
-        NUM_LOCAL=e_local,
-        HAS_MAP=expert_map is not None,
+        **_expert_map_args(expert_map, e_local),
         BLOCK_M=block_m,
         BLOCK_P=block_p,
         BLOCK_E=triton.next_power_of_2(e_local + 1),

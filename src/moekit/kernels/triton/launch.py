@@ -37,6 +37,12 @@ from moekit.weights import ExpertWeights, WeightPacking
 _POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
 
 
+def _check_optional_int(name: str, value: object, valid, rule: str) -> None:
+    """A TritonMoEConfig field that is None or an int obeying `rule` (`valid`); SpecError otherwise."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not valid(value)):
+        raise SpecError(f"TritonMoEConfig.{name} must be None or {rule}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TritonMoEConfig(KernelConfig):
     """Tile sizes of both grouped GEMMs (GEMM1 loads 2 * block_n weight rows: gate and up).
@@ -80,21 +86,18 @@ class TritonMoEConfig(KernelConfig):
             raise SpecError(f"TritonMoEConfig.swap_ab must be a bool, got {self.swap_ab!r}")
         if self.num_warps > 16 or self.num_stages > 8:
             raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
-        n2 = self.gemm2_block_n
-        if n2 is not None and (
-            not isinstance(n2, int) or isinstance(n2, bool) or n2 < 16 or n2 > 256 or n2 & (n2 - 1)
-        ):
-            raise SpecError(
-                f"TritonMoEConfig.gemm2_block_n must be None or a power of two in [16, 256], got {n2!r}"
-            )
-        regs = self.max_registers
-        if regs is not None and (
-            not isinstance(regs, int) or isinstance(regs, bool) or not 32 <= regs <= 255 or regs % 8
-        ):
-            raise SpecError(
-                f"TritonMoEConfig.max_registers must be None or a multiple of 8 in [32, 255] "
-                f"(ptxas' per-thread range), got {regs!r}"
-            )
+        _check_optional_int(
+            "gemm2_block_n",
+            self.gemm2_block_n,
+            lambda n: 16 <= n <= 256 and not n & (n - 1),
+            "a power of two in [16, 256]",
+        )
+        _check_optional_int(
+            "max_registers",
+            self.max_registers,
+            lambda r: 32 <= r <= 255 and not r % 8,
+            "a multiple of 8 in [32, 255] (ptxas' per-thread range)",
+        )
 
     def reason_unusable(self, spec: MoESpec) -> str | None:
         """None if this config can compute `spec`, else why not."""
@@ -267,7 +270,6 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
     swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
     # GEMM2's tile is half GEMM1's (no gate/up pair): 4-warp tiles also try GEMM2 on 128 weight rows,
     # the size of GEMM1's operand, which halves the activation rows GEMM2 re-reads per weight row.
-    gemm2_widths = {(n, w): (None, 128) if (n, w) == (64, 4) else (None,) for _, n, _, _, w, _ in tiles}
     grid = [
         TritonMoEConfig(
             block_m=m,
@@ -281,7 +283,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
         )
         for m, n, k, g, w, st in tiles
         for swap in swaps
-        for n2 in gemm2_widths[n, w]
+        for n2 in ((None, 128) if (n, w) == (64, 4) else (None,))
     ]
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
     # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
