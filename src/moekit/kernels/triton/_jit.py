@@ -215,6 +215,8 @@ def _expert_matmul(
                 BLOCK_K,
             )
             acc = _dot(w, tl.trans(a.to(out_dtype)), acc, DOT_FP32)
+            if MX_NATIVE:
+                acc = _wait_for_mma(acc)
         elif W_FORMAT == WFMT_MXFP4:
             if MX_NATIVE:
                 packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, stride_wn, BLOCK_K)
@@ -304,6 +306,14 @@ def _expert_matmul(
     if A_QUANT == AQ_TOKEN:
         acc = acc * tl.load(a_scale_ptr + a_rows * stride_asm, mask=a_mask, other=0.0)[:, None]
     return acc
+
+
+@triton.jit
+def _wait_for_mma(acc):
+    """`acc` unchanged, through an empty inline-asm use: Triton must complete every wgmma that writes
+    `acc` first, so the next K-step's decode cannot overwrite A registers an MMA still reads
+    (triton-lang/triton#9433 in Triton 3.6). Compiled only (the interpreter has no inline asm)."""
+    return tl.inline_asm_elementwise("", "=f,0", [acc], dtype=tl.float32, is_pure=False, pack=1)
 
 
 @triton.jit
