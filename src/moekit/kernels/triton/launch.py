@@ -255,6 +255,8 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
             (64, 128, 64, 8, 8, 4),
             (128, 64, 64, 8, 4, 4),
         ]
+        if mxfp4:  # 64 rows of w13 a tile (see below)
+            tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4)]
     else:
         tiles = [
             (128, 64, 64, 8, 4, 4),
@@ -265,6 +267,8 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
         ]
         # 8-warp MXFP4 tiles (block_m 256, block_n / block_k 128) were 2 - 13 % slower at T >= 2048 on an
         # H200 before the word path refused them (`reason_unusable`); RESULTS.md, session 3.
+        if mxfp4:  # 64 rows of w13 a tile: a third the registers, three programs an SM instead of two
+            tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4), (256, 32, 64, 8, 4, 3)]
     # MXFP4 upcasts on the register side of the MMA whichever way round (Triton's dot_scaled), so
     # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
     swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
@@ -283,7 +287,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
         )
         for m, n, k, g, w, st in tiles
         for swap in swaps
-        for n2 in ((None, 128) if (n, w) == (64, 4) else (None,))
+        for n2 in {(64, 4): (None, 128), (32, 4): (64, 128)}.get((n, w), (None,))
     ]
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
     # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
