@@ -328,6 +328,9 @@ WORD_CONFIGS = {
     "bm128": dict(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3),
     "bm64-bk128": dict(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3),
     "regs96": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, max_registers=96),
+    # 64 rows of w13 a tile (GEMM2 on 128 / 64 rows), as the tables plan gpt-oss at T >= 512
+    "bn32": dict(block_m=128, block_n=32, block_k=64, group_m=8, num_stages=3, gemm2_block_n=128),
+    "bm256-bn32": dict(block_m=256, block_n=32, block_k=64, group_m=8, num_stages=3, gemm2_block_n=64),
 }
 
 

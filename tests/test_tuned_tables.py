@@ -208,7 +208,7 @@ def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
 
 def test_an_eight_warp_row_for_the_mxfp4_word_path_is_rejected_with_the_reason(tmp_path):
     """Tables written before the word path refused 8 warps: the row is rejected at load, and the plan
-    falls back to the kernel default rather than run a config with intermittently wrong results."""
+    falls back to the kernel default rather than run a config nobody has verified."""
     from moekit.cli_spec import SIMULATED_DEVICES
     from moekit.kernels.triton.launch import TritonMoEConfig
 

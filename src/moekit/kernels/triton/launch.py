@@ -109,11 +109,14 @@ class TritonMoEConfig(KernelConfig):
         if spec.act_quant is not ActivationQuant.NONE and self.block_k < 32:
             return f"FP8 x FP8 dots need block_k >= 32, got {self.block_k}"
         if spec.weight_format is WeightFormat.MXFP4 and self.num_warps > 4 and words_reason(spec) is None:
-            # Measured on an H200 (benchmarks/RESULTS.md, session 3): the same inputs gave rel L2 3e-3
-            # on most runs and 1e32 or inf on some, with block_n 128 / 8 warps; the race is not found yet.
+            # Session 3 (H200, before the K-step wgmma wait of `_jit._wait_for_mma`): rel L2 3e-3 on most
+            # runs and 1e32 or inf on some. With the wait, 8-warp tiles passed one check per candidate in
+            # session 5's sweep but were 8 - 60 % slower at every T, and no race hunt has cleared them:
+            # refused until one does (benchmarks/RESULTS.md).
             return (
-                f"the MXFP4 word path (MXFP4_MMA_WORDS, {spec.act_dtype} activations) gives intermittently "
-                f"wrong results with {self.num_warps} warps; use num_warps=4"
+                f"the MXFP4 word path (MXFP4_MMA_WORDS, {spec.act_dtype} activations) is not verified with "
+                f"{self.num_warps} warps (it gave intermittently wrong results before the K-step wgmma wait, "
+                f"and was slower after it); use num_warps=4"
             )
         return None
 
