@@ -111,7 +111,7 @@ class TritonMoEConfig(KernelConfig):
         if spec.weight_format is WeightFormat.MXFP4 and self.num_warps > 4 and words_reason(spec) is None:
             # Session 3 (H200, before the K-step wgmma wait of `_jit._wait_for_mma`): rel L2 3e-3 on most
             # runs and 1e32 or inf on some. With the wait, 8-warp tiles passed one check per candidate in
-            # session 5's sweep but were 8 - 60 % slower at every T, and no race hunt has cleared them:
+            # session 5's sweep but were 11 - 58 % slower at every T, and no race hunt has cleared them:
             # refused until one does (benchmarks/RESULTS.md).
             return (
                 f"the MXFP4 word path (MXFP4_MMA_WORDS, {spec.act_dtype} activations) is not verified with "
