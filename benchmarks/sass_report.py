@@ -33,7 +33,7 @@ _W = {
 }
 
 
-def compile_gemm(gemm: int, fmt: str, block: tuple[int, int, int], warps: int, stages: int):
+def compile_gemm(gemm: int, fmt: str, block: tuple[int, int, int], warps: int, stages: int, split_k: int = 1):
     fn = _jit._moe_gemm1 if gemm == 1 else _jit._moe_gemm2
     w_format, w_type = _W[fmt]
     a_name, out_name = ("x_ptr", "h_ptr") if gemm == 1 else ("h_ptr", "y_ptr")
@@ -47,6 +47,7 @@ def compile_gemm(gemm: int, fmt: str, block: tuple[int, int, int], warps: int, s
         out_name: "*bf16",
         "w_scale_ptr": "*u8" if fmt != "bf16" else "constexpr",
         "route_w_ptr": "*fp32" if gemm == 2 else "constexpr",
+        "part_ptr": "*fp32" if split_k > 1 else "constexpr",
     }
     values = dict(
         HIDDEN=2880,
@@ -62,6 +63,7 @@ def compile_gemm(gemm: int, fmt: str, block: tuple[int, int, int], warps: int, s
         BLOCK_N=block[1],
         BLOCK_K=block[2],
         GROUP_M=1,
+        SPLIT_K=split_k,
     )
     if gemm == 1:
         values.update(TOP_K=4, INTERLEAVED=True, ROUTE_ON_INPUT=False, ACTIVATION=3, ALPHA=1.702)
@@ -152,9 +154,10 @@ def main() -> int:
     p.add_argument("--block", default="16,64,128", help="block_m,block_n,block_k")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--split-k", type=int, default=1)
     args = p.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
-    report = loop_report(compile_gemm(args.gemm, args.format, block, args.warps, args.stages))
+    report = loop_report(compile_gemm(args.gemm, args.format, block, args.warps, args.stages, args.split_k))
     print(
         f"GEMM{args.gemm} {args.format} block {block} warps {args.warps} stages {args.stages}: "
         f"{report['loop_instructions']} SASS instructions per K-step, {report['registers']} registers, "

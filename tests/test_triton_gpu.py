@@ -185,6 +185,19 @@ def test_matches_reference(name, t):
     _assert_close(got, expected, spec, f"{name} T={t}")
 
 
+@pytest.mark.parametrize("t", [1, 4, 33])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_split_k_matches_reference(name, t):
+    """split_k = 3 on every spec (each format's K loop in three shares, the last ragged or empty)."""
+    spec = SPECS[name][0]
+    config = replace(default_config(spec, t), split_k=3)
+    weights = _weights(name)
+    x, routing = _inputs(spec, t, seed=300 + t)
+    got = _run(spec, weights, x, routing, config=config)
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    _assert_close(got, expected, spec, f"{name} T={t} split_k=3")
+
+
 @pytest.mark.parametrize("quant", [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_activation_quantization_is_bit_exact(quant, dtype):
@@ -331,6 +344,7 @@ WORD_CONFIGS = {
     # 64 rows of w13 a tile (GEMM2 on 128 / 64 rows), as the tables plan gpt-oss at T >= 512
     "bn32": dict(block_m=128, block_n=32, block_k=64, group_m=8, num_stages=3, gemm2_block_n=128),
     "bm256-bn32": dict(block_m=256, block_n=32, block_k=64, group_m=8, num_stages=3, gemm2_block_n=64),
+    "split4": dict(block_m=16, block_n=64, block_k=128, num_stages=3, gemm2_block_n=128, split_k=4),
 }
 
 

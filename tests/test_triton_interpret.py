@@ -393,6 +393,42 @@ def test_every_format_with_gemm2_on_its_own_tile(fmt, scale, quant, dtype, why, 
     _check_layer(spec, t=9, seed=21, config=config)
 
 
+SPLITS = [
+    # (split_k, format row of FORMATS, variant of FORMAT_VARIANTS, T, why)
+    (2, 0, 0, 5, "fp16: H = 64 in two shares of 2 steps, I = 48 in 1 + 1 steps (the last ragged)"),
+    (3, 3, 1, 9, "MXFP4 W4A16, H = 200: 7 steps in shares of 3, 3, 1; the last step past H adds zero"),
+    (2, 11, 1, 4, "DeepSeek-V3 W8A8: block scales and 1x128 activation scales inside each share"),
+    (4, 6, 2, 3, "W8A16 per channel, K = 1 with INPUT placement: finishing kernels apply the router weight"),
+    (5, 1, 0, 2, "more shares than steps: shares past K are empty and add zero"),
+]
+
+
+@pytest.mark.parametrize(
+    ("split", "fmt_row", "variant", "t", "why"), SPLITS, ids=[s[-1][:24] for s in SPLITS]
+)
+def test_split_k_matches_the_reference(split, fmt_row, variant, t, why):
+    """split_k > 1: each GEMM sums its reduction in `split` shares (one program each) into fp32 partials,
+    and `_moe_gemm1_splits` / `_moe_sum_splits_k` add them in order and finish the epilogues."""
+    fmt, scale, quant, dtype, _ = FORMATS[fmt_row]
+    spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[variant])
+    _check_layer(spec, t=t, seed=40 + split, config=replace(TINY, split_k=split))
+
+
+def test_split_k_is_deterministic_and_close_to_one_share():
+    spec = _spec(fmt=WeightFormat.FP16, dtype=torch.float16, **FORMAT_VARIANTS[1])
+    one, expected = _check_layer(spec, t=6, seed=50)
+    split, _ = _check_layer(spec, t=6, seed=50, config=replace(TINY, split_k=3))
+    again, _ = _check_layer(spec, t=6, seed=50, config=replace(TINY, split_k=3))
+    assert torch.equal(split, again)
+    assert relative_l2_error(split, one) <= TOLERANCE[torch.float16]
+
+
+def test_split_k_with_an_expert_map_drops_other_ranks():
+    spec = _spec(e=8, e_local=4, k=2)
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
+    _check_layer(spec, t=11, expert_map=expert_map, seed=60, config=replace(TINY, split_k=2))
+
+
 SHAPES = [
     # (T, K, E, H, I, why)
     (1, 1, 4, 32, 32, "decode: one token, K = 1 writes out directly"),
@@ -504,6 +540,11 @@ def test_default_configs_run():
         dict(gemm2_block_n=8),
         dict(gemm2_block_n=512),
         dict(gemm2_block_n=True),
+        dict(split_k=0),
+        dict(split_k=17),
+        dict(split_k=None),
+        dict(split_k=2.0),
+        dict(split_k=True),
     ],
 )
 def test_bad_configs_are_refused(bad):
@@ -571,11 +612,15 @@ WORD_CONFIGS = [
     TritonMoEConfig(block_m=16, block_n=32, block_k=64, num_stages=2, max_registers=96),
     # GEMM2 on its own N tile: 64 of H = 96 rows, the second tile half masked.
     TritonMoEConfig(block_m=16, block_n=32, block_k=64, num_stages=2, gemm2_block_n=64),
+    # Split-K: H = 96 in 2 steps of 64, one a share; I = 48 in 1 step, the second share empty.
+    TritonMoEConfig(block_m=16, block_n=32, block_k=64, num_stages=2, split_k=2),
 ]
 
 
 @pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
-@pytest.mark.parametrize("config", WORD_CONFIGS, ids=["bk32", "bk64", "bk64_regs96", "bk64_gemm2_n64"])
+@pytest.mark.parametrize(
+    "config", WORD_CONFIGS, ids=["bk32", "bk64", "bk64_regs96", "bk64_gemm2_n64", "bk64_split2"]
+)
 def test_mxfp4_mma_words_match_reference(layout, config):
     """prepare_weights turns MXFP4 into MXFP4_MMA_WORDS (fp32 activations here: the interpreter's bf16
     arithmetic is broken); the kernel's word decode and fragment reshapes must reproduce the layer."""
@@ -616,7 +661,18 @@ def _words_tile_probe(
         scales = tl.load(s_ptr + rows[:, None] * groups + kg[None, :])
         blocks = tl.arange(0, ROWS // 16)
         w = _jit_mxfp4._mxfp4_words_tile(
-            w_ptr, blocks, blocks >= 0, scales, k0, IN_DIM, stride_wn, False, tl.float32, ROWS, BK
+            w_ptr,
+            blocks,
+            blocks >= 0,
+            scales,
+            k0,
+            IN_DIM,
+            IN_DIM % BK == 0,
+            stride_wn,
+            False,
+            tl.float32,
+            ROWS,
+            BK,
         )
         cols = k0 + tl.arange(0, BK)
         tl.store(out_ptr + rows[:, None] * IN_DIM + cols[None, :], w)

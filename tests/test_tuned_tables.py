@@ -185,13 +185,14 @@ def test_a_crashed_writer_leaves_no_lock_behind(tmp_path):
 
 
 def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
-    """`max_registers` came after the first tables: rows written without it read as None (no cap)."""
+    """`max_registers` and `split_k` came after the first tables: rows written without them read as
+    their defaults (no cap, one share)."""
     from moekit.cli_spec import SIMULATED_DEVICES
     from moekit.kernels.triton.launch import TritonMoEConfig
 
     h200 = SIMULATED_DEVICES["h200"]
     mx = replace(moekit.preset("gpt-oss-20b"), num_experts=4)
-    capped = TritonMoEConfig(block_m=16, block_n=64, block_k=128, max_registers=96)
+    capped = TritonMoEConfig(block_m=16, block_n=64, block_k=128, max_registers=96, split_k=3)
     rows = [
         row_to_json(
             spec=mx, device=h200.name, triton=triton_version(), tokens=t, kernel="triton_fused", config=c
@@ -199,6 +200,7 @@ def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
         for t, c in ((1, capped), (64, TritonMoEConfig(block_m=32)))
     ]
     del rows[1]["config"]["max_registers"]  # as a table from before the field
+    del rows[1]["config"]["split_k"]  # likewise (split_k came after max_registers)
     path = _write(tmp_path / "t.json", rows)
     for t, want in ((1, capped), (64, TritonMoEConfig(block_m=32))):
         result = plan(mx, num_tokens=t, device=h200, tuned=path)

@@ -332,7 +332,7 @@ class FusedMoE(torch.nn.Module):
         plan = self.plan_for(num_tokens)
         spec, pairs = self.spec, num_tokens * self.spec.K
         act = torch.empty((), dtype=spec.act_dtype).element_size()
-        kernel_bytes = self._kernels[plan.kernel].workspace_bytes(spec, num_tokens)
+        kernel_bytes = self._kernels[plan.kernel].workspace_bytes(spec, num_tokens, plan.config)
         layer_bytes = num_tokens * spec.E * 4 + pairs * 8 + num_tokens * spec.H * act  # logits, routing, out
         return kernel_bytes + layer_bytes
 

@@ -212,8 +212,9 @@ class Kernel(abc.ABC):
             )
         return None
 
-    def workspace_bytes(self, spec: MoESpec, num_tokens: int) -> int:
-        """Device memory `run` allocates for `num_tokens` beyond the weights, output excluded.
+    def workspace_bytes(self, spec: MoESpec, num_tokens: int, config: KernelConfig | None = None) -> int:
+        """Device memory `run` allocates for `num_tokens` beyond the weights, output excluded (with
+        `config`, the planned one, where the kernel's workspace depends on it).
 
         Default: the fp32 intermediates of T*K (token, expert) pairs an unfused path keeps: h [2I],
         activation [I], y and its unsorted copy [2H], plus the gathered input rows [H] in act dtype."""

@@ -87,8 +87,9 @@ class TritonFusedKernel(Kernel):
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         return super().validate_config(config, spec) or config.reason_unusable(spec)
 
-    def workspace_bytes(self, spec: MoESpec, num_tokens: int) -> int:
-        return workspace_bytes(spec=spec, num_tokens=num_tokens)
+    def workspace_bytes(self, spec: MoESpec, num_tokens: int, config: KernelConfig | None = None) -> int:
+        splits = config.split_k if isinstance(config, TritonMoEConfig) else 1
+        return workspace_bytes(spec=spec, num_tokens=num_tokens, split_k=splits)
 
     def run(self, launch: Launch) -> torch.Tensor:
         return triton_fused_moe(

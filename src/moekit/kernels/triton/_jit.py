@@ -148,7 +148,10 @@ def _expert_matmul(
     stride_wse,
     stride_wsn,
     stride_wsk,
+    k_begin,
     IN_DIM: tl.constexpr,
+    K_STEPS: tl.constexpr,
+    EVEN_K: tl.constexpr,
     W_FORMAT: tl.constexpr,
     FP8_SCALE: tl.constexpr,
     A_QUANT: tl.constexpr,
@@ -159,9 +162,11 @@ def _expert_matmul(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, :] @ W[expert, w_rows, :]^T with every scale applied.
+    """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, K] @ W[expert, w_rows, K]^T with every scale applied, over the
+    K_STEPS steps of BLOCK_K columns from `k_begin` (all of IN_DIM, or one split-K share of it).
 
-    A and W are contiguous along the reduction axis (checked on the host).
+    A and W are contiguous along the reduction axis (checked on the host). EVEN_K: every step lies
+    inside IN_DIM (no K masks); otherwise steps past it read nothing and add zero.
     SWAP_AB computes the transpose W @ A^T instead: the weight rows fill the MMA's M side (64 on
     Hopper) and the few token rows of a decode step its N side (16), so small batches waste no MMA
     rows. MXFP4 never needs it: `tl.dot_scaled` already puts the upcast weights on the register side,
@@ -186,10 +191,15 @@ def _expert_matmul(
     if PREFETCH_SCALES:
         # Scale tiles are too small for cp.async (1 byte per thread), so the software pipeline skips
         # them: prefetch one K-step ahead in registers instead of stalling on HBM every step.
-        next_scales = _mxfp4_native_scales(s_base, w_rows, w_mask, 0, IN_DIM, stride_wsn, stride_wsk, BLOCK_K)
-    for k0 in range(0, IN_DIM, BLOCK_K):  # constexpr bound: see _quant_fp8_rows
+        next_scales = _mxfp4_native_scales(
+            s_base, w_rows, w_mask, k_begin, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
+        )
+    # Constexpr bounds (the interpreter cannot loop over runtime ones: see _quant_fp8_rows); k_begin is
+    # the literal 0 without split-K, which keeps the compiled loop as it was.
+    for k_rel in range(0, K_STEPS * BLOCK_K, BLOCK_K):
+        k0 = k_begin + k_rel
         ks = k0 + offs_k
-        if IN_DIM % BLOCK_K == 0:  # an all-true mask along K would keep the loads from vectorizing
+        if EVEN_K:  # an all-true mask along K would keep the loads from vectorizing
             k_mask = tl.full([BLOCK_K], True, tl.int1)
         else:
             k_mask = ks < IN_DIM
@@ -208,6 +218,7 @@ def _expert_matmul(
                 scales,
                 k0,
                 IN_DIM,
+                EVEN_K,
                 stride_wn,
                 MX_NATIVE,
                 out_dtype,
@@ -219,7 +230,7 @@ def _expert_matmul(
                 acc = _wait_for_mma(acc)
         elif W_FORMAT == WFMT_MXFP4:
             if MX_NATIVE:
-                packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, stride_wn, BLOCK_K)
+                packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, EVEN_K, stride_wn, BLOCK_K)
                 if SWAP_AB:
                     acc = tl.dot_scaled(packed, scales, _E2M1, tl.trans(a), None, _BF16, acc, fast_math=True)
                 else:
@@ -279,13 +290,15 @@ def _expert_matmul(
                 if FP8_SCALE == FP8S_BLOCK:
                     ws = tl.load(
                         s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
-                        mask=w_mask,
+                        mask=w_mask if EVEN_K else w_mask & (k0 < IN_DIM),  # no scale past IN_DIM
                         other=0.0,
                     )
                     part = part * (ws[:, None] if SWAP_AB else ws[None, :])
                 if A_QUANT == AQ_GROUP:
                     sa = tl.load(
-                        a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask, mask=a_mask, other=0.0
+                        a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+                        mask=a_mask if EVEN_K else a_mask & (k0 < IN_DIM),
+                        other=0.0,
                     )
                     part = part * (sa[None, :] if SWAP_AB else sa[:, None])
                 acc += part
@@ -375,6 +388,7 @@ def _moe_gemm1(
     block_expert_ptr,  # int32 [num_pid_m]
     num_blocks_ptr,  # int32 [1]
     h_ptr,  # [T*K, I] act dtype (fp32 when W8A8)
+    part_ptr,  # fp32 [SPLIT_K, T*K, 2I] raw partial sums when SPLIT_K > 1, else None
     num_pairs,
     num_pid_m,
     stride_xm,
@@ -387,6 +401,8 @@ def _moe_gemm1(
     stride_wsk,
     stride_be,
     stride_hm,
+    stride_part_split,
+    stride_part_m,
     INTER_SIZE: tl.constexpr,
     HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -407,11 +423,14 @@ def _moe_gemm1(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """h[p, n0:n0+BLOCK_N] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block.
 
     One dot of 2*BLOCK_N weight rows per tile: the gate and up rows of the same output columns, so
-    the activation is applied in registers without a second pass.
+    the activation is applied in registers without a second pass. With SPLIT_K > 1, program
+    (., s) sums only the s-th share of H and stores the raw sums to `part_ptr`; `_moe_gemm1_splits`
+    adds the shares in order and finishes (bias, activation) instead.
     """
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(INTER_SIZE, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -435,6 +454,11 @@ def _moe_gemm1(
         col_block = pid_n * (BLOCK_N // 16) + jb % (BLOCK_N // 16)
         w_blocks = tl.where(jb < BLOCK_N // 16, col_block, col_block + INTER_SIZE // 16)
         w_block_mask = col_block * 16 < INTER_SIZE
+    K_STEPS: tl.constexpr = ((HIDDEN + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+    if SPLIT_K == 1:
+        k_begin = 0
+    else:
+        k_begin = tl.program_id(1) * (K_STEPS * BLOCK_K)
     acc = _expert_matmul(
         x_ptr,
         x_scale_ptr,
@@ -455,7 +479,10 @@ def _moe_gemm1(
         stride_wse,
         stride_wsn,
         stride_wsk,
+        k_begin,
         HIDDEN,
+        K_STEPS,
+        K_STEPS * SPLIT_K * BLOCK_K == HIDDEN,
         W_FORMAT,
         FP8_SCALE,
         A_QUANT,
@@ -466,22 +493,26 @@ def _moe_gemm1(
         2 * BLOCK_N,
         BLOCK_K,
     )
-    if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T); K == 1 so pair == token
-        acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
-    if INTERLEAVED:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    if SPLIT_K > 1:
+        part = part_ptr + tl.program_id(1) * stride_part_split + pairs[:, None] * stride_part_m
+        tl.store(part + w_rows[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
     else:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(
-        h_ptr + pairs[:, None] * stride_hm + offs_n[None, :],
-        out.to(h_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :],
-    )
+        if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T); K == 1 so pair == token
+            acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        if INTERLEAVED:
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        else:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(
+            h_ptr + pairs[:, None] * stride_hm + offs_n[None, :],
+            out.to(h_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :],
+        )
 
 
 @triton.jit
@@ -497,6 +528,7 @@ def _moe_gemm2(
     block_expert_ptr,  # int32 [num_pid_m]
     num_blocks_ptr,  # int32 [1]
     y_ptr,  # [T*K, H] (act dtype, or fp32 for fp32 activations)
+    part_ptr,  # fp32 [SPLIT_K, T*K, H] raw partial sums when SPLIT_K > 1, else None
     num_pairs,
     num_pid_m,
     stride_hm,
@@ -509,6 +541,8 @@ def _moe_gemm2(
     stride_wsk,
     stride_be,
     stride_ym,
+    stride_part_split,
+    stride_part_m,
     HIDDEN: tl.constexpr,
     INTER_SIZE: tl.constexpr,
     W_FORMAT: tl.constexpr,
@@ -523,8 +557,10 @@ def _moe_gemm2(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """y[p, n0:n0+BLOCK_N] = w[p] * (h[p] @ w2[e]^T + b2[e]) for the pairs of one M-block."""
+    """y[p, n0:n0+BLOCK_N] = w[p] * (h[p] @ w2[e]^T + b2[e]) for the pairs of one M-block; with
+    SPLIT_K > 1, the raw sums of the s-th share of I to `part_ptr` (`_moe_sum_splits_k` finishes)."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -533,6 +569,11 @@ def _moe_gemm2(
     w_mask = w_rows < HIDDEN
     w_blocks = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)  # 16-row blocks (MXFP4_MMA_WORDS)
     w_block_mask = w_blocks * 16 < HIDDEN
+    K_STEPS: tl.constexpr = ((INTER_SIZE + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+    if SPLIT_K == 1:
+        k_begin = 0
+    else:
+        k_begin = tl.program_id(1) * (K_STEPS * BLOCK_K)
     acc = _expert_matmul(
         h_ptr,
         h_scale_ptr,
@@ -553,7 +594,10 @@ def _moe_gemm2(
         stride_wse,
         stride_wsn,
         stride_wsk,
+        k_begin,
         INTER_SIZE,
+        K_STEPS,
+        K_STEPS * SPLIT_K * BLOCK_K == INTER_SIZE,
         W_FORMAT,
         FP8_SCALE,
         A_QUANT,
@@ -564,16 +608,20 @@ def _moe_gemm2(
         BLOCK_N,
         BLOCK_K,
     )
-    if HAS_BIAS:  # b2 is added per expert before the router weight, as GPT-OSS does
-        bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
-    if ROUTE_ON_OUTPUT:
-        acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-    tl.store(
-        y_ptr + pairs[:, None] * stride_ym + w_rows[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & w_mask[None, :],
-    )
+    if SPLIT_K > 1:
+        part = part_ptr + tl.program_id(1) * stride_part_split + pairs[:, None] * stride_part_m
+        tl.store(part + w_rows[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
+    else:
+        if HAS_BIAS:  # b2 is added per expert before the router weight, as GPT-OSS does
+            bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        if ROUTE_ON_OUTPUT:
+            acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+        tl.store(
+            y_ptr + pairs[:, None] * stride_ym + w_rows[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & w_mask[None, :],
+        )
 
 
 @triton.jit
@@ -597,4 +645,95 @@ def _moe_sum_k(
         # tl.where keeps the mask int1 under every Triton's interpreter (3.9's makes `mask & scalar` int32).
         keep = tl.where(tl.load(pair_expert_ptr + p) >= 0, mask, False)
         acc += tl.load(y_ptr + p * stride_ym + cols, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moe_gemm1_splits(
+    part_ptr,  # fp32 [SPLIT_K, T*K, 2I] raw GEMM1 sums of each share of H
+    pair_expert_ptr,  # int32 [T*K] local expert of each pair, -1 if it is not computed here
+    b_ptr,  # b13 [E_local, 2I] or None
+    route_w_ptr,  # fp32 [T*K] router weights (INPUT placement) or None
+    h_ptr,  # [T*K, I]
+    stride_part_split,
+    stride_part_m,
+    stride_be,
+    stride_hm,
+    INTER_SIZE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTE_ON_INPUT: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    ALPHA: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """h[p, cols] = act(sum over s = 0..SPLIT_K-1, in that order, of the GEMM1 shares (+ b13)): the
+    epilogue `_moe_gemm1` applies when it sums all of H itself."""
+    p = tl.program_id(0).to(tl.int64)
+    expert = tl.load(pair_expert_ptr + p).to(tl.int64)
+    if expert < 0:
+        return  # a pair no M-block holds: its h row is never read
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < INTER_SIZE
+    if INTERLEAVED:  # rows 2n (gate n) and 2n+1 (up n)
+        gate_rows = 2 * cols
+        up_rows = 2 * cols + 1
+    else:  # rows n and I + n
+        gate_rows = cols
+        up_rows = cols + INTER_SIZE
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        row = part_ptr + s * stride_part_split + p * stride_part_m
+        gate += tl.load(row + gate_rows, mask=mask, other=0.0)
+        up += tl.load(row + up_rows, mask=mask, other=0.0)
+    if ROUTE_ON_INPUT:
+        w = tl.load(route_w_ptr + p)
+        gate, up = gate * w, up * w
+    if HAS_BIAS:
+        gate += tl.load(b_ptr + expert * stride_be + gate_rows, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + expert * stride_be + up_rows, mask=mask, other=0.0).to(tl.float32)
+    out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+    tl.store(h_ptr + p * stride_hm + cols, out.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moe_sum_splits_k(
+    part_ptr,  # fp32 [SPLIT_K, T*K, H] raw GEMM2 sums of each share of I
+    pair_expert_ptr,  # int32 [T*K] local expert of each pair, -1 if another rank owns it
+    b_ptr,  # b2 [E_local, H] or None
+    route_w_ptr,  # fp32 [T*K] router weights (OUTPUT placement) or None
+    out_ptr,  # [T, H] act dtype
+    stride_part_split,
+    stride_part_m,
+    stride_be,
+    stride_om,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTE_ON_OUTPUT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over k, in order, of w[p] * (sum over s, in order, of the GEMM2 shares + b2[e]) for
+    p = t*K + k: `_moe_gemm2`'s epilogue and `_moe_sum_k` in one pass (dropped pairs add zero)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < HIDDEN
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        p = t * TOP_K + k
+        expert = tl.load(pair_expert_ptr + p).to(tl.int64)
+        keep = tl.where(expert >= 0, mask, False)
+        y = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            y += tl.load(part_ptr + s * stride_part_split + p * stride_part_m + cols, mask=keep, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + expert * stride_be + cols, mask=keep, other=0.0).to(tl.float32)
+        if ROUTE_ON_OUTPUT:
+            y = y * tl.load(route_w_ptr + p)
+        acc += y
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

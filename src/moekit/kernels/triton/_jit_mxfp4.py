@@ -82,12 +82,14 @@ def _mxfp4_tiles(
 
 
 @triton.jit
-def _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, stride_wn, BLOCK_K: tl.constexpr):
+def _mxfp4_native_bytes(
+    w_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, EVEN_K: tl.constexpr, stride_wn, BLOCK_K: tl.constexpr
+):
     """MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) as `tl.dot_scaled` takes them: packed
     bytes uint8 [BLOCK_N, BLOCK_K/2], low nibble first. Bytes past the row read as 0; nibbles of a
     ragged tail's padding meet activation columns that the caller zeroed, so they add nothing."""
     kb = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    if IN_DIM % BLOCK_K == 0:  # no K mask: lets the loads vectorize
+    if EVEN_K:  # every step inside IN_DIM: no K mask, so the loads vectorize
         return tl.load(w_base + w_rows[:, None] * stride_wn + kb[None, :], mask=w_mask[:, None], other=0)
     num_bytes: tl.constexpr = (IN_DIM + 31) // 32 * 16
     return tl.load(
@@ -164,6 +166,7 @@ def _mxfp4_words_tile(
     scales,
     k0,
     IN_DIM: tl.constexpr,
+    EVEN_K: tl.constexpr,
     stride_wn,
     NATIVE: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -185,7 +188,7 @@ def _mxfp4_words_tile(
     lane = tl.arange(0, 32)  # (g, q) of the MMA fragment: 8 row pairs x 4 column pairs
     in_run = (chunk // _RUN) * (32 * _RUN) + chunk % _RUN
     ptrs = w_base + w_blocks[:, None, None] * stride_wn + lane[None, :, None] * _RUN + in_run[None, None, :]
-    if IN_DIM % BLOCK_K == 0:
+    if EVEN_K:  # every step inside IN_DIM: every chunk it reads is stored
         words = tl.load(ptrs, mask=w_block_mask[:, None, None], other=0)
     else:
         words = tl.load(ptrs, mask=w_block_mask[:, None, None] & (chunk < NUM_CHUNKS)[None, None, :], other=0)

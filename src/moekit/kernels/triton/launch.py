@@ -12,7 +12,7 @@ Workspace per call (`workspace_bytes`): h, y and the FP8 copies; nothing is cach
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,6 +49,9 @@ class TritonMoEConfig(KernelConfig):
 
     Both GEMMs share the M-blocks (block_m: one routing alignment per call), K-step, warps and stages;
     GEMM2 may take a different N tile (`gemm2_block_n`), since its full tile is half GEMM1's.
+    `split_k` > 1 splits each GEMM's reduction into that many shares, one program each, summed in a
+    fixed order by a small second kernel (deterministic): more programs, and more bytes in flight,
+    when few M-blocks leave most of the SMs idle (decode).
     """
 
     block_m: int = 16
@@ -64,6 +67,7 @@ class TritonMoEConfig(KernelConfig):
     # GEMM2's weight rows per tile; None: block_n. With 4 warps, GEMM1's 2 * 64 rows and GEMM2's 128 rows
     # give both the same 128-row register operand (two m64 wgmma per warpgroup).
     gemm2_block_n: int | None = None
+    split_k: int = 1
 
     @property
     def block_n_gemm2(self) -> int:
@@ -92,6 +96,9 @@ class TritonMoEConfig(KernelConfig):
             lambda n: 16 <= n <= 256 and not n & (n - 1),
             "a power of two in [16, 256]",
         )
+        if self.split_k is None:
+            raise SpecError("TritonMoEConfig.split_k must be an int in [1, 16], got None")
+        _check_optional_int("split_k", self.split_k, lambda n: 1 <= n <= 16, "an int in [1, 16]")
         _check_optional_int(
             "max_registers",
             self.max_registers,
@@ -292,6 +299,11 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
         for swap in swaps
         for n2 in {(64, 4): (None, 128), (32, 4): (64, 128)}.get((n, w), (None,))
     ]
+    if num_tokens * spec.K <= 32:
+        # A decode step of few pairs hits at most that many experts: T = 1 of gpt-oss-120b runs 4 x 45
+        # GEMM1 programs on 132 SMs. Split-K multiplies the programs (and weight bytes in flight).
+        decode = TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
+        grid += [replace(decode, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
     # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
     # (benchmarks/RESULTS.md, session 4): not swept.
@@ -370,8 +382,9 @@ _ACTIVATION = {
 }
 
 
-def workspace_bytes(*, spec: MoESpec, num_tokens: int) -> int:
-    """Device memory one call allocates besides `out` (h, y, and the FP8 copies for W8A8)."""
+def workspace_bytes(*, spec: MoESpec, num_tokens: int, split_k: int = 1) -> int:
+    """Device memory one call allocates besides `out` (h, y, the FP8 copies for W8A8, and the fp32
+    split-K shares of `config.split_k` > 1)."""
     pairs = num_tokens * spec.K
     act = torch.empty((), dtype=spec.act_dtype).element_size()
     params = _KernelParams.of(spec)
@@ -380,6 +393,8 @@ def workspace_bytes(*, spec: MoESpec, num_tokens: int) -> int:
     if params.a_quant:
         codes = num_tokens * spec.H + pairs * spec.I  # one byte each, plus fp32 scales per 128 at most
         total += codes + 4 * (codes // 128 + num_tokens + pairs)
+    if split_k > 1:  # the fp32 shares of both GEMMs (y is not allocated then; counted anyway)
+        total += split_k * pairs * (2 * spec.I + spec.H) * 4
     return total + 16 * pairs  # routing metadata, roughly
 
 
@@ -575,22 +590,32 @@ def triton_fused_moe(
         BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
+        SPLIT_K=cfg.split_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # A compile option, not a kernel argument: only passed when set (one cache entry otherwise).
         **({"maxnreg": cfg.max_registers} if cfg.max_registers is not None else {}),
     )
 
+    splits = cfg.split_k
     h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
-    _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n),)](
+    part1 = (
+        torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device)
+        if splits > 1
+        else None
+    )
+    _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n), splits)](
         x_ptr=x,  # [T, H] act dtype or fp8
         x_scale_ptr=x_scale,  # fp32 [T, G] or None
         route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
         h_ptr=h,  # [T*K, I]
+        part_ptr=part1,  # fp32 [S, T*K, 2I] or None
         stride_xm=x.stride(0),
         stride_xsm=x_scale.stride(0) if x_scale is not None else 0,
         stride_xsk=x_scale.stride(1) if x_scale is not None else 0,
         stride_hm=h.stride(0),
+        stride_part_split=part1.stride(0) if part1 is not None else 0,
+        stride_part_m=part1.stride(1) if part1 is not None else 0,
         TOP_K=top_k,
         INTERLEAVED=p.interleaved,
         ROUTE_ON_INPUT=p.route_in_gemm1,
@@ -602,29 +627,79 @@ def triton_fused_moe(
         **w13.kernel_args(),
         **shared,
     )
+    if part1 is not None:
+        block_fin = min(1024, triton.next_power_of_2(spec.I))
+        _jit._moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
+            part_ptr=part1,  # fp32 [S, T*K, 2I]
+            pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
+            b_ptr=w13.bias,  # [E_local, 2I] or None
+            route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
+            h_ptr=h,  # [T*K, I]
+            stride_part_split=part1.stride(0),
+            stride_part_m=part1.stride(1),
+            stride_be=w13.stride_be,
+            stride_hm=h.stride(0),
+            INTER_SIZE=spec.I,
+            SPLIT_K=splits,
+            INTERLEAVED=p.interleaved,
+            HAS_BIAS=p.has_bias,
+            ROUTE_ON_INPUT=p.route_in_gemm1,
+            ACTIVATION=p.activation,
+            ALPHA=p.alpha,
+            HAS_LIMIT=p.has_limit,
+            LIMIT=p.limit,
+            BLOCK_N=block_fin,
+        )
 
     h_scale = None
     if p.a_quant:
         h, h_scale = _quantize_rows(h, quant=quant)
     direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
-    y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
+    part2 = (
+        torch.empty(splits, num_pairs, spec.H, dtype=torch.float32, device=x.device) if splits > 1 else None
+    )
+    if part2 is not None:
+        y = None  # the shares go to part2; _moe_sum_splits_k writes out
+    else:
+        y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     block_n2 = cfg.block_n_gemm2
-    _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, block_n2),)](
+    _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, block_n2), splits)](
         h_ptr=h,  # [T*K, I] act dtype or fp8
         h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
         route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
-        y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1)
+        y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1), or None when split
+        part_ptr=part2,  # fp32 [S, T*K, H] or None
         stride_hm=h.stride(0),
         stride_hsm=h_scale.stride(0) if h_scale is not None else 0,
         stride_hsk=h_scale.stride(1) if h_scale is not None else 0,
-        stride_ym=y.stride(0),
+        stride_ym=y.stride(0) if y is not None else 0,
+        stride_part_split=part2.stride(0) if part2 is not None else 0,
+        stride_part_m=part2.stride(1) if part2 is not None else 0,
         ROUTE_ON_OUTPUT=p.route_on_output,
         **w2.kernel_args(),
         BLOCK_N=block_n2,
         **shared,
     )
-    if not direct:
-        block_h = min(1024, triton.next_power_of_2(spec.H))
+    block_h = min(1024, triton.next_power_of_2(spec.H))
+    if part2 is not None:
+        _jit._moe_sum_splits_k[(num_tokens, triton.cdiv(spec.H, block_h))](
+            part_ptr=part2,  # fp32 [S, T*K, H]
+            pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
+            b_ptr=w2.bias,  # [E_local, H] or None
+            route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
+            out_ptr=out,  # [T, H]
+            stride_part_split=part2.stride(0),
+            stride_part_m=part2.stride(1),
+            stride_be=w2.stride_be,
+            stride_om=out.stride(0),
+            HIDDEN=spec.H,
+            TOP_K=top_k,
+            SPLIT_K=splits,
+            HAS_BIAS=p.has_bias,
+            ROUTE_ON_OUTPUT=p.route_on_output,
+            BLOCK_H=block_h,
+        )
+    elif not direct:
         _jit._moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
             y_ptr=y,  # [T*K, H]
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
