@@ -598,6 +598,16 @@ def triton_fused_moe(
     )
 
     splits = cfg.split_k
+    # GEMM1's epilogue (bias, router weight on the input, activation), run by GEMM1 itself or, split,
+    # by _moe_gemm1_splits: the same switches for both.
+    epilogue1 = dict(
+        INTERLEAVED=p.interleaved,
+        ROUTE_ON_INPUT=p.route_in_gemm1,
+        ACTIVATION=p.activation,
+        ALPHA=p.alpha,
+        HAS_LIMIT=p.has_limit,
+        LIMIT=p.limit,
+    )
     h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
     part1 = (
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device)
@@ -617,13 +627,8 @@ def triton_fused_moe(
         stride_part_split=part1.stride(0) if part1 is not None else 0,
         stride_part_m=part1.stride(1) if part1 is not None else 0,
         TOP_K=top_k,
-        INTERLEAVED=p.interleaved,
-        ROUTE_ON_INPUT=p.route_in_gemm1,
-        ACTIVATION=p.activation,
-        ALPHA=p.alpha,
-        HAS_LIMIT=p.has_limit,
-        LIMIT=p.limit,
         BLOCK_N=cfg.block_n,
+        **epilogue1,
         **w13.kernel_args(),
         **shared,
     )
@@ -641,14 +646,9 @@ def triton_fused_moe(
             stride_hm=h.stride(0),
             INTER_SIZE=spec.I,
             SPLIT_K=splits,
-            INTERLEAVED=p.interleaved,
             HAS_BIAS=p.has_bias,
-            ROUTE_ON_INPUT=p.route_in_gemm1,
-            ACTIVATION=p.activation,
-            ALPHA=p.alpha,
-            HAS_LIMIT=p.has_limit,
-            LIMIT=p.limit,
             BLOCK_N=block_fin,
+            **epilogue1,
         )
 
     h_scale = None
