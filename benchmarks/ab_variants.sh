@@ -14,9 +14,9 @@ T=${1:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384}
 PEER=${2:-1}
 PRESET=${PRESET:-gpt-oss-120b}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/gpu.txt"
-for V in $VARIANTS; do  # compiles are CPU work: all variants at once
+for V in $VARIANTS; do  # compiles are CPU work: all variants at once (3 workers each: GPU memory)
   ( PYTHONPATH=$PWD/${V#*=}:$PWD/tests timeout ${COMPILE_S:-200} python3 benchmarks/precompile.py --planned \
-      --preset "$PRESET" --tokens "$T" --workers ${WORKERS:-6} > "$OUT/precompile_${V%%=*}.txt" 2>&1 ) &
+      --preset "$PRESET" --tokens "$T" --workers ${WORKERS:-3} > "$OUT/precompile_${V%%=*}.txt" 2>&1 ) &
 done
 wait; tail -n 3 "$OUT"/precompile_*.txt
 KERNELS=planned,torch_grouped

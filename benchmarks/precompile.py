@@ -7,7 +7,9 @@ which takes most of a device call after a kernel change; compiles are CPU work a
 16 cores. Launching at each T also covers the per-T specializations (divisibility of the pair and
 block counts). Outputs are not checked here; the sweep checks every candidate against the reference.
 
-Usage (GPU): python benchmarks/precompile.py --preset gpt-oss-120b --tokens 1,64 --workers 8
+Usage (GPU): python benchmarks/precompile.py --preset gpt-oss-120b --tokens 1,64 --workers 5
+Each worker holds its own copy of the layer: 8 workers of gpt-oss-120b ran the H200 out of memory for
+most launches (session 5); 5 did not.
 """
 
 import argparse
@@ -65,7 +67,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="gpt-oss-120b")
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=5)
     p.add_argument("--planned", action="store_true", help="only the planned config of each T (a bench)")
     args = p.parse_args()
     tokens = [int(v) for v in args.tokens.split(",")]
