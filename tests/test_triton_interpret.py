@@ -408,7 +408,7 @@ SPLITS = [
 )
 def test_split_k_matches_the_reference(split, fmt_row, variant, t, why):
     """split_k > 1: each GEMM sums its reduction in `split` shares (one program each) into fp32 partials,
-    and `_moe_gemm1_splits` / `_moe_sum_splits_k` add them in order and finish the epilogues."""
+    and `_moe_gemm1_splits` / `_moe_sum_k` add them in order and finish the epilogues."""
     fmt, scale, quant, dtype, _ = FORMATS[fmt_row]
     spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[variant])
     _check_layer(spec, t=t, seed=40 + split, config=replace(TINY, split_k=split))

@@ -148,10 +148,8 @@ def _expert_matmul(
     stride_wse,
     stride_wsn,
     stride_wsk,
-    k_begin,
     IN_DIM: tl.constexpr,
-    K_STEPS: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     W_FORMAT: tl.constexpr,
     FP8_SCALE: tl.constexpr,
     A_QUANT: tl.constexpr,
@@ -162,11 +160,11 @@ def _expert_matmul(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, K] @ W[expert, w_rows, K]^T with every scale applied, over the
-    K_STEPS steps of BLOCK_K columns from `k_begin` (all of IN_DIM, or one split-K share of it).
+    """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, K] @ W[expert, w_rows, K]^T with every scale applied, K all of
+    IN_DIM or, with SPLIT_K > 1, share `tl.program_id(1)` of its K-steps.
 
-    A and W are contiguous along the reduction axis (checked on the host). EVEN_K: every step lies
-    inside IN_DIM (no K masks); otherwise steps past it read nothing and add zero.
+    A and W are contiguous along the reduction axis (checked on the host). Steps past IN_DIM (a ragged
+    last step, or the empty end of the last share) read nothing and add zero.
     SWAP_AB computes the transpose W @ A^T instead: the weight rows fill the MMA's M side (64 on
     Hopper) and the few token rows of a decode step its N side (16), so small batches waste no MMA
     rows. MXFP4 never needs it: `tl.dot_scaled` already puts the upcast weights on the register side,
@@ -175,6 +173,12 @@ def _expert_matmul(
     PTX bf16x2 scaling for MXFP4_MMA_WORDS; otherwise both decode with plain Triton operations
     (interpreter, fp16, fp32). See `_jit_mxfp4.py`.
     """
+    K_STEPS: tl.constexpr = ((IN_DIM + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K  # a share's
+    EVEN_K: tl.constexpr = K_STEPS * SPLIT_K * BLOCK_K == IN_DIM  # every step inside IN_DIM: no K masks
+    if SPLIT_K == 1:
+        k_begin = 0  # the literal keeps the compiled loop as it is without split-K
+    else:
+        k_begin = tl.program_id(1) * (K_STEPS * BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows[:, None] * stride_am
     w_base = w_ptr + expert * stride_we
@@ -194,8 +198,7 @@ def _expert_matmul(
         next_scales = _mxfp4_native_scales(
             s_base, w_rows, w_mask, k_begin, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
         )
-    # Constexpr bounds (the interpreter cannot loop over runtime ones: see _quant_fp8_rows); k_begin is
-    # the literal 0 without split-K, which keeps the compiled loop as it was.
+    # Constexpr bounds: the interpreter cannot loop over runtime ones (see _quant_fp8_rows).
     for k_rel in range(0, K_STEPS * BLOCK_K, BLOCK_K):
         k0 = k_begin + k_rel
         ks = k0 + offs_k
@@ -454,11 +457,6 @@ def _moe_gemm1(
         col_block = pid_n * (BLOCK_N // 16) + jb % (BLOCK_N // 16)
         w_blocks = tl.where(jb < BLOCK_N // 16, col_block, col_block + INTER_SIZE // 16)
         w_block_mask = col_block * 16 < INTER_SIZE
-    K_STEPS: tl.constexpr = ((HIDDEN + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
-    if SPLIT_K == 1:
-        k_begin = 0
-    else:
-        k_begin = tl.program_id(1) * (K_STEPS * BLOCK_K)
     acc = _expert_matmul(
         x_ptr,
         x_scale_ptr,
@@ -479,10 +477,8 @@ def _moe_gemm1(
         stride_wse,
         stride_wsn,
         stride_wsk,
-        k_begin,
         HIDDEN,
-        K_STEPS,
-        K_STEPS * SPLIT_K * BLOCK_K == HIDDEN,
+        SPLIT_K,
         W_FORMAT,
         FP8_SCALE,
         A_QUANT,
@@ -560,7 +556,7 @@ def _moe_gemm2(
     SPLIT_K: tl.constexpr,
 ):
     """y[p, n0:n0+BLOCK_N] = w[p] * (h[p] @ w2[e]^T + b2[e]) for the pairs of one M-block; with
-    SPLIT_K > 1, the raw sums of the s-th share of I to `part_ptr` (`_moe_sum_splits_k` finishes)."""
+    SPLIT_K > 1, the raw sums of the s-th share of I to `part_ptr` (`_moe_sum_k` finishes)."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -569,11 +565,6 @@ def _moe_gemm2(
     w_mask = w_rows < HIDDEN
     w_blocks = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)  # 16-row blocks (MXFP4_MMA_WORDS)
     w_block_mask = w_blocks * 16 < HIDDEN
-    K_STEPS: tl.constexpr = ((INTER_SIZE + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
-    if SPLIT_K == 1:
-        k_begin = 0
-    else:
-        k_begin = tl.program_id(1) * (K_STEPS * BLOCK_K)
     acc = _expert_matmul(
         h_ptr,
         h_scale_ptr,
@@ -594,10 +585,8 @@ def _moe_gemm2(
         stride_wse,
         stride_wsn,
         stride_wsk,
-        k_begin,
         INTER_SIZE,
-        K_STEPS,
-        K_STEPS * SPLIT_K * BLOCK_K == INTER_SIZE,
+        SPLIT_K,
         W_FORMAT,
         FP8_SCALE,
         A_QUANT,
@@ -622,30 +611,6 @@ def _moe_gemm2(
             acc.to(y_ptr.dtype.element_ty),
             mask=row_mask[:, None] & w_mask[None, :],
         )
-
-
-@triton.jit
-def _moe_sum_k(
-    y_ptr,  # [T*K, H] per-pair expert outputs (rows of dropped pairs are never written)
-    pair_expert_ptr,  # int32 [T*K] local expert of each pair, -1 if another rank owns it
-    out_ptr,  # [T, H] act dtype
-    stride_ym,
-    stride_om,
-    HIDDEN: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """out[t] = sum over k = 0..K-1, in that order, of y[t*K + k] (dropped pairs add zero)."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < HIDDEN
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        p = t * TOP_K + k
-        # tl.where keeps the mask int1 under every Triton's interpreter (3.9's makes `mask & scalar` int32).
-        keep = tl.where(tl.load(pair_expert_ptr + p) >= 0, mask, False)
-        acc += tl.load(y_ptr + p * stride_ym + cols, mask=keep, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -701,25 +666,26 @@ def _moe_gemm1_splits(
 
 
 @triton.jit
-def _moe_sum_splits_k(
-    part_ptr,  # fp32 [SPLIT_K, T*K, H] raw GEMM2 sums of each share of I
+def _moe_sum_k(
+    y_ptr,  # [SHARES, T*K, H] per-pair rows (rows of dropped pairs are never written)
     pair_expert_ptr,  # int32 [T*K] local expert of each pair, -1 if another rank owns it
     b_ptr,  # b2 [E_local, H] or None
     route_w_ptr,  # fp32 [T*K] router weights (OUTPUT placement) or None
     out_ptr,  # [T, H] act dtype
-    stride_part_split,
-    stride_part_m,
+    stride_ys,
+    stride_ym,
     stride_be,
     stride_om,
     HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SHARES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROUTE_ON_OUTPUT: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum over k, in order, of w[p] * (sum over s, in order, of the GEMM2 shares + b2[e]) for
-    p = t*K + k: `_moe_gemm2`'s epilogue and `_moe_sum_k` in one pass (dropped pairs add zero)."""
+    """out[t] = sum over k = 0..K-1, in that order, of y[p] (+ b2[e]) (times w[p]) for p = t*K + k, where
+    y[p] sums the SHARES rows of p in order; dropped pairs add zero. One share of finished rows (GEMM2
+    added b2 and the router weight) or, split-K, GEMM2's raw fp32 shares with its epilogue here."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < HIDDEN
@@ -727,10 +693,11 @@ def _moe_sum_splits_k(
     for k in tl.static_range(TOP_K):
         p = t * TOP_K + k
         expert = tl.load(pair_expert_ptr + p).to(tl.int64)
+        # tl.where keeps the mask int1 under every Triton's interpreter (3.9's makes `mask & scalar` int32).
         keep = tl.where(expert >= 0, mask, False)
         y = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            y += tl.load(part_ptr + s * stride_part_split + p * stride_part_m + cols, mask=keep, other=0.0)
+        for s in tl.static_range(SHARES):
+            y += tl.load(y_ptr + s * stride_ys + p * stride_ym + cols, mask=keep, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(b_ptr + expert * stride_be + cols, mask=keep, other=0.0).to(tl.float32)
         if ROUTE_ON_OUTPUT:

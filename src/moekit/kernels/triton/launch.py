@@ -37,10 +37,13 @@ from moekit.weights import ExpertWeights, WeightPacking
 _POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
 
 
-def _check_optional_int(name: str, value: object, valid, rule: str) -> None:
-    """A TritonMoEConfig field that is None or an int obeying `rule` (`valid`); SpecError otherwise."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not valid(value)):
-        raise SpecError(f"TritonMoEConfig.{name} must be None or {rule}, got {value!r}")
+def _check_int(name: str, value: object, valid, rule: str, *, optional: bool = False) -> None:
+    """A TritonMoEConfig field that is an int obeying `rule` (`valid`), or None if `optional`."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not valid(value):
+        allowed = f"None or {rule}" if optional else rule
+        raise SpecError(f"TritonMoEConfig.{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -90,20 +93,20 @@ class TritonMoEConfig(KernelConfig):
             raise SpecError(f"TritonMoEConfig.swap_ab must be a bool, got {self.swap_ab!r}")
         if self.num_warps > 16 or self.num_stages > 8:
             raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
-        _check_optional_int(
+        _check_int(
             "gemm2_block_n",
             self.gemm2_block_n,
             lambda n: 16 <= n <= 256 and not n & (n - 1),
             "a power of two in [16, 256]",
+            optional=True,
         )
-        if self.split_k is None:
-            raise SpecError("TritonMoEConfig.split_k must be an int in [1, 16], got None")
-        _check_optional_int("split_k", self.split_k, lambda n: 1 <= n <= 16, "an int in [1, 16]")
-        _check_optional_int(
+        _check_int("split_k", self.split_k, lambda n: 1 <= n <= 16, "an int in [1, 16]")
+        _check_int(
             "max_registers",
             self.max_registers,
             lambda r: 32 <= r <= 255 and not r % 8,
             "a multiple of 8 in [32, 255] (ptxas' per-thread range)",
+            optional=True,
         )
 
     def reason_unusable(self, spec: MoESpec) -> str | None:
@@ -225,6 +228,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
     """`default_config` first, then tiles for the regime of tokens per expert (see TritonFusedKernel)."""
     per_expert = _tokens_per_expert(spec, num_tokens)
     mxfp4 = spec.weight_format is WeightFormat.MXFP4
+    default = default_config(spec, num_tokens)
     # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     if per_expert <= 8:
         tiles = [
@@ -302,12 +306,11 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
     if num_tokens * spec.K <= 32:
         # A decode step of few pairs hits at most that many experts: T = 1 of gpt-oss-120b runs 4 x 45
         # GEMM1 programs on 132 SMs. Split-K multiplies the programs (and weight bytes in flight).
-        decode = TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
-        grid += [replace(decode, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
+        grid += [replace(default, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
     # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
     # (benchmarks/RESULTS.md, session 4): not swept.
-    unique = dict.fromkeys([default_config(spec, num_tokens), *grid])
+    unique = dict.fromkeys([default, *grid])
     return tuple(c for c in unique if c.reason_unusable(spec) is None)
 
 
@@ -446,7 +449,7 @@ class _WeightArgs:
             stride_wse=sstrides[0],
             stride_wsn=sstrides[1],
             stride_wsk=sstrides[2],
-            stride_be=bias.stride(0) if bias is not None else 0,
+            stride_be=_stride(bias, 0),
         )
 
     def kernel_args(self) -> dict:
@@ -501,6 +504,11 @@ def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
     for name, t in others:
         if t is not None and t.device != x.device:
             raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
+
+
+def _stride(t: torch.Tensor | None, dim: int) -> int:
+    """`t.stride(dim)`, or 0 for an absent tensor (the kernel never reads through it)."""
+    return 0 if t is None else t.stride(dim)
 
 
 def _quantize_rows(
@@ -621,11 +629,11 @@ def triton_fused_moe(
         h_ptr=h,  # [T*K, I]
         part_ptr=part1,  # fp32 [S, T*K, 2I] or None
         stride_xm=x.stride(0),
-        stride_xsm=x_scale.stride(0) if x_scale is not None else 0,
-        stride_xsk=x_scale.stride(1) if x_scale is not None else 0,
+        stride_xsm=_stride(x_scale, 0),
+        stride_xsk=_stride(x_scale, 1),
         stride_hm=h.stride(0),
-        stride_part_split=part1.stride(0) if part1 is not None else 0,
-        stride_part_m=part1.stride(1) if part1 is not None else 0,
+        stride_part_split=_stride(part1, 0),
+        stride_part_m=_stride(part1, 1),
         TOP_K=top_k,
         BLOCK_N=cfg.block_n,
         **epilogue1,
@@ -655,12 +663,10 @@ def triton_fused_moe(
     if p.a_quant:
         h, h_scale = _quantize_rows(h, quant=quant)
     direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
-    part2 = (
-        torch.empty(splits, num_pairs, spec.H, dtype=torch.float32, device=x.device) if splits > 1 else None
-    )
-    if part2 is not None:
-        y = None  # the shares go to part2; _moe_sum_splits_k writes out
+    if splits > 1:  # GEMM2's raw shares go to part2; _moe_sum_k finishes them into out
+        part2, y = torch.empty(splits, num_pairs, spec.H, dtype=torch.float32, device=x.device), None
     else:
+        part2 = None
         y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     block_n2 = cfg.block_n_gemm2
     _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, block_n2), splits)](
@@ -670,44 +676,34 @@ def triton_fused_moe(
         y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1), or None when split
         part_ptr=part2,  # fp32 [S, T*K, H] or None
         stride_hm=h.stride(0),
-        stride_hsm=h_scale.stride(0) if h_scale is not None else 0,
-        stride_hsk=h_scale.stride(1) if h_scale is not None else 0,
-        stride_ym=y.stride(0) if y is not None else 0,
-        stride_part_split=part2.stride(0) if part2 is not None else 0,
-        stride_part_m=part2.stride(1) if part2 is not None else 0,
+        stride_hsm=_stride(h_scale, 0),
+        stride_hsk=_stride(h_scale, 1),
+        stride_ym=_stride(y, 0),
+        stride_part_split=_stride(part2, 0),
+        stride_part_m=_stride(part2, 1),
         ROUTE_ON_OUTPUT=p.route_on_output,
         **w2.kernel_args(),
         BLOCK_N=block_n2,
         **shared,
     )
-    block_h = min(1024, triton.next_power_of_2(spec.H))
-    if part2 is not None:
-        _jit._moe_sum_splits_k[(num_tokens, triton.cdiv(spec.H, block_h))](
-            part_ptr=part2,  # fp32 [S, T*K, H]
+    if part2 is not None or not direct:
+        shares = part2 if part2 is not None else y.unsqueeze(0)  # [S, T*K, H]
+        block_h = min(1024, triton.next_power_of_2(spec.H))
+        _jit._moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
+            y_ptr=shares,  # [S, T*K, H]: GEMM2's raw fp32 shares, or its finished rows
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
-            b_ptr=w2.bias,  # [E_local, H] or None
-            route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
+            b_ptr=w2.bias if part2 is not None else None,  # [E_local, H] or None
+            route_w_ptr=route_w if part2 is not None and p.route_on_output else None,  # fp32 [T*K]
             out_ptr=out,  # [T, H]
-            stride_part_split=part2.stride(0),
-            stride_part_m=part2.stride(1),
+            stride_ys=shares.stride(0),
+            stride_ym=shares.stride(1),
             stride_be=w2.stride_be,
             stride_om=out.stride(0),
             HIDDEN=spec.H,
             TOP_K=top_k,
-            SPLIT_K=splits,
-            HAS_BIAS=p.has_bias,
-            ROUTE_ON_OUTPUT=p.route_on_output,
-            BLOCK_H=block_h,
-        )
-    elif not direct:
-        _jit._moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
-            y_ptr=y,  # [T*K, H]
-            pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
-            out_ptr=out,  # [T, H]
-            stride_ym=y.stride(0),
-            stride_om=out.stride(0),
-            HIDDEN=spec.H,
-            TOP_K=top_k,
+            SHARES=shares.shape[0],
+            HAS_BIAS=part2 is not None and p.has_bias,
+            ROUTE_ON_OUTPUT=part2 is not None and p.route_on_output,
             BLOCK_H=block_h,
         )
     return out
