@@ -3,7 +3,7 @@
 Data flow: checkpoint blocks uint8 [..., N, G, 16] (two E2M1 codes a byte, low nibble first)
 -> `pack_mma_words` (once, at load time) -> int32 words [..., N/16, S, 8, 4, 8], S = ceil(2G / 8)
 -> the Triton kernel loads 16 bytes (four words) per thread and turns each word into four bf16 pairs
-   with 11 shifts and masks; `unpack_mma_words` is the exact inverse.
+   with two shifts and two masks per pair; `unpack_mma_words` is the exact inverse.
 
 Runs: the 16-column chunks of a 16-row block come in runs of 8 (128 columns), each run the 32 lanes'
 8 words one after the other (1 KiB), the last run padded with zero words. A K-step of 128 columns then
@@ -14,26 +14,20 @@ an L2 hit rate of 48 % from those re-read sectors (benchmarks/RESULTS.md, sessio
 Why this arrangement: a Hopper warpgroup MMA (wgmma m64nNk16, bf16) takes its A operand from
 registers. Lane (g, q) of a warp (g = lane // 4, q = lane % 4) holds, for each 16-row block and each
 16-column chunk c, the elements (rows g and g + 8) x (columns 2q, 2q + 1, 2q + 8, 2q + 9): eight codes,
-exactly one word here. Word [rb, g, q, c] holds, slot by slot:
+exactly one word here. Word [rb, g, q, c] holds, nibble by nibble (bits 4j .. 4j + 3):
 
     slot j:   0         1           2             3               4 .. 7
     element:  (r, k)    (r + 8, k)  (r, k + 8)    (r + 8, k + 8)  the same with k + 1
 
-with r = 16 rb + g and k = 16 c + 2q (word [rb, c // 8, g, q, c % 8] of the stored tensor). Slots j and
-j + 4 (columns k and k + 1 of one row) form pair j, decoded into the two bf16 halves of one register.
+with r = 16 rb + g and k = 16 c + 2q (word [rb, c // 8, g, q, c % 8] of the stored tensor). Slots j
+and j + 4 sit 16 bits apart, so one shift moves both codes of a pair into the two bf16 halves of a
+register at once.
 
-Bits: pair p keeps its column-k code's magnitude bits (m, e0, e1) at bits PAIR_MAG_BITS[p] + 0, 1, 2 and
-its sign at PAIR_SIGN_BITS[p]; the column-(k + 1) code sits 16 bits higher. The placements are chosen
-for the decode (`_jit_mxfp4._mxfp4_word_pair`), which must bring a pair's magnitudes to bf16 bits 8..6
-(and 24..22) and its signs to bits 15 (and 31): pairs 0 and 1 need one shift and one mask ((w << 6),
-(w << 3)), pair 2's magnitudes are already in place, pair 3 takes two shifts. That is 11 integer
-operations a word, against 15 for the eight codes stored nibble by nibble.
-
-Decoding: the E2M1 magnitude bits (exponent e, mantissa m) moved to bf16 bits 8..6 and the sign to bit
-15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the code 0.5, lands on the bf16
-subnormal 2^-127); multiplying by 2^(s - 1) applies the E8M0 scale 2^(s - 127) and the missing 2^126 in
-one step. 2^(s - 1) is a normal bf16 only for s <= 128, so weights with a larger scale byte (a block
-maximum above 12) keep the checkpoint packing (`scales_reason`).
+Decoding (see `_jit._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) moved to bf16
+bits 8..6 and the sign to bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
+code 0.5, lands on the bf16 subnormal 2^-127); multiplying by 2^(s - 1) applies the E8M0 scale 2^(s -
+127) and the missing 2^126 in one step. 2^(s - 1) is a normal bf16 only for s <= 128, so weights with
+a larger scale byte (a block maximum above 12) keep the checkpoint packing (`scales_reason`).
 """
 
 from __future__ import annotations
@@ -48,20 +42,9 @@ COLS_PER_CHUNK = 16  # columns (elements) per MMA k-step
 CHUNKS_PER_RUN = 8  # 16-column chunks stored together: one run is 32 lanes x 8 words = 1 KiB
 MAX_SCALE_BYTE = 128  # largest E8M0 byte whose combined factor 2^(s - 1) is a normal bf16 / fp32
 
-# Bit positions in a word of pair p's column-k code (magnitude bits m, e0, e1 from PAIR_MAG_BITS[p] up; sign
-# at PAIR_SIGN_BITS[p]); its column-(k + 1) code sits 16 bits higher. Together they fill the 32 bits once.
-PAIR_MAG_BITS = (0, 3, 6, 13)
-PAIR_SIGN_BITS = (9, 12, 10, 11)
-
 # Slot j of a word holds element (row offset, column offset) of the (g, q) lane's 16x16 fragment, in
 # units of (8 rows, 8 columns) and (-, 1 column): slot -> (row_half, col_half, odd_column).
 _SLOTS = tuple((j % 4 % 2, j % 4 // 2, j // 4) for j in range(8))
-
-
-def _slot_bits(slot: int) -> tuple[int, int]:
-    """(lowest magnitude bit, sign bit) of slot `slot`'s code in its word."""
-    pair, high = slot % 4, slot // 4
-    return PAIR_MAG_BITS[pair] + 16 * high, PAIR_SIGN_BITS[pair] + 16 * high
 
 
 def rows_reason(n_rows: int) -> str | None:
@@ -110,9 +93,7 @@ def pack_mma_words(blocks: Tensor) -> Tensor:
     word = torch.zeros(*lead, n // 16, 8, 4, 2 * g, dtype=torch.int64, device=blocks.device)
     for slot, (row_half, col_half, odd) in enumerate(_SLOTS):
         part = codes.select(b + 6, odd).select(b + 4, col_half).select(b + 1, row_half)  # [.., rb, g8, C, q]
-        mag_bit, sign_bit = _slot_bits(slot)
-        part = part.transpose(-1, -2)
-        word |= ((part & 7) << mag_bit) | ((part >> 3) << sign_bit)
+        word |= part.transpose(-1, -2) << (4 * slot)
     word = (word - ((word >> 31) << 32)).to(torch.int32)  # the same 32 bits as a signed int
     runs = num_runs(g)
     word = torch.nn.functional.pad(word, (0, runs * CHUNKS_PER_RUN - 2 * g))  # zero words: code 0
@@ -139,8 +120,7 @@ def unpack_mma_words(words: Tensor, *, num_groups: int) -> Tensor:
     b = len(lead)
     codes = torch.zeros(*lead, nb, 2, 8, c, 2, 4, 2, dtype=torch.int64, device=words.device)
     for slot, (row_half, col_half, odd) in enumerate(_SLOTS):
-        mag_bit, sign_bit = _slot_bits(slot)
-        part = (((w >> mag_bit) & 7) | (((w >> sign_bit) & 1) << 3)).transpose(-1, -2)  # [.., rb, g8, C, q]
+        part = ((w >> (4 * slot)) & 0xF).transpose(-1, -2)  # [.., rb, g8, C, q]
         codes.select(b + 6, odd).select(b + 4, col_half).select(b + 1, row_half).copy_(part)
     codes = codes.reshape(*lead, nb * 16, c // 2, 16, 2)
     return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)

@@ -10,18 +10,9 @@ Three ways, chosen by the launch (`launch.py`) from the weights' packing and the
 
 import triton
 import triton.language as tl
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, PAIR_MAG_BITS, PAIR_SIGN_BITS
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
 
 _RUN = tl.constexpr(CHUNKS_PER_RUN)  # 16-column chunks per stored run (32 lanes x _RUN words, contiguous)
-# Left shifts (negative: right) that bring pair p's magnitude bits to bf16 bits 8..6 and its sign to 15.
-_MAG_SHIFT_0 = tl.constexpr(6 - PAIR_MAG_BITS[0])
-_MAG_SHIFT_1 = tl.constexpr(6 - PAIR_MAG_BITS[1])
-_MAG_SHIFT_2 = tl.constexpr(6 - PAIR_MAG_BITS[2])
-_MAG_SHIFT_3 = tl.constexpr(6 - PAIR_MAG_BITS[3])
-_SIGN_SHIFT_0 = tl.constexpr(15 - PAIR_SIGN_BITS[0])
-_SIGN_SHIFT_1 = tl.constexpr(15 - PAIR_SIGN_BITS[1])
-_SIGN_SHIFT_2 = tl.constexpr(15 - PAIR_SIGN_BITS[2])
-_SIGN_SHIFT_3 = tl.constexpr(15 - PAIR_SIGN_BITS[3])
 
 
 @triton.jit
@@ -114,27 +105,14 @@ def _mxfp4_native_scales(
 
 
 @triton.jit
-def _shift_left(w, SHIFT: tl.constexpr):
-    """w << SHIFT for uint32 `w` (a right shift for negative SHIFT, nothing for 0)."""
-    if SHIFT > 0:
-        out = w << SHIFT
-    elif SHIFT < 0:
-        out = w >> (-SHIFT)
-    else:
-        out = w
-    return out
-
-
-@triton.jit
 def _mxfp4_word_pair(w, SH_MAG: tl.constexpr, SH_SIGN: tl.constexpr):
-    """One pair of uint32 words `w` -> bf16 pairs (as uint32) of value * 2^-126: the magnitude bits moved
-    to 8..6 / 24..22, the sign to 15 / 31 (moekit.formats.mxfp4_words). One shift and one mask when
-    magnitude and sign move together."""
-    if SH_MAG == SH_SIGN:
-        out = _shift_left(w, SH_MAG) & 0x81C081C0
+    """Codes j and j + 4 of uint32 words `w` -> bf16 pairs (as uint32) of value * 2^-126: the magnitude
+    bits moved to 8..6 / 24..22, the sign to 15 / 31 (moekit.formats.mxfp4_words)."""
+    if SH_MAG >= 0:
+        mag = (w << SH_MAG) & 0x01C001C0
     else:
-        out = (_shift_left(w, SH_MAG) & 0x01C001C0) | (_shift_left(w, SH_SIGN) & 0x80008000)
-    return out
+        mag = (w >> (-SH_MAG)) & 0x01C001C0
+    return mag | ((w << SH_SIGN) & 0x80008000)
 
 
 @triton.jit
@@ -193,10 +171,10 @@ def _mxfp4_words_tile(
     else:
         words = tl.load(ptrs, mask=w_block_mask[:, None, None] & (chunk < NUM_CHUNKS)[None, None, :], other=0)
     words = tl.reshape(words, (RB * 32, C)).to(tl.uint32, bitcast=True)
-    p0 = _mxfp4_word_pair(words, _MAG_SHIFT_0, _SIGN_SHIFT_0)  # row g,     columns 2q, 2q + 1
-    p1 = _mxfp4_word_pair(words, _MAG_SHIFT_1, _SIGN_SHIFT_1)  # row g + 8
-    p2 = _mxfp4_word_pair(words, _MAG_SHIFT_2, _SIGN_SHIFT_2)  # row g,     columns 2q + 8, 2q + 9
-    p3 = _mxfp4_word_pair(words, _MAG_SHIFT_3, _SIGN_SHIFT_3)  # row g + 8
+    p0 = _mxfp4_word_pair(words, 6, 12)  # row g,     columns 2q, 2q + 1
+    p1 = _mxfp4_word_pair(words, 2, 8)  # row g + 8
+    p2 = _mxfp4_word_pair(words, -2, 4)  # row g,     columns 2q + 8, 2q + 9
+    p3 = _mxfp4_word_pair(words, -6, 0)  # row g + 8
     # Factor 2^(s - 1) = scale 2^(s - 127) times the 2^126 the bit placement left out (s <= 128).
     exponent = scales.to(tl.uint32) + 126
     if NATIVE:
