@@ -59,13 +59,14 @@ tiles = set()
 for row in rows:
     c = row['config']
     if row['spec']['weight_format'] == 'mxfp4' and row['kernel'] == 'triton_fused':
-        tiles.add((1, c['block_m'], c['block_n'], c['block_k'], c['num_warps'], c['num_stages']))
+        split = c.get('split_k') or 1
+        tiles.add((1, c['block_m'], c['block_n'], c['block_k'], c['num_warps'], c['num_stages'], split))
         n2 = c['gemm2_block_n'] or c['block_n']
-        tiles.add((2, c['block_m'], n2, c['block_k'], c['num_warps'], c['num_stages']))
+        tiles.add((2, c['block_m'], n2, c['block_k'], c['num_warps'], c['num_stages'], split))
 out = []
-for g, m, n, k, w, s in sorted(tiles):
-    r = wgmma_hazard.hazard_report(sass_report.compile_gemm(g, 'words', (m, n, k), w, s))
-    out.append([g, m, n, k, w, s, r['wait_depth'], len(r['writes'])])
+for g, m, n, k, w, s, split in sorted(tiles):
+    r = wgmma_hazard.hazard_report(sass_report.compile_gemm(g, 'words', (m, n, k), w, s, split))
+    out.append([g, m, n, k, w, s, split, r['wait_depth'], len(r['writes'])])
 print(json.dumps(out))
 """
     done = subprocess.run(
@@ -75,4 +76,5 @@ print(json.dumps(out))
     tiles = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
     unsafe = [t for t in tiles if t[-1] != 0]
-    assert not unsafe, f"(gemm, block_m, block_n, block_k, warps, stages, wait depth, writes): {unsafe}"
+    fields = "(gemm, block_m, block_n, block_k, warps, stages, split_k, wait depth, writes)"
+    assert not unsafe, f"{fields}: {unsafe}"
