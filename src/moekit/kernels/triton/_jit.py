@@ -332,10 +332,10 @@ def _wait_for_mma(acc):
     Why: Triton 3.6 waits for the register-A wgmma groups of a K-step with `pendings = groups - 1`
     (triton-lang/triton#9433), and the next decode then wrote A registers of in-flight MMAs
     (benchmarks/wgmma_hazard.py: 43 - 86 such writes a K-step). On an H200 that gave rel L2 1e-2 - 5e-2
-    with the 11-op bit placement (and may explain session 3's 8-warp race); with the wait, 0 such
-    writes and 0 failing runs (benchmarks/RESULTS.md, session 5). The cost: no MMA/decode overlap
-    inside one program, 3 - 6 % for gpt-oss-120b at T >= 2048 (session 5 against session 4, same
-    tiles). Compiled only (the interpreter has no inline asm)."""
+    with session 5's 11-op bit placement (and may explain session 3's 8-warp race); with the wait, 0
+    such writes and 0 failing runs (benchmarks/RESULTS.md, sessions 5 and 6). The cost: no MMA/decode
+    overlap inside one program, 3 - 6 % for gpt-oss-120b at T >= 2048 (session 5 against session 4,
+    same tiles). Compiled only (the interpreter has no inline asm)."""
     return tl.inline_asm_elementwise("", "=f,0", [acc], dtype=tl.float32, is_pure=False, pack=1)
 
 
