@@ -490,8 +490,7 @@ def _moe_gemm1(
         BLOCK_K,
     )
     if SPLIT_K > 1:
-        part = part_ptr + tl.program_id(1) * stride_part_split + pairs[:, None] * stride_part_m
-        tl.store(part + w_rows[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
+        _store_share(part_ptr, stride_part_split, stride_part_m, pairs, w_rows, acc, row_mask, w_mask)
     else:
         if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T); K == 1 so pair == token
             acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
@@ -598,8 +597,7 @@ def _moe_gemm2(
         BLOCK_K,
     )
     if SPLIT_K > 1:
-        part = part_ptr + tl.program_id(1) * stride_part_split + pairs[:, None] * stride_part_m
-        tl.store(part + w_rows[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
+        _store_share(part_ptr, stride_part_split, stride_part_m, pairs, w_rows, acc, row_mask, w_mask)
     else:
         if HAS_BIAS:  # b2 is added per expert before the router weight, as GPT-OSS does
             bias = tl.load(b_ptr + expert * stride_be + w_rows, mask=w_mask, other=0.0)
@@ -611,6 +609,14 @@ def _moe_gemm2(
             acc.to(y_ptr.dtype.element_ty),
             mask=row_mask[:, None] & w_mask[None, :],
         )
+
+
+@triton.jit
+def _store_share(part_ptr, stride_part_split, stride_part_m, pairs, w_rows, acc, row_mask, w_mask):
+    """A split-K program's raw fp32 sums to share `tl.program_id(1)` of `part_ptr` [SPLIT_K, T*K, N] (rows
+    `pairs`, columns `w_rows`); `_moe_gemm1_splits` / `_moe_sum_k` add the shares and finish."""
+    part = part_ptr + tl.program_id(1) * stride_part_split + pairs[:, None] * stride_part_m
+    tl.store(part + w_rows[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
 
 
 @triton.jit

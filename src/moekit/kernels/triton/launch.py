@@ -606,6 +606,7 @@ def triton_fused_moe(
     )
 
     splits = cfg.split_k
+    split = splits > 1  # fp32 shares, summed and finished by _moe_gemm1_splits / _moe_sum_k
     # GEMM1's epilogue (bias, router weight on the input, activation), run by GEMM1 itself or, split,
     # by _moe_gemm1_splits: the same switches for both.
     epilogue1 = dict(
@@ -618,9 +619,7 @@ def triton_fused_moe(
     )
     h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
     part1 = (
-        torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device)
-        if splits > 1
-        else None
+        torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
     )
     _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n), splits)](
         x_ptr=x,  # [T, H] act dtype or fp8
@@ -640,7 +639,7 @@ def triton_fused_moe(
         **w13.kernel_args(),
         **shared,
     )
-    if part1 is not None:
+    if split:
         block_fin = min(1024, triton.next_power_of_2(spec.I))
         _jit._moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
             part_ptr=part1,  # fp32 [S, T*K, 2I]
@@ -663,7 +662,7 @@ def triton_fused_moe(
     if p.a_quant:
         h, h_scale = _quantize_rows(h, quant=quant)
     direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
-    if splits > 1:  # GEMM2's raw shares go to part2; _moe_sum_k finishes them into out
+    if split:  # GEMM2's raw shares go to part2; _moe_sum_k finishes them into out
         part2, y = torch.empty(splits, num_pairs, spec.H, dtype=torch.float32, device=x.device), None
     else:
         part2 = None
@@ -686,14 +685,14 @@ def triton_fused_moe(
         BLOCK_N=block_n2,
         **shared,
     )
-    if part2 is not None or not direct:
-        shares = part2 if part2 is not None else y.unsqueeze(0)  # [S, T*K, H]
+    if split or not direct:
+        shares = part2 if split else y.unsqueeze(0)  # [S, T*K, H]
         block_h = min(1024, triton.next_power_of_2(spec.H))
         _jit._moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
             y_ptr=shares,  # [S, T*K, H]: GEMM2's raw fp32 shares, or its finished rows
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
-            b_ptr=w2.bias if part2 is not None else None,  # [E_local, H] or None
-            route_w_ptr=route_w if part2 is not None and p.route_on_output else None,  # fp32 [T*K]
+            b_ptr=w2.bias if split else None,  # [E_local, H] or None
+            route_w_ptr=route_w if split and p.route_on_output else None,  # fp32 [T*K]
             out_ptr=out,  # [T, H]
             stride_ys=shares.stride(0),
             stride_ym=shares.stride(1),
@@ -702,8 +701,8 @@ def triton_fused_moe(
             HIDDEN=spec.H,
             TOP_K=top_k,
             SHARES=shares.shape[0],
-            HAS_BIAS=part2 is not None and p.has_bias,
-            ROUTE_ON_OUTPUT=part2 is not None and p.route_on_output,
+            HAS_BIAS=split and p.has_bias,
+            ROUTE_ON_OUTPUT=split and p.route_on_output,
             BLOCK_H=block_h,
         )
     return out
