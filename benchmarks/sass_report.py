@@ -33,7 +33,15 @@ _W = {
 }
 
 
-def compile_gemm(gemm: int, fmt: str, block: tuple[int, int, int], warps: int, stages: int, split_k: int = 1):
+def compile_gemm(
+    gemm: int,
+    fmt: str,
+    block: tuple[int, int, int],
+    warps: int,
+    stages: int,
+    split_k: int = 1,
+    block_starts: bool = False,
+):
     fn = _jit._moe_gemm1 if gemm == 1 else _jit._moe_gemm2
     w_format, w_type = _W[fmt]
     a_name, out_name = ("x_ptr", "h_ptr") if gemm == 1 else ("h_ptr", "y_ptr")
@@ -43,6 +51,7 @@ def compile_gemm(gemm: int, fmt: str, block: tuple[int, int, int], warps: int, s
         "b_ptr": "*bf16",
         "sorted_pairs_ptr": "*i32",
         "block_expert_ptr": "*i32",
+        "block_start_ptr": "*i32" if block_starts else "constexpr",  # tail-block launches (a start list)
         "num_blocks_ptr": "*i32",
         out_name: "*bf16",
         "w_scale_ptr": "*u8" if fmt != "bf16" else "constexpr",

@@ -345,6 +345,10 @@ WORD_CONFIGS = {
     "bn32": dict(block_m=128, block_n=32, block_k=64, group_m=8, num_stages=3, gemm2_block_n=128),
     "bm256-bn32": dict(block_m=256, block_n=32, block_k=64, group_m=8, num_stages=3, gemm2_block_n=64),
     "split4": dict(block_m=16, block_n=64, block_k=128, num_stages=3, gemm2_block_n=128, split_k=4),
+    # 128-row blocks and each expert's odd last 64 rows as a 64-row block, in a second launch
+    "tail64": dict(
+        block_m=128, block_n=64, block_k=64, group_m=8, num_stages=4, gemm2_block_n=128, tail_block_m=64
+    ),
 }
 
 
@@ -372,7 +376,12 @@ def test_mxfp4_mma_words_match_reference(which, t):
 def test_align_methods_agree_on_the_gpu(t, block_m):
     """The align kernels against the torch specification, bit for bit, at gpt-oss's E = 128, K = 4 (the
     one-program sort up to its limit, the chunked counting sort everywhere), with an expert map."""
-    from moekit.kernels.triton.align import ONE_PROGRAM_MAX_PAIRS, AlignMethod, align_routing
+    from moekit.kernels.triton.align import (
+        ONE_PROGRAM_MAX_PAIRS,
+        AlignMethod,
+        align_routing,
+        split_tail_blocks,
+    )
 
     gen = torch.Generator(device=DEVICE).manual_seed(t)
     ids = torch.rand(t, 128, generator=gen, device=DEVICE).topk(4, dim=1).indices.to(torch.int32)
@@ -398,3 +407,11 @@ def test_align_methods_agree_on_the_gpu(t, block_m):
             ):
                 assert torch.equal(getattr(got[0], name), getattr(other, name)), (method, name)
             assert torch.equal(got[0].expert_counts, other.expert_counts), method
+        # Tail-block lists: the Triton program against the torch specification, on every alignment.
+        spec_lists = split_tail_blocks(got[0], method=AlignMethod.TORCH)
+        for aligned in got:
+            for mine, spec in zip(split_tail_blocks(aligned), spec_lists, strict=True):
+                n = int(spec.num_valid_blocks)
+                assert int(mine.num_valid_blocks) == n and mine.max_blocks == spec.max_blocks
+                assert torch.equal(mine.block_start[:n], spec.block_start[:n])
+                assert torch.equal(mine.block_expert[:n], spec.block_expert[:n])

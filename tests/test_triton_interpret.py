@@ -51,6 +51,7 @@ from moekit.kernels.triton.align import (  # noqa: E402
     AlignMethod,
     align_routing,
     max_blocks_bound,
+    split_tail_blocks,
 )
 from moekit.kernels.triton.launch import (  # noqa: E402
     TritonMoEConfig,
@@ -256,6 +257,92 @@ def test_align_invariants(t, k, e, e_local, bm, why, method):
     assert a.expert_offsets.dtype == torch.int64 and int(a.expert_offsets[-1]) == blocks * bm
     padded = torch.cat([torch.zeros(1, dtype=torch.long), ((counts + bm - 1) // bm * bm).cumsum(0)])
     assert torch.equal(a.expert_offsets, padded)
+
+
+def _block_list_rows(blocks):
+    """{(first row, expert)} of a BlockList's valid blocks."""
+    n = int(blocks.num_valid_blocks)
+    starts = (
+        blocks.block_start[:n].tolist()
+        if blocks.block_start is not None
+        else [b * blocks.block_m for b in range(n)]
+    )
+    return sorted(zip(starts, blocks.block_expert[:n].tolist(), strict=True))
+
+
+@pytest.mark.parametrize("method", list(AlignMethod), ids=lambda m: m.name)
+@pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
+def test_tail_block_lists(t, k, e, e_local, bm, why, method):
+    """`split_tail_blocks`: every valid block of the alignment is covered exactly once, by a 2*bm block
+    (two of the same expert's blocks, the first at an even position in its segment) or by a tail block
+    (the expert's last, at an even position: an odd number of blocks); the Triton program and the torch
+    specification give the same lists."""
+    if method is AlignMethod.ONE_PROGRAM and t * k > ONE_PROGRAM_MAX_PAIRS:
+        return
+    ids, expert_map, n_local = _align_case(t, k, e, e_local)
+    with _poisoned_allocations():
+        a = align_routing(ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map, method=method)
+        big, tail = split_tail_blocks(a, method=method)
+    assert (big.block_m, tail.block_m) == (2 * bm, bm)
+    assert big.max_blocks == a.max_blocks // 2 and tail.max_blocks == min(n_local, a.max_blocks)
+    covered = []
+    for blocks in (big, tail):
+        assert int(blocks.num_valid_blocks) <= blocks.max_blocks
+        for first, expert in _block_list_rows(blocks):
+            assert first % bm == 0
+            for b in range(first // bm, (first + blocks.block_m) // bm):
+                assert int(a.block_expert[b]) == expert, f"block {b} is not expert {expert}'s"
+                covered.append(b)
+            position = (first - int(a.expert_offsets[expert])) // bm
+            assert position % 2 == 0
+            last = math.ceil(int(a.expert_counts[expert]) / bm) - 1
+            assert (position == last) == (blocks is tail)
+    assert sorted(covered) == list(range(int(a.num_valid_blocks)))
+    spec_big, spec_tail = split_tail_blocks(a, method=AlignMethod.TORCH)
+    assert _block_list_rows(big) == _block_list_rows(spec_big)
+    assert _block_list_rows(tail) == _block_list_rows(spec_tail)
+
+
+TAIL = TritonMoEConfig(
+    block_m=32, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2, tail_block_m=16
+)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP16, WeightFormat.MXFP4], ids=lambda f: f.name)
+def test_tail_blocks_match_the_reference(fmt):
+    """tail_block_m: experts with 0, 5, 16, 17, 32, 33, 47 and 64 pairs (16-row blocks: 0 - 4 of them)
+    run as 32-row blocks plus, for an odd count of 16-row blocks, one 16-row tail block each."""
+    act = ActivationSpec.gpt_oss() if fmt is WeightFormat.MXFP4 else ActivationSpec(Activation.SILU)
+    layout = GateLayout.INTERLEAVED if fmt is WeightFormat.MXFP4 else GateLayout.CONCAT
+    dtype = torch.float32 if fmt is WeightFormat.MXFP4 else torch.float16
+    spec = _spec(fmt=fmt, dtype=dtype, e=8, k=1, act=act, layout=layout)
+    counts = [0, 5, 16, 17, 32, 33, 47, 64]
+    gen = torch.Generator().manual_seed(70)
+    ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)][:, None]
+    routing = RoutingResult(weights=torch.rand(ids.shape[0], 1, generator=gen) + 0.1, ids=ids)
+    weights = None
+    if fmt is WeightFormat.MXFP4:
+        from moekit.kernels.triton_kernel import TritonFusedKernel
+
+        weights = TritonFusedKernel().prepare_weights(_weights(spec, gen), spec)
+        assert weights.packing is WeightPacking.MXFP4_MMA_WORDS
+    got, _ = _check_layer(spec, t=ids.shape[0], seed=71, routing=routing, config=TAIL, weights=weights)
+    plain, _ = _check_layer(
+        spec,
+        t=ids.shape[0],
+        seed=71,
+        routing=routing,
+        config=replace(TAIL, tail_block_m=None),
+        weights=weights,
+    )
+    assert relative_l2_error(got, plain) <= TOLERANCE[dtype]
+
+
+def test_tail_blocks_with_an_expert_map():
+    spec = _spec(e=8, e_local=4, k=2, dtype=torch.float32)
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
+    _check_layer(spec, t=45, expert_map=expert_map, seed=72, config=TAIL)
 
 
 @pytest.mark.parametrize("max_chunks", [256, 3], ids=["one-step-chunks", "multi-step-chunks"])
@@ -545,6 +632,11 @@ def test_default_configs_run():
         dict(split_k=None),
         dict(split_k=2.0),
         dict(split_k=True),
+        dict(block_m=32, tail_block_m=32),  # not block_m // 2
+        dict(block_m=64, tail_block_m=16),
+        dict(block_m=16, tail_block_m=8),  # under tl.dot's 16
+        dict(block_m=32, tail_block_m=16, split_k=2),  # tail blocks with split-K: not both
+        dict(block_m=32, tail_block_m=True),
     ],
 )
 def test_bad_configs_are_refused(bad):

@@ -371,10 +371,16 @@ def _gated_activation(
 
 
 @triton.jit
-def _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """Pairs of M-block `pid_m` (int64, padding rows masked) and its local expert (int64)."""
+def _block_rows(sorted_pairs_ptr, block_expert_ptr, block_start_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Pairs of M-block `pid_m` (int64, padding rows masked) and its local expert (int64). The block's
+    first row in `sorted_pairs_ptr` is `pid_m * BLOCK_M`, or `block_start_ptr[pid_m]` when given (the
+    two block lists of a tail-block launch index one alignment of half the size)."""
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if block_start_ptr is None:
+        first = pid_m * BLOCK_M
+    else:
+        first = tl.load(block_start_ptr + pid_m)
+    pairs = tl.load(sorted_pairs_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
     return pairs, pairs < num_pairs, expert
 
 
@@ -389,6 +395,7 @@ def _moe_gemm1(
     route_w_ptr,  # fp32 [T*K] router weights (INPUT placement) or None
     sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M]
     block_expert_ptr,  # int32 [num_pid_m]
+    block_start_ptr,  # int32 [num_pid_m]: first sorted row of each M-block, or None (pid_m * BLOCK_M)
     num_blocks_ptr,  # int32 [1]
     h_ptr,  # [T*K, I] act dtype (fp32 when W8A8)
     part_ptr,  # fp32 [SPLIT_K, T*K, 2I] raw partial sums when SPLIT_K > 1, else None
@@ -438,7 +445,9 @@ def _moe_gemm1(
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(INTER_SIZE, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return  # the grid is a host-side upper bound; the true block count stays on the device
-    pairs, row_mask, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    pairs, row_mask, expert = _block_rows(
+        sorted_pairs_ptr, block_expert_ptr, block_start_ptr, pid_m, num_pairs, BLOCK_M
+    )
     tokens = pairs // TOP_K
     j = tl.arange(0, 2 * BLOCK_N)
     if INTERLEAVED:  # rows 2n (gate n) and 2n+1 (up n) are adjacent
@@ -521,6 +530,7 @@ def _moe_gemm2(
     route_w_ptr,  # fp32 [T*K] router weights (OUTPUT placement) or None
     sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M]
     block_expert_ptr,  # int32 [num_pid_m]
+    block_start_ptr,  # int32 [num_pid_m]: first sorted row of each M-block, or None (pid_m * BLOCK_M)
     num_blocks_ptr,  # int32 [1]
     y_ptr,  # [T*K, H] (act dtype, or fp32 for fp32 activations)
     part_ptr,  # fp32 [SPLIT_K, T*K, H] raw partial sums when SPLIT_K > 1, else None
@@ -559,7 +569,9 @@ def _moe_gemm2(
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    pairs, row_mask, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    pairs, row_mask, expert = _block_rows(
+        sorted_pairs_ptr, block_expert_ptr, block_start_ptr, pid_m, num_pairs, BLOCK_M
+    )
     w_rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_mask = w_rows < HIDDEN
     w_blocks = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)  # 16-row blocks (MXFP4_MMA_WORDS)

@@ -198,3 +198,46 @@ def _align_scatter(
         tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < max_blocks)
         r = (b * BLOCK_M)[:, None] + tl.arange(0, BLOCK_M)[None, :]
         tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r >= total) & (b < max_blocks)[:, None])
+
+
+@triton.jit
+def _split_tail_blocks(
+    expert_offsets_ptr,  # int64 [NUM_LOCAL + 1]: padded start row of each expert (TAIL_M rows a block)
+    expert_counts_ptr,  # int32 [NUM_LOCAL]
+    big_start_ptr,  # out int32 [max_big]: first row of each 2 * TAIL_M block
+    big_expert_ptr,  # out int32 [max_big]
+    num_big_ptr,  # out int32 [1]
+    tail_start_ptr,  # out int32 [NUM_LOCAL]: first row of each expert's odd last TAIL_M block
+    tail_expert_ptr,  # out int32 [NUM_LOCAL]
+    num_tail_ptr,  # out int32 [1]
+    max_big,
+    NUM_LOCAL: tl.constexpr,
+    TAIL_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TILE: tl.constexpr,
+    BIG_BOUND: tl.constexpr,  # power of two >= max_big (constexpr trip count, as `_align_finish`)
+):
+    """One program. Expert e's nb = ceil(count / TAIL_M) blocks of an alignment at TAIL_M rows become
+    nb // 2 blocks of 2 * TAIL_M rows and, when nb is odd, one tail block of TAIL_M rows: its last."""
+    e = tl.arange(0, BLOCK_E)
+    is_expert = e < NUM_LOCAL
+    offset = tl.load(expert_offsets_ptr + e, mask=is_expert, other=0).to(tl.int32)
+    count = tl.load(expert_counts_ptr + e, mask=is_expert, other=0)
+    blocks = (count + TAIL_M - 1) // TAIL_M
+    pairs = blocks // 2
+    has_tail = (blocks % 2 == 1) & is_expert
+    big_end = tl.cumsum(pairs, 0)  # big block i belongs to the first expert whose big_end exceeds i
+    tail_index = tl.cumsum(has_tail.to(tl.int32), 0) - 1
+    tl.store(tail_start_ptr + tail_index, offset + (blocks - 1) * TAIL_M, mask=has_tail)
+    tl.store(tail_expert_ptr + tail_index, e, mask=has_tail)
+    tl.store(num_tail_ptr, tl.sum(has_tail.to(tl.int32), 0))
+    tl.store(num_big_ptr, tl.sum(pairs, 0))
+    big_begin = big_end - pairs
+    for i0 in range(0, BIG_BOUND, TILE):
+        i = i0 + tl.arange(0, TILE)
+        owner = tl.sum(((big_end[None, :] <= i[:, None]) & is_expert[None, :]).to(tl.int32), 1)
+        mine = e[None, :] == owner[:, None]  # [TILE, BLOCK_E]: one column per row, none past the last
+        first = tl.sum(tl.where(mine, (offset - big_begin * 2 * TAIL_M)[None, :], 0), 1)
+        live = (i < max_big) & (owner < NUM_LOCAL)
+        tl.store(big_start_ptr + i, first + i * 2 * TAIL_M, mask=live)
+        tl.store(big_expert_ptr + i, owner, mask=live)

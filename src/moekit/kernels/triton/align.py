@@ -270,3 +270,94 @@ def _align_torch(
         max_blocks=max_blocks,
         num_pairs=num_pairs,
     )
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """M-blocks of one size over an alignment's `sorted_pair_ids`: what one launch of a GEMM walks."""
+
+    block_m: int
+    block_start: torch.Tensor | None  # int32 [max_blocks]: first sorted row of each block; None: b * block_m
+    block_expert: torch.Tensor  # int32 [max_blocks]: local expert of each block (valid ones only)
+    num_valid_blocks: torch.Tensor  # int32 [1]
+    max_blocks: int  # host bound of the valid blocks (the launch grid)
+
+    @classmethod
+    def of(cls, aligned: AlignedRouting) -> BlockList:
+        """The alignment's own blocks."""
+        return cls(aligned.block_m, None, aligned.block_expert, aligned.num_valid_blocks, aligned.max_blocks)
+
+
+def split_tail_blocks(
+    aligned: AlignedRouting, *, method: AlignMethod | None = None
+) -> tuple[BlockList, BlockList]:
+    """(blocks of 2 * block_m rows, tail blocks of block_m rows) over `aligned` (padded to block_m): each
+    expert's padded segment taken two blocks at a time, its last block alone when their number is odd.
+    An expert's last pairs then fill half a large block instead of wasting the other half on padding.
+    TORCH computes the same lists with torch ops (the specification); otherwise one Triton program."""
+    t, e_local = aligned.block_m, aligned.expert_counts.numel()
+    max_big, max_tail = aligned.max_blocks // 2, min(e_local, aligned.max_blocks)
+    device = aligned.sorted_pair_ids.device
+    if method is AlignMethod.TORCH or aligned.num_pairs == 0:
+        return _split_tail_blocks_torch(aligned, max_big=max_big, max_tail=max_tail)
+    big_start = torch.empty(max(max_big, 1), dtype=torch.int32, device=device)
+    big_expert = torch.empty_like(big_start)
+    tail_start = torch.empty(e_local, dtype=torch.int32, device=device)
+    tail_expert = torch.empty_like(tail_start)
+    num_big = torch.empty(1, dtype=torch.int32, device=device)
+    num_tail = torch.empty(1, dtype=torch.int32, device=device)
+    _jit_align._split_tail_blocks[(1,)](
+        expert_offsets_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
+        expert_counts_ptr=aligned.expert_counts,  # int32 [E_local]
+        big_start_ptr=big_start,
+        big_expert_ptr=big_expert,
+        num_big_ptr=num_big,
+        tail_start_ptr=tail_start,
+        tail_expert_ptr=tail_expert,
+        num_tail_ptr=num_tail,
+        max_big=max_big,
+        NUM_LOCAL=e_local,
+        TAIL_M=t,
+        BLOCK_E=triton.next_power_of_2(e_local),
+        TILE=min(64, triton.next_power_of_2(max(max_big, 1))),
+        BIG_BOUND=triton.next_power_of_2(max(max_big, 1)),
+    )
+    return (
+        BlockList(2 * t, big_start, big_expert, num_big, max_big),
+        BlockList(t, tail_start, tail_expert, num_tail, max_tail),
+    )
+
+
+def _split_tail_blocks_torch(
+    aligned: AlignedRouting, *, max_big: int, max_tail: int
+) -> tuple[BlockList, BlockList]:
+    t, device = aligned.block_m, aligned.sorted_pair_ids.device
+    e_local = aligned.expert_counts.numel()
+    offset = aligned.expert_offsets[:-1]
+    blocks = _cdiv_tensor(aligned.expert_counts.long(), t)
+    pairs = blocks // 2
+    big_end = torch.cumsum(pairs, 0)
+    i = torch.arange(max(max_big, 1), device=device)
+    owner = torch.searchsorted(big_end, i, right=True)  # E_local past the last big block
+    mine = owner.clamp(max=e_local - 1)
+    big_start = offset[mine] + (i - (big_end - pairs)[mine]) * 2 * t
+    has_tail = blocks % 2 == 1
+    # Tails in expert order: a stable sort puts the experts with one first (device-sized, no sync).
+    order = torch.sort((~has_tail).to(torch.int8), stable=True).indices
+    tail_start = (offset + (blocks - 1) * t)[order]
+    return (
+        BlockList(
+            2 * t,
+            big_start.to(torch.int32),
+            owner.to(torch.int32),
+            pairs.sum().reshape(1).to(torch.int32),
+            max_big,
+        ),
+        BlockList(
+            t,
+            tail_start.to(torch.int32),
+            order.to(torch.int32),
+            has_tail.sum().reshape(1).to(torch.int32),
+            max_tail,
+        ),
+    )

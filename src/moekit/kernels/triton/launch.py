@@ -21,7 +21,7 @@ from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeErr
 from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
 from moekit.kernels.triton import _jit
-from moekit.kernels.triton.align import align_routing
+from moekit.kernels.triton.align import BlockList, align_routing, split_tail_blocks
 from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
@@ -71,6 +71,9 @@ class TritonMoEConfig(KernelConfig):
     # give both the same 128-row register operand (two m64 wgmma per warpgroup).
     gemm2_block_n: int | None = None
     split_k: int = 1
+    # block_m // 2, or None: an expert's last `tail_block_m` pairs or fewer run as a block of that size in
+    # a second launch of each GEMM instead of padding a full block_m block (half its MMA rows wasted).
+    tail_block_m: int | None = None
 
     @property
     def block_n_gemm2(self) -> int:
@@ -101,6 +104,18 @@ class TritonMoEConfig(KernelConfig):
             optional=True,
         )
         _check_int("split_k", self.split_k, lambda n: 1 <= n <= 16, "an int in [1, 16]")
+        _check_int(
+            "tail_block_m",
+            self.tail_block_m,
+            lambda m: m == self.block_m // 2 and m >= 16,
+            f"block_m // 2 = {self.block_m // 2} (at least 16)",
+            optional=True,
+        )
+        if self.tail_block_m is not None and self.split_k != 1:
+            raise SpecError(
+                f"TritonMoEConfig.tail_block_m needs split_k=1 (tail blocks are for large batches), got "
+                f"split_k={self.split_k}; drop one of them"
+            )
         _check_int(
             "max_registers",
             self.max_registers,
@@ -536,6 +551,17 @@ def _quantize_rows(
     return data, scale
 
 
+def _block_args(blocks: BlockList) -> dict:
+    """The M-block arguments of `_moe_gemm1` / `_moe_gemm2` for one launch over `blocks`."""
+    return dict(
+        block_expert_ptr=blocks.block_expert,  # int32 [num_pid_m]
+        block_start_ptr=blocks.block_start,  # int32 [num_pid_m] or None
+        num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
+        num_pid_m=blocks.max_blocks,
+        BLOCK_M=blocks.block_m,
+    )
+
+
 def triton_fused_moe(
     x: torch.Tensor,
     weights: ExpertWeights,
@@ -559,9 +585,13 @@ def triton_fused_moe(
         return out
     p = _KernelParams.of(spec)
     cfg = config
+    tail = cfg.tail_block_m
     aligned = align_routing(
-        routing.ids, num_local_experts=spec.E_local, block_m=cfg.block_m, expert_map=expert_map
+        routing.ids, num_local_experts=spec.E_local, block_m=tail or cfg.block_m, expert_map=expert_map
     )
+    # One launch of each GEMM per block list: block_m blocks, then (tail) each expert's odd last tail block.
+    block_lists = split_tail_blocks(aligned) if tail else (BlockList.of(aligned),)
+    block_lists = tuple(b for b in block_lists if b.max_blocks > 0)
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
     x = x if x.stride(1) == 1 else x.contiguous()
     quant = spec.act_quant
@@ -571,7 +601,7 @@ def triton_fused_moe(
         x, x_scale = _quantize_rows(x, quant=quant, row_mult=route_w if p.route_in_quant else None)
     w13 = _WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
     w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
-    num_pairs, num_pid_m = aligned.num_pairs, aligned.max_blocks
+    num_pairs = aligned.num_pairs
     words = weights.packing is WeightPacking.MXFP4_MMA_WORDS
     w_format = _jit.WFMT_MXFP4_WORDS.value if words else p.w_format
     # Compiled bf16 only: tl.dot_scaled and inline PTX have no interpreter implementation, and
@@ -581,11 +611,8 @@ def triton_fused_moe(
 
     # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles but N.
     shared = dict(
-        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [num_pid_m * BLOCK_M]
-        block_expert_ptr=aligned.block_expert,  # int32 [num_pid_m]
-        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [aligned.max_blocks * aligned.block_m]
         num_pairs=num_pairs,
-        num_pid_m=num_pid_m,
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
         W_FORMAT=w_format,
@@ -595,7 +622,6 @@ def triton_fused_moe(
         MX_NATIVE=mx_native,
         SWAP_AB=cfg.swap_ab,
         HAS_BIAS=p.has_bias,
-        BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         SPLIT_K=cfg.split_k,
@@ -621,24 +647,26 @@ def triton_fused_moe(
     part1 = (
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
     )
-    _jit._moe_gemm1[(num_pid_m * triton.cdiv(spec.I, cfg.block_n), splits)](
-        x_ptr=x,  # [T, H] act dtype or fp8
-        x_scale_ptr=x_scale,  # fp32 [T, G] or None
-        route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
-        h_ptr=h,  # [T*K, I]
-        part_ptr=part1,  # fp32 [S, T*K, 2I] or None
-        stride_xm=x.stride(0),
-        stride_xsm=_stride(x_scale, 0),
-        stride_xsk=_stride(x_scale, 1),
-        stride_hm=h.stride(0),
-        stride_part_split=_stride(part1, 0),
-        stride_part_m=_stride(part1, 1),
-        TOP_K=top_k,
-        BLOCK_N=cfg.block_n,
-        **epilogue1,
-        **w13.kernel_args(),
-        **shared,
-    )
+    for blocks in block_lists:
+        _jit._moe_gemm1[(blocks.max_blocks * triton.cdiv(spec.I, cfg.block_n), splits)](
+            x_ptr=x,  # [T, H] act dtype or fp8
+            x_scale_ptr=x_scale,  # fp32 [T, G] or None
+            route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
+            h_ptr=h,  # [T*K, I]
+            part_ptr=part1,  # fp32 [S, T*K, 2I] or None
+            stride_xm=x.stride(0),
+            stride_xsm=_stride(x_scale, 0),
+            stride_xsk=_stride(x_scale, 1),
+            stride_hm=h.stride(0),
+            stride_part_split=_stride(part1, 0),
+            stride_part_m=_stride(part1, 1),
+            TOP_K=top_k,
+            BLOCK_N=cfg.block_n,
+            **epilogue1,
+            **w13.kernel_args(),
+            **shared,
+            **_block_args(blocks),
+        )
     if split:
         block_fin = min(1024, triton.next_power_of_2(spec.I))
         _jit._moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
@@ -668,23 +696,25 @@ def triton_fused_moe(
         part2 = None
         y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     block_n2 = cfg.block_n_gemm2
-    _jit._moe_gemm2[(num_pid_m * triton.cdiv(spec.H, block_n2), splits)](
-        h_ptr=h,  # [T*K, I] act dtype or fp8
-        h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
-        route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
-        y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1), or None when split
-        part_ptr=part2,  # fp32 [S, T*K, H] or None
-        stride_hm=h.stride(0),
-        stride_hsm=_stride(h_scale, 0),
-        stride_hsk=_stride(h_scale, 1),
-        stride_ym=_stride(y, 0),
-        stride_part_split=_stride(part2, 0),
-        stride_part_m=_stride(part2, 1),
-        ROUTE_ON_OUTPUT=p.route_on_output,
-        **w2.kernel_args(),
-        BLOCK_N=block_n2,
-        **shared,
-    )
+    for blocks in block_lists:
+        _jit._moe_gemm2[(blocks.max_blocks * triton.cdiv(spec.H, block_n2), splits)](
+            h_ptr=h,  # [T*K, I] act dtype or fp8
+            h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
+            route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
+            y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1), or None when split
+            part_ptr=part2,  # fp32 [S, T*K, H] or None
+            stride_hm=h.stride(0),
+            stride_hsm=_stride(h_scale, 0),
+            stride_hsk=_stride(h_scale, 1),
+            stride_ym=_stride(y, 0),
+            stride_part_split=_stride(part2, 0),
+            stride_part_m=_stride(part2, 1),
+            ROUTE_ON_OUTPUT=p.route_on_output,
+            **w2.kernel_args(),
+            BLOCK_N=block_n2,
+            **shared,
+            **_block_args(blocks),
+        )
     if split or not direct:
         shares = part2 if split else y.unsqueeze(0)  # [S, T*K, H]
         block_h = min(1024, triton.next_power_of_2(spec.H))
