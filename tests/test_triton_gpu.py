@@ -267,14 +267,19 @@ def test_k1_router_weight_on_input(t):
     )
 
 
-@pytest.mark.parametrize("t", [1, 8, 64, 256])
-@pytest.mark.parametrize("name", ["gpt-oss-20b", "deepseek-v3-e16"])
-def test_cuda_graph_capture_and_replay(name, t):
+GRAPH_CASES = [(name, t, False) for name in ("gpt-oss-20b", "deepseek-v3-e16") for t in (1, 8, 64, 256)]
+GRAPH_CASES += [("gpt-oss-20b", 1024, True), ("deepseek-v3-e16", 1024, True)]  # + the tail-block launches
+
+
+@pytest.mark.parametrize(("name", "t", "tail"), GRAPH_CASES)
+def test_cuda_graph_capture_and_replay(name, t, tail):
     # Capture once with static buffers, then replay on new tokens and new routing: the layer must
     # neither sync (capture would fail) nor keep anything from the captured data.
     spec = SPECS[name][0]
     weights = _weights(name)
     config = default_config(spec, t)
+    if tail:  # the block-list program and both GEMMs' second launch inside the graph
+        config = replace(config, tail_block_m=config.block_m // 2, split_k=1)
     x, routing = _inputs(spec, t, seed=100 + t)
     static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
     static_out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)

@@ -8,6 +8,11 @@ Data flow:
   -> `sorted_pair_ids` (one pair id per padded row; padding rows hold P = T*K), the expert of every
      M-block (`block_expert`) and the number of valid M-blocks (`num_valid_blocks`, on the device).
 
+Tail blocks (`split_tail_blocks`): an alignment at half the GEMM's block_m, walked two blocks at a
+time per expert, plus each expert's odd last block alone (a second launch at the half size), so an
+expert's last pairs fill half a block instead of padding a whole one. Two `BlockList`s, built on the
+device by one Triton program (or torch ops, the specification).
+
 Kernels are launched over `max_blocks` M-blocks, an upper bound known on the host without a sync;
 programs past `num_valid_blocks` exit at once. Ids outside [0, E) (or mapped outside [0, E_local))
 are dropped rather than read out of bounds; callers check ids once at the edge

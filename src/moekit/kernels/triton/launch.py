@@ -51,7 +51,9 @@ class TritonMoEConfig(KernelConfig):
     """Tile sizes of both grouped GEMMs (GEMM1 loads 2 * block_n weight rows: gate and up).
 
     Both GEMMs share the M-blocks (block_m: one routing alignment per call), K-step, warps and stages;
-    GEMM2 may take a different N tile (`gemm2_block_n`), since its full tile is half GEMM1's.
+    GEMM2 may take a different N tile (`gemm2_block_n`), since its full tile is half GEMM1's. With
+    `tail_block_m` the alignment is at that half size and each GEMM runs twice: block_m blocks, then
+    each expert's odd last half-block (`align.split_tail_blocks`).
     `split_k` > 1 splits each GEMM's reduction into that many shares, one program each, summed in a
     fixed order by a small second kernel (deterministic): more programs, and more bytes in flight,
     when few M-blocks leave most of the SMs idle (decode).
