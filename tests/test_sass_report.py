@@ -60,13 +60,16 @@ for row in rows:
     c = row['config']
     if row['spec']['weight_format'] == 'mxfp4' and row['kernel'] == 'triton_fused':
         split = c.get('split_k') or 1
-        tiles.add((1, c['block_m'], c['block_n'], c['block_k'], c['num_warps'], c['num_stages'], split))
+        tail = c.get('tail_block_m')  # then both launches, block_m and tail, read block-start lists
         n2 = c['gemm2_block_n'] or c['block_n']
-        tiles.add((2, c['block_m'], n2, c['block_k'], c['num_warps'], c['num_stages'], split))
+        for m in (c['block_m'], tail) if tail else (c['block_m'],):
+            tiles.add((1, m, c['block_n'], c['block_k'], c['num_warps'], c['num_stages'], split, bool(tail)))
+            tiles.add((2, m, n2, c['block_k'], c['num_warps'], c['num_stages'], split, bool(tail)))
 out = []
-for g, m, n, k, w, s, split in sorted(tiles):
-    r = wgmma_hazard.hazard_report(sass_report.compile_gemm(g, 'words', (m, n, k), w, s, split))
-    out.append([g, m, n, k, w, s, split, r['wait_depth'], len(r['writes'])])
+for g, m, n, k, w, s, split, starts in sorted(tiles):
+    kernel = sass_report.compile_gemm(g, 'words', (m, n, k), w, s, split, block_starts=starts)
+    r = wgmma_hazard.hazard_report(kernel)
+    out.append([g, m, n, k, w, s, split, starts, r['wait_depth'], len(r['writes'])])
 print(json.dumps(out))
 """
     done = subprocess.run(
@@ -76,5 +79,5 @@ print(json.dumps(out))
     tiles = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
     unsafe = [t for t in tiles if t[-1] != 0]
-    fields = "(gemm, block_m, block_n, block_k, warps, stages, split_k, wait depth, writes)"
+    fields = "(gemm, block_m, block_n, block_k, warps, stages, split_k, block starts, wait depth, writes)"
     assert not unsafe, f"{fields}: {unsafe}"

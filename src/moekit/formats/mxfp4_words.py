@@ -23,7 +23,7 @@ with r = 16 rb + g and k = 16 c + 2q (word [rb, c // 8, g, q, c % 8] of the stor
 and j + 4 sit 16 bits apart, so one shift moves both codes of a pair into the two bf16 halves of a
 register at once.
 
-Decoding (see `_jit._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) moved to bf16
+Decoding (see `_jit_mxfp4._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) moved to bf16
 bits 8..6 and the sign to bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
 code 0.5, lands on the bf16 subnormal 2^-127); multiplying by 2^(s - 1) applies the E8M0 scale 2^(s -
 127) and the missing 2^126 in one step. 2^(s - 1) is a normal bf16 only for s <= 128, so weights with

@@ -214,11 +214,11 @@ def _split_tail_blocks(
     NUM_LOCAL: tl.constexpr,
     TAIL_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    TILE: tl.constexpr,
     BIG_BOUND: tl.constexpr,  # power of two >= max_big (constexpr trip count, as `_align_finish`)
 ):
     """One program. Expert e's nb = ceil(count / TAIL_M) blocks of an alignment at TAIL_M rows become
     nb // 2 blocks of 2 * TAIL_M rows and, when nb is odd, one tail block of TAIL_M rows: its last."""
+    TILE: tl.constexpr = BIG_BOUND if BIG_BOUND < 64 else 64  # big blocks placed per step
     e = tl.arange(0, BLOCK_E)
     is_expert = e < NUM_LOCAL
     offset = tl.load(expert_offsets_ptr + e, mask=is_expert, other=0).to(tl.int32)

@@ -105,9 +105,12 @@ def _mxfp4_native_scales(
 
 
 @triton.jit
-def _mxfp4_word_pair(w, SH_MAG: tl.constexpr, SH_SIGN: tl.constexpr):
-    """Codes j and j + 4 of uint32 words `w` -> bf16 pairs (as uint32) of value * 2^-126: the magnitude
-    bits moved to 8..6 / 24..22, the sign to 15 / 31 (moekit.formats.mxfp4_words)."""
+def _mxfp4_word_pair(w, PAIR: tl.constexpr):
+    """Codes PAIR and PAIR + 4 of uint32 words `w` (nibbles at bits 4 PAIR and 4 PAIR + 16,
+    moekit.formats.mxfp4_words) -> bf16 pairs (as uint32) of value * 2^-126: the magnitude bits moved to
+    8..6 / 24..22, the sign to 15 / 31."""
+    SH_MAG: tl.constexpr = 6 - 4 * PAIR  # left shift (negative: right) of bits 4 PAIR .. 4 PAIR + 2
+    SH_SIGN: tl.constexpr = 12 - 4 * PAIR  # bit 4 PAIR + 3 to 15
     if SH_MAG >= 0:
         mag = (w << SH_MAG) & 0x01C001C0
     else:
@@ -171,10 +174,10 @@ def _mxfp4_words_tile(
     else:
         words = tl.load(ptrs, mask=w_block_mask[:, None, None] & (chunk < NUM_CHUNKS)[None, None, :], other=0)
     words = tl.reshape(words, (RB * 32, C)).to(tl.uint32, bitcast=True)
-    p0 = _mxfp4_word_pair(words, 6, 12)  # row g,     columns 2q, 2q + 1
-    p1 = _mxfp4_word_pair(words, 2, 8)  # row g + 8
-    p2 = _mxfp4_word_pair(words, -2, 4)  # row g,     columns 2q + 8, 2q + 9
-    p3 = _mxfp4_word_pair(words, -6, 0)  # row g + 8
+    p0 = _mxfp4_word_pair(words, 0)  # row g,     columns 2q, 2q + 1
+    p1 = _mxfp4_word_pair(words, 1)  # row g + 8
+    p2 = _mxfp4_word_pair(words, 2)  # row g,     columns 2q + 8, 2q + 9
+    p3 = _mxfp4_word_pair(words, 3)  # row g + 8
     # Factor 2^(s - 1) = scale 2^(s - 127) times the 2^126 the bit placement left out (s <= 128).
     exponent = scales.to(tl.uint32) + 126
     if NATIVE:

@@ -324,7 +324,6 @@ def split_tail_blocks(
         NUM_LOCAL=e_local,
         TAIL_M=t,
         BLOCK_E=triton.next_power_of_2(e_local),
-        TILE=min(64, triton.next_power_of_2(max(max_big, 1))),
         BIG_BOUND=triton.next_power_of_2(max(max_big, 1)),
     )
     return (

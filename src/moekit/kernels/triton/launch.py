@@ -325,7 +325,7 @@ def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
         # GEMM1 programs on 132 SMs. Split-K multiplies the programs (and weight bytes in flight).
         grid += [replace(default, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
     if per_expert > 32:
-        # Each expert's odd last half-block in a second launch (tail_block_m): 2 - 8 % faster for gpt-oss-120b
+        # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
         # at T = 2048 - 16384 on an H200 (benchmarks/RESULTS.md, session 7).
         grid += [replace(c, tail_block_m=c.block_m // 2) for c in grid if c.block_m >= 64 and c.split_k == 1]
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
