@@ -121,6 +121,16 @@ def _cuobjdump(kernel, flag: str) -> str:
         os.unlink(path)
 
 
+def all_instructions(kernel) -> list[tuple[int, str]]:
+    """(address, instruction) of the whole kernel, in program order."""
+    instructions = []
+    for line in _cuobjdump(kernel, "-sass").splitlines():
+        match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if match:
+            instructions.append((int(match.group(1), 16), match.group(2).strip()))
+    return instructions
+
+
 def loop_instructions(kernel) -> list[tuple[int, str]]:
     """(address, instruction) of the K-loop: from the target of the last conditional backward branch
     to that branch."""

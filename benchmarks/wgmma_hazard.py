@@ -6,8 +6,8 @@ after it is issued; PTX calls any write to those registers before a `wgmma.wait_
 instruction undefined behaviour. Triton's pipeliner waits with `pendings = dots per iteration - 1`
 (triton-lang/triton#9433), which leaves the later wgmma groups of one K-step in flight while the next
 K-step's decode writes registers. This script compiles moekit's GEMMs for sm_90 (as
-`sass_report.py`), finds the K-loop, and lists the instructions at the top of the next iteration that
-write an A register of a wgmma group that the waits do not yet cover.
+`sass_report.py`), follows the wgmma groups in flight through the kernel (the K-loop twice), and lists
+every instruction that writes an A register of a group no wait has yet covered.
 
 Reading: a count above zero means the schedule relies on timing (the wgmma reading its registers before
 the decode overwrites them), not on a wait.
@@ -23,34 +23,50 @@ import sass_report
 import triton
 
 
-def hazard_report(kernel) -> dict:
-    """wgmma groups of the K-loop, the wait depth, and the writes to A registers still possibly read."""
-    body = [
-        (address, sass_report.unpredicated(text)) for address, text in sass_report.loop_instructions(kernel)
-    ]
-    groups, current, depth = [], [], None
-    for _, op in body:
+def _written_registers(op: str) -> set[int]:
+    """General registers an instruction writes: its first operand, widened by the access size."""
+    fields = op.replace(",", " ").split()
+    if len(fields) < 2 or fields[0].startswith(("HGMMA", "ST", "BRA", "BAR", "WARPGROUP", "DEPBAR")):
+        return set()
+    dst = re.fullmatch(r"R(\d+)", fields[1])
+    if not dst:
+        return set()
+    name = fields[0]
+    width = 4 if ".128" in name else 2 if (".64" in name or ".WIDE" in name) else 1
+    return {int(dst.group(1)) + i for i in range(width)}
+
+
+def simulate(kernel) -> dict:
+    """Walk the kernel in program order, the K-loop twice (the second pass sees the groups the first
+    leaves in flight): each HGMMA adds its four A registers to the open wgmma group, which `gsb0`
+    closes; `WARPGROUP.DEPBAR.LE gsb0, N` leaves the last N groups in flight. Any other instruction
+    that writes an A register of an in-flight group is listed (address, instruction)."""
+    instructions = sass_report.all_instructions(kernel)
+    loop = sass_report.loop_instructions(kernel)
+    first, last = loop[0][0], loop[-1][0]
+    before = [i for i in instructions if i[0] < first]
+    after = [i for i in instructions if i[0] > last]
+    in_flight, current, writes, depths = [], set(), [], set()
+    for address, text in before + loop + loop + after:
+        op = sass_report.unpredicated(text)
         a_reg = re.match(r"HGMMA\S+\s+R\d+, R(\d+),", op)
         if a_reg:
-            current.append(int(a_reg.group(1)))
+            current |= {int(a_reg.group(1)) + i for i in range(4)}
+            if "gsb0" in op:
+                in_flight.append(current)
+                current = set()
+            continue
         wait = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", op)
-        if wait and current:
-            groups.append(current)
-            current, depth = [], int(wait.group(1), 16)
-    if current:
-        groups.append(current)
-    # After the last wait of an iteration, `depth` groups may still be pending: the last `depth` ones.
-    pending = groups[len(groups) - depth :] if depth else []
-    in_flight = {r + i for group in pending for r in group for i in range(4)}
-    writes = []
-    for address, op in body:
-        if op.startswith(("WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR")):
-            break  # the first wait or new wgmma of the next iteration
-        fields = op.split()
-        dst = re.match(r"R(\d+)", fields[1].rstrip(",")) if len(fields) > 1 else None
-        if dst and int(dst.group(1)) in in_flight:
+        if wait:
+            n = int(wait.group(1), 16)
+            in_flight = in_flight[len(in_flight) - n :] if n else []
+            if first <= address <= last:
+                depths.add(n)
+            continue
+        busy = set().union(*in_flight, current) if (in_flight or current) else set()
+        if _written_registers(op) & busy:
             writes.append(f"{address:#06x} {op}")
-    return {"groups": len(groups), "wait_depth": depth, "in_flight_a_regs": len(in_flight), "writes": writes}
+    return {"wait_depths": sorted(depths), "writes": sorted(set(writes))}
 
 
 def main() -> int:
@@ -61,11 +77,11 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=3)
     args = p.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
-    report = hazard_report(sass_report.compile_gemm(args.gemm, "words", block, args.warps, args.stages))
+    report = simulate(sass_report.compile_gemm(args.gemm, "words", block, args.warps, args.stages))
     print(
         f"Triton {triton.__version__} GEMM{args.gemm} words {block} warps {args.warps} stages {args.stages}: "
-        f"{report['groups']} wgmma groups per K-step, wait depth {report['wait_depth']}, "
-        f"{len(report['writes'])} writes to A registers of possibly in-flight wgmma before the next wait"
+        f"wait depths in the K-loop {report['wait_depths']}, "
+        f"{len(report['writes'])} writes to A registers of possibly in-flight wgmma"
     )
     for line in report["writes"][:6]:
         print("  " + line)

@@ -68,8 +68,8 @@ for row in rows:
 out = []
 for g, m, n, k, w, s, split, starts in sorted(tiles):
     kernel = sass_report.compile_gemm(g, 'words', (m, n, k), w, s, split, block_starts=starts)
-    r = wgmma_hazard.hazard_report(kernel)
-    out.append([g, m, n, k, w, s, split, starts, r['wait_depth'], len(r['writes'])])
+    r = wgmma_hazard.simulate(kernel)
+    out.append([g, m, n, k, w, s, split, starts, r['wait_depths'], len(r['writes'])])
 print(json.dumps(out))
 """
     done = subprocess.run(
@@ -79,5 +79,37 @@ print(json.dumps(out))
     tiles = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
     unsafe = [t for t in tiles if t[-1] != 0]
-    fields = "(gemm, block_m, block_n, block_k, warps, stages, split_k, block starts, wait depth, writes)"
+    fields = "(gemm, block_m, block_n, block_k, warps, stages, split_k, block starts, wait depths, writes)"
     assert not unsafe, f"{fields}: {unsafe}"
+
+
+def test_hazard_simulation_finds_the_writes_without_the_wait(tmp_path):
+    """The control for the test above: with `_jit._wait_for_mma` replaced by a no-op, Triton 3.6's own
+    waits leave MMAs in flight while the next K-step decodes into their A registers, and the
+    simulation must list those writes (18 for this tile when written)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    paths = [str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    script = tmp_path / "no_wait.py"  # @triton.jit needs its source in a file
+    script.write_text(
+        """
+import json
+import triton
+import sass_report, wgmma_hazard
+from moekit.kernels.triton import _jit
+
+@triton.jit
+def _no_wait(acc):
+    return acc
+
+_jit._wait_for_mma = _no_wait
+r = wgmma_hazard.simulate(sass_report.compile_gemm(1, "words", (128, 64, 64), 4, 4))
+print(json.dumps([r["wait_depths"], len(r["writes"])]))
+"""
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    depths, writes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert max(depths) > 0 and writes > 0, (depths, writes)
