@@ -371,7 +371,7 @@ def test_dequantize_gpt_oss_expert_is_fast():
 # MXFP4_MMA_WORDS: the load-time arrangement the Triton kernel decodes into MMA registers
 # ---------------------------------------------------------------------------------------------------------
 def test_mma_words_round_trip_and_element_positions():
-    from moekit.formats.mxfp4_words import pack_mma_words, unpack_mma_words
+    from moekit.formats.mxfp4_words import BIT_POSITIONS, pack_mma_words, unpack_mma_words
 
     gen = torch.Generator().manual_seed(5)
     blocks = torch.randint(0, 256, (3, 32, 5, 16), generator=gen, dtype=torch.uint8)
@@ -383,8 +383,8 @@ def test_mma_words_round_trip_and_element_positions():
     with pytest.raises(ShapeError, match="groups"):
         unpack_mma_words(words, num_groups=9)
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).reshape(3, 32, 10, 16)  # [E, N, chunk, 16]
-    # Word [rb, c // 8, g, q, c % 8], nibble j: row 16rb + g + 8*(j % 2), column 16c + 2q + 8*(j % 4 // 2)
-    # + j // 4.
+    # Word [rb, c // 8, g, q, c % 8], slot j: row 16rb + g + 8*(j % 2), column 16c + 2q + 8*(j % 4 // 2)
+    # + j // 4; code bit i of slot j at word bit BIT_POSITIONS[j][i].
     for e, row, col in [(0, 0, 0), (1, 9, 17), (2, 31, 159), (0, 24, 90), (2, 15, 8)]:
         rb, r = divmod(row, 16)
         half_r, g = divmod(r, 8)
@@ -393,7 +393,31 @@ def test_mma_words_round_trip_and_element_positions():
         q, odd = divmod(k, 2)
         j = half_r + 2 * half_c + 4 * odd
         word = int(words[e, rb, c // 8, g, q, c % 8]) & 0xFFFFFFFF
-        assert (word >> (4 * j)) & 0xF == int(codes[e, row, c, col % 16])
+        code = sum(((word >> p) & 1) << i for i, p in enumerate(BIT_POSITIONS[j]))
+        assert code == int(codes[e, row, c, col % 16])
+
+
+def test_mma_word_rotations_decode_every_code_of_every_slot():
+    """Rotating a word right by its pair's rotations and masking (what `_mxfp4_word_pair` does) gives,
+    in each bf16 half, the E2M1 value times 2^-126 for every code in every slot."""
+    from moekit.formats.mxfp4_words import BIT_POSITIONS, MANTISSA_MASK, PAIR_MASK, PAIR_ROTATIONS
+
+    def rotate_right(w: int, r: int) -> int:
+        return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF if r else w
+
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    for slot in range(8):
+        pair, half = slot % 4, slot // 4
+        for code in range(16):
+            word = sum(((code >> i) & 1) << p for i, p in enumerate(BIT_POSITIONS[slot]))
+            r_mantissa, r_rest = PAIR_ROTATIONS[pair][0], PAIR_ROTATIONS[pair][1]
+            bits = (rotate_right(word, r_rest) & PAIR_MASK & ~MANTISSA_MASK) | (
+                rotate_right(word, r_mantissa) & MANTISSA_MASK
+            )
+            assert bits & ~(0xFFFF << (16 * half)) == 0  # nothing lands in the other slot's half
+            as_bf16 = torch.tensor([(bits >> (16 * half)) << 16], dtype=torch.int64).to(torch.int32)
+            value = float(as_bf16.view(torch.float32)) * 2.0**126
+            assert value == (-1) ** (code >> 3) * e2m1[code & 7], (slot, code, value)
 
 
 def test_mma_words_refuse_what_they_cannot_hold():

@@ -3,7 +3,7 @@
 Data flow: checkpoint blocks uint8 [..., N, G, 16] (two E2M1 codes a byte, low nibble first)
 -> `pack_mma_words` (once, at load time) -> int32 words [..., N/16, S, 8, 4, 8], S = ceil(2G / 8)
 -> the Triton kernel loads 16 bytes (four words) per thread and turns each word into four bf16 pairs
-   with two shifts and two masks per pair; `unpack_mma_words` is the exact inverse.
+   with about one rotation and one mask per pair; `unpack_mma_words` is the exact inverse.
 
 Runs: the 16-column chunks of a 16-row block come in runs of 8 (128 columns), each run the 32 lanes'
 8 words one after the other (1 KiB), the last run padded with zero words. A K-step of 128 columns then
@@ -14,17 +14,24 @@ an L2 hit rate of 48 % from those re-read sectors (benchmarks/RESULTS.md, sessio
 Why this arrangement: a Hopper warpgroup MMA (wgmma m64nNk16, bf16) takes its A operand from
 registers. Lane (g, q) of a warp (g = lane // 4, q = lane % 4) holds, for each 16-row block and each
 16-column chunk c, the elements (rows g and g + 8) x (columns 2q, 2q + 1, 2q + 8, 2q + 9): eight codes,
-exactly one word here. Word [rb, g, q, c] holds, nibble by nibble (bits 4j .. 4j + 3):
+exactly one word here. Word [rb, g, q, c] holds eight codes, in slots:
 
     slot j:   0         1           2             3               4 .. 7
     element:  (r, k)    (r + 8, k)  (r, k + 8)    (r + 8, k + 8)  the same with k + 1
 
-with r = 16 rb + g and k = 16 c + 2q (word [rb, c // 8, g, q, c % 8] of the stored tensor). Slots j
-and j + 4 sit 16 bits apart, so one shift moves both codes of a pair into the two bf16 halves of a
-register at once.
+with r = 16 rb + g and k = 16 c + 2q (word [rb, c // 8, g, q, c % 8] of the stored tensor). Slots p
+and p + 4 form pair p: the low and the high bf16 half of the p-th A register.
 
-Decoding (see `_jit_mxfp4._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) moved to bf16
-bits 8..6 and the sign to bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
+Bit placement: a decoded pair needs, in each 16-bit half, the E2M1 magnitude bits (mantissa m, exponent
+e0 e1) at bf16 bits 6, 7, 8 and the sign at bit 15 (`PAIR_MASK`). Pair p's code bits are stored so that
+rotating the word right by `PAIR_ROTATIONS[p]` puts them there: pairs 0 - 2 decode with one rotation and
+one mask, pair 3 (whose bits fill what the other three leave) with two rotations, one for its mantissa
+and one for the rest. No placement lets all four pairs use one rotation each (an exhaustive search: at
+most three rotations of the pattern are disjoint), so this is the cheapest: 4 rotations, 5 masks and
+4 bf16x2 multiplies a word, where contiguous nibbles took two shifts and two masks a pair.
+
+Decoding (see `_jit_mxfp4._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) at bf16
+bits 8..6 and the sign at bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
 code 0.5, lands on the bf16 subnormal 2^-127); multiplying by 2^(s - 1) applies the E8M0 scale 2^(s -
 127) and the missing 2^126 in one step. 2^(s - 1) is a normal bf16 only for s <= 128, so weights with
 a larger scale byte (a block maximum above 12) keep the checkpoint packing (`scales_reason`).
@@ -41,6 +48,26 @@ ROWS_PER_BLOCK = 16  # rows of one MMA A-fragment block
 COLS_PER_CHUNK = 16  # columns (elements) per MMA k-step
 CHUNKS_PER_RUN = 8  # 16-column chunks stored together: one run is 32 lanes x 8 words = 1 KiB
 MAX_SCALE_BYTE = 128  # largest E8M0 byte whose combined factor 2^(s - 1) is a normal bf16 / fp32
+
+# bf16 bit of E2M1 code bit 0 (mantissa), 1 and 2 (exponent), 3 (sign), in the low half of a pair.
+_TARGET_BITS = (6, 7, 8, 15)
+PAIR_MASK = 0x81C081C0  # the target bits of both halves
+MANTISSA_MASK = 0x00400040
+# Right rotation of the word that places pair p's code bits 0 .. 3 (pairs 0 - 2: one rotation each).
+PAIR_ROTATIONS = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (14, 6, 6, 6))
+
+
+def _bit_positions() -> tuple[tuple[int, ...], ...]:
+    """Word bit of code bit b of slot j: rotating right by r moves bit (t + r) mod 32 to bit t."""
+    positions = tuple(
+        tuple((t + 16 * (j // 4) + PAIR_ROTATIONS[j % 4][b]) % 32 for b, t in enumerate(_TARGET_BITS))
+        for j in range(8)
+    )
+    assert sorted(sum(positions, ())) == list(range(32)), positions  # every bit holds one code bit
+    return positions
+
+
+BIT_POSITIONS = _bit_positions()
 
 # Slot j of a word holds element (row offset, column offset) of the (g, q) lane's 16x16 fragment, in
 # units of (8 rows, 8 columns) and (-, 1 column): slot -> (row_half, col_half, odd_column).
@@ -91,9 +118,11 @@ def pack_mma_words(blocks: Tensor) -> Tensor:
     codes = codes.reshape(*lead, n // 16, 2, 8, 2 * g, 2, 4, 2).to(torch.int64)
     b = len(lead)
     word = torch.zeros(*lead, n // 16, 8, 4, 2 * g, dtype=torch.int64, device=blocks.device)
+    code = torch.arange(16, device=blocks.device)
     for slot, (row_half, col_half, odd) in enumerate(_SLOTS):
         part = codes.select(b + 6, odd).select(b + 4, col_half).select(b + 1, row_half)  # [.., rb, g8, C, q]
-        word |= part.transpose(-1, -2) << (4 * slot)
+        bits = sum(((code >> i) & 1) << p for i, p in enumerate(BIT_POSITIONS[slot]))  # code -> word bits
+        word |= bits[part.transpose(-1, -2)]
     word = (word - ((word >> 31) << 32)).to(torch.int32)  # the same 32 bits as a signed int
     runs = num_runs(g)
     word = torch.nn.functional.pad(word, (0, runs * CHUNKS_PER_RUN - 2 * g))  # zero words: code 0
@@ -120,7 +149,7 @@ def unpack_mma_words(words: Tensor, *, num_groups: int) -> Tensor:
     b = len(lead)
     codes = torch.zeros(*lead, nb, 2, 8, c, 2, 4, 2, dtype=torch.int64, device=words.device)
     for slot, (row_half, col_half, odd) in enumerate(_SLOTS):
-        part = ((w >> (4 * slot)) & 0xF).transpose(-1, -2)  # [.., rb, g8, C, q]
+        part = sum(((w >> p) & 1) << i for i, p in enumerate(BIT_POSITIONS[slot])).transpose(-1, -2)
         codes.select(b + 6, odd).select(b + 4, col_half).select(b + 1, row_half).copy_(part)
     codes = codes.reshape(*lead, nb * 16, c // 2, 16, 2)
     return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)

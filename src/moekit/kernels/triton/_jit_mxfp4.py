@@ -10,9 +10,16 @@ Three ways, chosen by the launch (`launch.py`) from the weights' packing and the
 
 import triton
 import triton.language as tl
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, MANTISSA_MASK, PAIR_MASK, PAIR_ROTATIONS
 
 _RUN = tl.constexpr(CHUNKS_PER_RUN)  # 16-column chunks per stored run (32 lanes x _RUN words, contiguous)
+_PAIR_MASK = tl.constexpr(PAIR_MASK)
+_MANTISSA_MASK = tl.constexpr(MANTISSA_MASK)
+# Pairs 0 - 2 place all four code bits with one rotation; pair 3 its bits 1 - 3 with one, its mantissa
+# with another (checked below against the format's table, the one source of the placement).
+_ROT_0, _ROT_1, _ROT_2 = (tl.constexpr(PAIR_ROTATIONS[p][0]) for p in range(3))
+_ROT_3_MANTISSA, _ROT_3 = tl.constexpr(PAIR_ROTATIONS[3][0]), tl.constexpr(PAIR_ROTATIONS[3][1])
+assert all(len(set(PAIR_ROTATIONS[p])) == 1 for p in range(3)) and len(set(PAIR_ROTATIONS[3][1:])) == 1
 
 
 @triton.jit
@@ -105,17 +112,30 @@ def _mxfp4_native_scales(
 
 
 @triton.jit
-def _mxfp4_word_pair(w, PAIR: tl.constexpr):
-    """Codes PAIR and PAIR + 4 of uint32 words `w` (nibbles at bits 4 PAIR and 4 PAIR + 16,
-    moekit.formats.mxfp4_words) -> bf16 pairs (as uint32) of value * 2^-126: the magnitude bits moved to
-    8..6 / 24..22, the sign to 15 / 31."""
-    SH_MAG: tl.constexpr = 6 - 4 * PAIR  # left shift (negative: right) of bits 4 PAIR .. 4 PAIR + 2
-    SH_SIGN: tl.constexpr = 12 - 4 * PAIR  # bit 4 PAIR + 3 to 15
-    if SH_MAG >= 0:
-        mag = (w << SH_MAG) & 0x01C001C0
+def _rotate_right(w, R: tl.constexpr):
+    """uint32 `w` rotated right by R bits (one funnel shift when compiled)."""
+    if R == 0:
+        out = w
     else:
-        mag = (w >> (-SH_MAG)) & 0x01C001C0
-    return mag | ((w << SH_SIGN) & 0x80008000)
+        out = (w >> R) | (w << (32 - R))
+    return out
+
+
+@triton.jit
+def _mxfp4_word_pair(w, PAIR: tl.constexpr):
+    """Codes PAIR and PAIR + 4 of uint32 words `w` (placed by moekit.formats.mxfp4_words.PAIR_ROTATIONS)
+    -> bf16 pairs (as uint32) of value * 2^-126: the magnitude bits at 8..6 / 24..22, the sign at
+    15 / 31. Pairs 0 - 2: one rotation and one mask; pair 3: its mantissa by a second rotation."""
+    if PAIR == 0:
+        out = _rotate_right(w, _ROT_0) & _PAIR_MASK
+    elif PAIR == 1:
+        out = _rotate_right(w, _ROT_1) & _PAIR_MASK
+    elif PAIR == 2:
+        out = _rotate_right(w, _ROT_2) & _PAIR_MASK
+    else:
+        rest = _rotate_right(w, _ROT_3) & (_PAIR_MASK & ~_MANTISSA_MASK)
+        out = rest | (_rotate_right(w, _ROT_3_MANTISSA) & _MANTISSA_MASK)
+    return out
 
 
 @triton.jit
