@@ -131,14 +131,10 @@ def all_instructions(kernel) -> list[tuple[int, str]]:
     return instructions
 
 
-def loop_instructions(kernel) -> list[tuple[int, str]]:
+def loop_instructions(kernel, instructions: list[tuple[int, str]] | None = None) -> list[tuple[int, str]]:
     """(address, instruction) of the K-loop: from the target of the last conditional backward branch
-    to that branch."""
-    instructions = []
-    for line in _cuobjdump(kernel, "-sass").splitlines():
-        match = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
-        if match:
-            instructions.append((int(match.group(1), 16), match.group(2).strip()))
+    to that branch. `instructions`: the kernel's `all_instructions`, when the caller already has them."""
+    instructions = all_instructions(kernel) if instructions is None else instructions
     loop = None
     for address, text in instructions:
         branch = re.search(r"@!?U?P\w+\s+BRA (0x[0-9a-f]+)", text)

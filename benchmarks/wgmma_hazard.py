@@ -42,7 +42,7 @@ def simulate(kernel) -> dict:
     closes; `WARPGROUP.DEPBAR.LE gsb0, N` leaves the last N groups in flight. Any other instruction
     that writes an A register of an in-flight group is listed (address, instruction)."""
     instructions = sass_report.all_instructions(kernel)
-    loop = sass_report.loop_instructions(kernel)
+    loop = sass_report.loop_instructions(kernel, instructions)
     first, last = loop[0][0], loop[-1][0]
     before = [i for i in instructions if i[0] < first]
     after = [i for i in instructions if i[0] > last]
@@ -63,8 +63,7 @@ def simulate(kernel) -> dict:
             if first <= address <= last:
                 depths.add(n)
             continue
-        busy = set().union(*in_flight, current) if (in_flight or current) else set()
-        if _written_registers(op) & busy:
+        if _written_registers(op) & set().union(current, *in_flight):
             writes.append(f"{address:#06x} {op}")
     return {"wait_depths": sorted(depths), "writes": sorted(set(writes))}
 

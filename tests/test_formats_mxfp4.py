@@ -410,7 +410,7 @@ def test_mma_word_rotations_decode_every_code_of_every_slot():
         pair, half = slot % 4, slot // 4
         for code in range(16):
             word = sum(((code >> i) & 1) << p for i, p in enumerate(BIT_POSITIONS[slot]))
-            r_mantissa, r_rest = PAIR_ROTATIONS[pair][0], PAIR_ROTATIONS[pair][1]
+            r_rest, r_mantissa = PAIR_ROTATIONS[pair]
             bits = (rotate_right(word, r_rest) & PAIR_MASK & ~MANTISSA_MASK) | (
                 rotate_right(word, r_mantissa) & MANTISSA_MASK
             )

@@ -18,18 +18,25 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _report(*args: str) -> dict:
+def _compiled_json(args: list[str], *, timeout: int = 600):
+    """Run `python args` from the repository root, compiled (no TRITON_INTERPRET) with src and
+    benchmarks importable, and return the JSON of its last output line."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    code = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import sass_report as s; "
-        f"print(json.dumps(s.loop_report(s.compile_gemm({', '.join(args)}))))"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")]
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _report(*args: str) -> dict:
+    code = (
+        f"import json, sass_report as s; print(json.dumps(s.loop_report(s.compile_gemm({', '.join(args)}))))"
+    )
+    return _compiled_json(["-c", code])
 
 
 def test_mxfp4_words_feed_wgmma_from_registers_without_spills():
@@ -49,11 +56,8 @@ def test_no_shipped_word_config_overwrites_registers_an_mma_still_reads():
     to an A register of a wgmma that may still be in flight (Triton 3.6's pipelined waits allowed that;
     `_jit._wait_for_mma` completes each K-step's MMAs first — wrong results on the H200 without it,
     benchmarks/RESULTS.md session 5)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     code = """
-import json, sys
-sys.path.insert(0, 'benchmarks')
+import json
 import sass_report, wgmma_hazard
 rows = json.load(open('src/moekit/tables/h200.json'))['rows']
 tiles = set()
@@ -73,11 +77,7 @@ for g, m, n, k, w, s, split, starts in sorted(tiles):
     out.append([g, m, n, k, w, s, split, starts, r['wait_depths'], len(r['writes'])])
 print(json.dumps(out))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    tiles = json.loads(done.stdout.strip().splitlines()[-1])
+    tiles = _compiled_json(["-c", code], timeout=900)
     assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
     unsafe = [t for t in tiles if t[-1] != 0]
     fields = "(gemm, block_m, block_n, block_k, warps, stages, split_k, block starts, wait depths, writes)"
@@ -88,9 +88,6 @@ def test_hazard_simulation_finds_the_writes_without_the_wait(tmp_path):
     """The control for the test above: with `_jit._wait_for_mma` replaced by a no-op, Triton 3.6's own
     waits leave MMAs in flight while the next K-step decodes into their A registers, and the
     simulation must list those writes (18 for this tile when written)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    paths = [str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
     script = tmp_path / "no_wait.py"  # @triton.jit needs its source in a file
     script.write_text(
         """
@@ -108,9 +105,5 @@ r = wgmma_hazard.simulate(sass_report.compile_gemm(1, "words", (128, 64, 64), 4,
 print(json.dumps([r["wait_depths"], len(r["writes"])]))
 """
     )
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    depths, writes = json.loads(done.stdout.strip().splitlines()[-1])
+    depths, writes = _compiled_json([str(script)])
     assert max(depths) > 0 and writes > 0, (depths, writes)

@@ -24,11 +24,12 @@ and p + 4 form pair p: the low and the high bf16 half of the p-th A register.
 
 Bit placement: a decoded pair needs, in each 16-bit half, the E2M1 magnitude bits (mantissa m, exponent
 e0 e1) at bf16 bits 6, 7, 8 and the sign at bit 15 (`PAIR_MASK`). Pair p's code bits are stored so that
-rotating the word right by `PAIR_ROTATIONS[p]` puts them there: pairs 0 - 2 decode with one rotation and
-one mask, pair 3 (whose bits fill what the other three leave) with two rotations, one for its mantissa
-and one for the rest. No placement lets all four pairs use one rotation each (an exhaustive search: at
-most three rotations of the pattern are disjoint), so this is the cheapest: 4 rotations, 5 masks and
-4 bf16x2 multiplies a word, where contiguous nibbles took two shifts and two masks a pair.
+rotating the word right by the rotations `PAIR_ROTATIONS[p]` puts them there: pairs 0 - 2 decode with
+one rotation and one mask, pair 3 (whose bits fill what the other three leave) with two rotations, one
+for its exponent and sign and one for its mantissa. No placement lets all four pairs use one rotation
+each (an exhaustive search: at most three rotations of the pattern are disjoint), so this is the
+cheapest: 4 rotations, 5 masks and 4 bf16x2 multiplies a word, where contiguous nibbles took two
+shifts and two masks a pair.
 
 Decoding (see `_jit_mxfp4._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) at bf16
 bits 8..6 and the sign at bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
@@ -53,14 +54,18 @@ MAX_SCALE_BYTE = 128  # largest E8M0 byte whose combined factor 2^(s - 1) is a n
 _TARGET_BITS = (6, 7, 8, 15)
 PAIR_MASK = 0x81C081C0  # the target bits of both halves
 MANTISSA_MASK = 0x00400040
-# Right rotation of the word that places pair p's code bits 0 .. 3 (pairs 0 - 2: one rotation each).
-PAIR_ROTATIONS = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (14, 6, 6, 6))
+# (right rotation of the word that places pair p's exponent and sign bits, the one for its mantissa):
+# the same rotation for pairs 0 - 2.
+PAIR_ROTATIONS = ((0, 0), (4, 4), (10, 10), (6, 14))
 
 
 def _bit_positions() -> tuple[tuple[int, ...], ...]:
     """Word bit of code bit b of slot j: rotating right by r moves bit (t + r) mod 32 to bit t."""
     positions = tuple(
-        tuple((t + 16 * (j // 4) + PAIR_ROTATIONS[j % 4][b]) % 32 for b, t in enumerate(_TARGET_BITS))
+        tuple(
+            (t + 16 * (j // 4) + PAIR_ROTATIONS[j % 4][1 if b == 0 else 0]) % 32
+            for b, t in enumerate(_TARGET_BITS)
+        )
         for j in range(8)
     )
     assert sorted(sum(positions, ())) == list(range(32)), positions  # every bit holds one code bit

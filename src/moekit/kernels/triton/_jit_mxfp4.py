@@ -15,11 +15,7 @@ from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, MANTISSA_MASK, PAIR_MASK,
 _RUN = tl.constexpr(CHUNKS_PER_RUN)  # 16-column chunks per stored run (32 lanes x _RUN words, contiguous)
 _PAIR_MASK = tl.constexpr(PAIR_MASK)
 _MANTISSA_MASK = tl.constexpr(MANTISSA_MASK)
-# Pairs 0 - 2 place all four code bits with one rotation; pair 3 its bits 1 - 3 with one, its mantissa
-# with another (checked below against the format's table, the one source of the placement).
-_ROT_0, _ROT_1, _ROT_2 = (tl.constexpr(PAIR_ROTATIONS[p][0]) for p in range(3))
-_ROT_3_MANTISSA, _ROT_3 = tl.constexpr(PAIR_ROTATIONS[3][0]), tl.constexpr(PAIR_ROTATIONS[3][1])
-assert all(len(set(PAIR_ROTATIONS[p])) == 1 for p in range(3)) and len(set(PAIR_ROTATIONS[3][1:])) == 1
+_PAIR_ROTATIONS = tl.constexpr(PAIR_ROTATIONS)  # (exponent and sign, mantissa) of each pair
 
 
 @triton.jit
@@ -125,16 +121,14 @@ def _rotate_right(w, R: tl.constexpr):
 def _mxfp4_word_pair(w, PAIR: tl.constexpr):
     """Codes PAIR and PAIR + 4 of uint32 words `w` (placed by moekit.formats.mxfp4_words.PAIR_ROTATIONS)
     -> bf16 pairs (as uint32) of value * 2^-126: the magnitude bits at 8..6 / 24..22, the sign at
-    15 / 31. Pairs 0 - 2: one rotation and one mask; pair 3: its mantissa by a second rotation."""
-    if PAIR == 0:
-        out = _rotate_right(w, _ROT_0) & _PAIR_MASK
-    elif PAIR == 1:
-        out = _rotate_right(w, _ROT_1) & _PAIR_MASK
-    elif PAIR == 2:
-        out = _rotate_right(w, _ROT_2) & _PAIR_MASK
+    15 / 31. One rotation and one mask where the pair's bits share a rotation, two otherwise."""
+    R_REST: tl.constexpr = _PAIR_ROTATIONS[PAIR][0]
+    R_MANTISSA: tl.constexpr = _PAIR_ROTATIONS[PAIR][1]
+    if R_REST == R_MANTISSA:
+        out = _rotate_right(w, R_REST) & _PAIR_MASK
     else:
-        rest = _rotate_right(w, _ROT_3) & (_PAIR_MASK & ~_MANTISSA_MASK)
-        out = rest | (_rotate_right(w, _ROT_3_MANTISSA) & _MANTISSA_MASK)
+        rest = _rotate_right(w, R_REST) & (_PAIR_MASK & ~_MANTISSA_MASK)
+        out = rest | (_rotate_right(w, R_MANTISSA) & _MANTISSA_MASK)
     return out
 
 
