@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from moekit.bench import DEFAULT_TOKENS, BenchRecord, bench_preset, measure_ceilings, records_as_json
+from moekit.app.bench import DEFAULT_TOKENS, BenchRecord, bench_preset, measure_ceilings, records_as_json
 
 
 def main() -> int:

@@ -9,9 +9,9 @@ import argparse
 
 import torch
 
-from moekit.bench import prepared_weights, whole_layer
+from moekit.app.bench import prepared_weights, whole_layer
 from moekit.kernels.base import DeviceInfo
-from moekit.plan import plan
+from moekit.planning.plan import plan
 from moekit.presets import preset
 from moekit.synthetic import random_batch, random_layer
 

@@ -19,10 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from moekit.bench import prepared_weights, whole_layer
+from moekit.app.bench import prepared_weights, whole_layer
 from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
-from moekit.plan import plan
+from moekit.planning.plan import plan
 from moekit.presets import preset
 from moekit.synthetic import random_batch, random_layer
 

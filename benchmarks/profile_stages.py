@@ -17,9 +17,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moekit.bench import capture_graph, prepared_weights, whole_layer
+from moekit.app.bench import capture_graph, prepared_weights, whole_layer
 from moekit.kernels.base import DeviceInfo
-from moekit.plan import plan
+from moekit.planning.plan import plan
 from moekit.presets import preset
 from moekit.synthetic import random_batch, random_layer
 

@@ -13,10 +13,10 @@ import math
 import torch
 
 from moekit import fused_moe_reference, route
-from moekit.bench import prepared_weights
+from moekit.app.bench import prepared_weights
 from moekit.kernels.base import DeviceInfo
 from moekit.kernels.triton.launch import triton_fused_moe
-from moekit.plan import plan
+from moekit.planning.plan import plan
 from moekit.presets import cap_experts, preset
 from moekit.reference import TOLERANCE, relative_l2_error
 from moekit.synthetic import random_batch, random_layer

@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moekit.kernels.triton import _jit
+from moekit.kernels.triton._details import gemm as _jit
 
 _W = {
     "words": (_jit.WFMT_MXFP4_WORDS.value, "*i32"),

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from moekit.bench import make_record, measure_ceilings, time_plan
+from moekit.app.bench import make_record, measure_ceilings, time_plan
 from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
-from moekit.plan import plan
+from moekit.planning.plan import plan
+from moekit.planning.tuned import row_to_json, triton_version, write_rows
 from moekit.presets import cap_experts, preset
 from moekit.reference import fused_moe_reference
 from moekit.synthetic import random_batch, random_layer
-from moekit.tuned import row_to_json, triton_version, write_rows
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ They carry a high priority, so a planner that skipped the capability check would
 from dataclasses import dataclass, replace
 
 from moekit.kernels.base import DeviceKind, Kernel, KernelConfig, Launch, Problem
-from moekit.kernels.reference_kernel import ReferenceKernel
+from moekit.kernels.reference import ReferenceKernel
 from moekit.kernels.torch_grouped import TorchGroupedKernel
 from moekit.reference import fused_moe_reference
 from moekit.spec import Activation, ActivationSpec, GateLayout, MoESpec

@@ -8,11 +8,11 @@ import torch
 
 import moekit
 from fake_kernels import SiluGeluOnlyKernel, TileConfig
-from moekit.autotune import tune
+from moekit.app.autotune import tune
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
-from moekit.kernels.reference_kernel import ReferenceKernel
+from moekit.kernels.reference import ReferenceKernel
 from moekit.kernels.registry import KernelRegistry, default_registry
-from moekit.plan import ConfigSource, plan
+from moekit.planning.plan import ConfigSource, plan
 from moekit.reference import fused_moe_reference
 
 SPEC = replace(
@@ -141,7 +141,7 @@ def test_progress_is_saved_as_it_goes_and_a_rerun_resumes(tmp_path):
 
 
 def test_tuning_spaces_only_hold_valid_configs():
-    from moekit.cli_spec import SIMULATED_DEVICES
+    from moekit.app.cli_spec import SIMULATED_DEVICES
 
     for kernel in default_registry():
         for name in ("gpt-oss-120b", "deepseek-v3", "qwen3-30b-a3b"):

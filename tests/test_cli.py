@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from moekit.cli import main
+from moekit.app.cli import main
 
 
 def test_help_lists_the_commands(capsys):
@@ -22,7 +22,7 @@ def test_help_lists_the_commands(capsys):
 def test_main_job_runs_default_layer_and_self_checks():
     # The README's main job, in a fresh process, as a user runs it (gpt-oss-20b shapes on this CPU).
     proc = subprocess.run(
-        [sys.executable, "-m", "moekit.cli", "run", "--json"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "moekit.app.cli", "run", "--json"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -109,7 +109,7 @@ def test_bench_needs_a_gpu_and_says_so(capsys):
 
 
 def test_bench_plot_writes_a_png(tmp_path):
-    from moekit.bench import BenchRecord, plot_records
+    from moekit.app.bench import BenchRecord, plot_records
 
     records = [
         BenchRecord(
@@ -168,9 +168,9 @@ def test_bench_records_a_failing_kernel_instead_of_dying():
     from dataclasses import replace
 
     import moekit
-    from moekit.bench import Ceilings, baseline_spec, make_record
-    from moekit.cli_spec import SIMULATED_DEVICES
-    from moekit.plan import plan
+    from moekit.app.bench import Ceilings, baseline_spec, make_record
+    from moekit.app.cli_spec import SIMULATED_DEVICES
+    from moekit.planning.plan import plan
 
     ds = moekit.preset("deepseek-v3")
     assert baseline_spec(ds).act_quant is moekit.ActivationQuant.NONE  # W8A8 -> W8A16 for the baseline

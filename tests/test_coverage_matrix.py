@@ -23,7 +23,7 @@ from moekit import (
 )
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
-from moekit.plan import plan
+from moekit.planning.plan import plan
 from moekit.reference import relative_l2_error
 from moekit.synthetic import random_layer, random_tokens
 

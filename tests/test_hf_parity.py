@@ -3,7 +3,7 @@
 Tiers:
 1. Float parity: a tiny random GptOss / Mixtral / Qwen3-MoE model (fp32, CPU, one layer) has its MoE
    block's weights set to random non-zero values (gate and up distinct, biases random for GPT-OSS);
-   `moekit.hf_convert` converts them; route(router logits) + `fused_moe_reference` must match the
+   `integrations.transformers.convert` converts them; route(router logits) + `fused_moe_reference` must match the
    block's output to fp32 rounding (rel L2 < 1e-5; measured 0 to ~1e-7), for both HF expert backends.
 2. MXFP4 checkpoint parity: moekit writes an HF-named MXFP4 checkpoint; transformers' own loader
    (`Mxfp4Config(dequantize=True)`) dequantizes it bit-identically to moekit, and its block output
@@ -36,7 +36,7 @@ from moekit import (  # noqa: E402
     route,
 )
 from moekit.checkpoint import CheckpointNaming, GptOssLayer, gpt_oss_layer_tensors, load_gpt_oss_layer  # noqa: E402
-from moekit.hf_convert import (  # noqa: E402
+from moekit.integrations.transformers.convert import (  # noqa: E402
     from_hf_mixtral_experts,
     from_hf_moe_block,
     spec_from_hf_config,

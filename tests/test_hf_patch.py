@@ -1,4 +1,4 @@
-"""`moekit.integrations.transformers`: patched tiny HF models match unpatched logits; unpatch restores all.
+"""`integrations.transformers.patch`: patched tiny HF models match unpatched logits; unpatch restores all.
 
 Data flow per family: a tiny random GPT-OSS / Mixtral / Qwen3-MoE causal LM (fp32, CPU, 2 layers), its
 expert and router weights redrawn large enough that routing and GPT-OSS's clamp matter -> logits and
@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
 from moekit import SpecError, UnsupportedSpecError  # noqa: E402
-from moekit.integrations.transformers import (  # noqa: E402
+from moekit.integrations.transformers.patch import (  # noqa: E402
     Family,
     MoekitMoEBlock,
     patch_model,

@@ -35,13 +35,14 @@ from moekit import (
 )
 from moekit.checkpoint import CheckpointNaming, GptOssLayer, save_gpt_oss_layer
 from moekit.custom_op import live_handles, lookup_layer
+from moekit.integrations.transformers import fused_moe_from_hf
 from moekit.kernels.base import DeviceInfo
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.layer import FusedMoE, PlanOptions, warmup_token_counts
-from moekit.plan import plan
+from moekit.planning.plan import plan
+from moekit.planning.tuned import token_bucket
 from moekit.reference import relative_l2_error
 from moekit.synthetic import random_layer, random_tokens
-from moekit.tuned import token_bucket
 
 FP32 = MoESpec(
     num_experts=8,
@@ -319,12 +320,12 @@ def test_from_hf_module_matches_the_hf_block(kind: str) -> None:
 
     config = make_config(kind)
     block = make_block(config, impl="eager", seed=11)
-    moe = FusedMoE.from_hf_module(block)  # no config: sizes, top-k and activation read off the module
-    assert moe.spec == FusedMoE.from_hf_module(block, config=config).spec
+    moe = fused_moe_from_hf(block)  # no config: sizes, top-k and activation read off the module
+    assert moe.spec == fused_moe_from_hf(block, config=config).spec
     x = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(2))
     expected = hf_forward(block, x.reshape(-1, config.hidden_size)).reshape(x.shape)
     assert relative_l2_error(moe(x), expected) < 1e-5
     with pytest.raises(SpecError, match="model_type"):
-        FusedMoE.from_hf_module(block, config=make_config("mixtral" if kind != "mixtral" else "gpt_oss"))
+        fused_moe_from_hf(block, config=make_config("mixtral" if kind != "mixtral" else "gpt_oss"))
     with pytest.raises(SpecError, match="not a supported"):
-        FusedMoE.from_hf_module(block.experts)
+        fused_moe_from_hf(block.experts)

@@ -38,7 +38,7 @@ GRAPH_TOKENS = (1, 37, 200)  # decode, a ragged prefill, a larger batch: three b
 
 def _compiled_kernel_count() -> int:
     """Triton kernels compiled so far in this process (0 if this Triton hides its caches)."""
-    from moekit.kernels.triton import _jit
+    from moekit.kernels.triton._details import gemm as _jit
 
     total = 0
     for fn in vars(_jit).values():

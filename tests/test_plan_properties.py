@@ -19,11 +19,11 @@ from moekit import (
     UnsupportedSpecError,
     WeightFormat,
 )
-from moekit.cli_spec import SIMULATED_DEVICES
+from moekit.app.cli_spec import SIMULATED_DEVICES
 from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
-from moekit.plan import plan
-from moekit.tuned import load_tables, row_to_json, triton_version
+from moekit.planning.plan import plan
+from moekit.planning.tuned import load_tables, row_to_json, triton_version
 
 REGISTRY = default_registry().with_kernels(SiluGeluOnlyKernel(), ConcatOnlyKernel(), CudaGroupedKernel())
 DEVICES = [DeviceInfo.of("cpu"), *SIMULATED_DEVICES.values()]

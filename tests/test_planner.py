@@ -15,12 +15,12 @@ import torch
 import moekit
 from fake_kernels import ConcatOnlyKernel, CudaOnlyGroupedKernel, SiluGeluOnlyKernel, TileConfig
 from moekit import MoESpec, PlanFallbackError, UnsupportedSpecError
-from moekit.cli_spec import SIMULATED_DEVICES
+from moekit.app.cli_spec import SIMULATED_DEVICES
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights
-from moekit.plan import ConfigSource, plan
+from moekit.planning.plan import ConfigSource, plan
+from moekit.planning.tuned import row_to_json, triton_version
 from moekit.synthetic import random_layer, random_tokens
-from moekit.tuned import row_to_json, triton_version
 from moekit.weights import WeightPacking
 
 REGISTRY = default_registry().with_kernels(SiluGeluOnlyKernel(), ConcatOnlyKernel())
@@ -44,13 +44,13 @@ def _row(spec, *, kernel, config, device, tokens=1):
 def _no_shipped_tables(monkeypatch):
     """These tests pin the planner's table semantics on the tables they write; the shipped H200 rows
     (gpt-oss-120b among them) would answer first. `test_shipped_h200_rows_are_valid` covers those."""
-    monkeypatch.setattr(sys.modules["moekit.plan"], "shipped_table_paths", lambda: [])
+    monkeypatch.setattr(sys.modules["moekit.planning.plan"], "shipped_table_paths", lambda: [])
 
 
 def test_shipped_h200_rows_are_valid(monkeypatch):
     monkeypatch.undo()  # the real shipped tables
-    from moekit.plan import resolve_tables
-    from moekit.tuned import shipped_table_paths
+    from moekit.planning.plan import resolve_tables
+    from moekit.planning.tuned import shipped_table_paths
 
     tables = resolve_tables(None, REGISTRY)
     assert shipped_table_paths() and not tables.rejected, tables.rejected

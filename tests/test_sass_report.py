@@ -94,7 +94,7 @@ def test_hazard_simulation_finds_the_writes_without_the_wait(tmp_path):
 import json
 import triton
 import sass_report, wgmma_hazard
-from moekit.kernels.triton import _jit
+from moekit.kernels.triton._details import gemm as _jit
 
 @triton.jit
 def _no_wait(acc):

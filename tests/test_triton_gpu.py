@@ -362,7 +362,7 @@ WORD_CONFIGS = {
 def test_mxfp4_mma_words_match_reference(which, t):
     """gpt-oss-20b through prepare_weights: MXFP4_MMA_WORDS, decoded with bf16x2 PTX into wgmma's
     register operand."""
-    from moekit.kernels.triton_kernel import TritonFusedKernel
+    from moekit.kernels.triton.kernel import TritonFusedKernel
     from moekit.weights import WeightPacking
 
     spec = SPECS["gpt-oss-20b"][0]

@@ -45,7 +45,8 @@ from moekit import (  # noqa: E402
 )
 from moekit.formats import quantize_fp8_activation  # noqa: E402
 from moekit.kernels.base import DeviceInfo, DeviceKind  # noqa: E402
-from moekit.kernels.triton import _jit, _jit_mxfp4  # noqa: E402
+from moekit.kernels.triton._details import gemm as _jit  # noqa: E402
+from moekit.kernels.triton._details import mxfp4 as _jit_mxfp4
 from moekit.kernels.triton.align import (  # noqa: E402
     ONE_PROGRAM_MAX_PAIRS,
     AlignMethod,
@@ -323,7 +324,7 @@ def test_tail_blocks_match_the_reference(fmt):
     routing = RoutingResult(weights=torch.rand(ids.shape[0], 1, generator=gen) + 0.1, ids=ids)
     weights = None
     if fmt is WeightFormat.MXFP4:
-        from moekit.kernels.triton_kernel import TritonFusedKernel
+        from moekit.kernels.triton.kernel import TritonFusedKernel
 
         weights = TritonFusedKernel().prepare_weights(_weights(spec, gen), spec)
         assert weights.packing is WeightPacking.MXFP4_MMA_WORDS
@@ -685,7 +686,7 @@ def test_supports_and_default_configs():
 
 def test_mxfp4_scales_in_the_kernels_n_major_layout_read_the_same():
     """TritonFusedKernel.prepare_weights stores MXFP4 scales N-major; the kernel reads them by stride."""
-    from moekit.kernels.triton_kernel import TritonFusedKernel
+    from moekit.kernels.triton.kernel import TritonFusedKernel
 
     spec = _spec(fmt=WeightFormat.MXFP4, dtype=torch.float16, h=200, i=64, layout=GateLayout.INTERLEAVED)
     weights = _weights(spec, torch.Generator().manual_seed(3))
@@ -716,7 +717,7 @@ WORD_CONFIGS = [
 def test_mxfp4_mma_words_match_reference(layout, config):
     """prepare_weights turns MXFP4 into MXFP4_MMA_WORDS (fp32 activations here: the interpreter's bf16
     arithmetic is broken); the kernel's word decode and fragment reshapes must reproduce the layer."""
-    from moekit.kernels.triton_kernel import TritonFusedKernel
+    from moekit.kernels.triton.kernel import TritonFusedKernel
 
     spec = _spec(fmt=WeightFormat.MXFP4, h=96, i=48, layout=layout, act=ActivationSpec.gpt_oss(), k=3)
     weights = _weights(spec, torch.Generator().manual_seed(11))
@@ -727,7 +728,7 @@ def test_mxfp4_mma_words_match_reference(layout, config):
 
 
 def test_mxfp4_words_are_skipped_where_they_do_not_fit():
-    from moekit.kernels.triton_kernel import TritonFusedKernel
+    from moekit.kernels.triton.kernel import TritonFusedKernel
 
     kernel = TritonFusedKernel()
     ragged = _spec(fmt=WeightFormat.MXFP4, h=200, i=48)  # H % 16 != 0

@@ -14,8 +14,8 @@ import moekit
 from fake_kernels import SiluGeluOnlyKernel
 from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
-from moekit.plan import ConfigSource, plan
-from moekit.tuned import ENV_VAR, load_tables, row_to_json, token_bucket, triton_version, write_rows
+from moekit.planning.plan import ConfigSource, plan
+from moekit.planning.tuned import ENV_VAR, load_tables, row_to_json, token_bucket, triton_version, write_rows
 
 REGISTRY = default_registry().with_kernels(SiluGeluOnlyKernel())
 SPEC = replace(moekit.preset("gpt-oss-20b"), num_experts=4, hidden_size=64, intermediate_size=32)
@@ -187,7 +187,7 @@ def test_a_crashed_writer_leaves_no_lock_behind(tmp_path):
 def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
     """`max_registers` and `split_k` came after the first tables: rows written without them read as
     their defaults (no cap, one share)."""
-    from moekit.cli_spec import SIMULATED_DEVICES
+    from moekit.app.cli_spec import SIMULATED_DEVICES
     from moekit.kernels.triton.launch import TritonMoEConfig
 
     h200 = SIMULATED_DEVICES["h200"]
@@ -211,7 +211,7 @@ def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
 def test_an_eight_warp_row_for_the_mxfp4_word_path_is_rejected_with_the_reason(tmp_path):
     """Tables written before the word path refused 8 warps: the row is rejected at load, and the plan
     falls back to the kernel default rather than run a config nobody has verified."""
-    from moekit.cli_spec import SIMULATED_DEVICES
+    from moekit.app.cli_spec import SIMULATED_DEVICES
     from moekit.kernels.triton.launch import TritonMoEConfig
 
     h200 = SIMULATED_DEVICES["h200"]

@@ -21,7 +21,7 @@ from moekit.errors import (
 )
 from moekit.layer import FusedMoE, PlanOptions, WarmupReport
 from moekit.ops import fused_moe, prepare_weights
-from moekit.plan import ConfigSource, Plan, plan
+from moekit.planning.plan import ConfigSource, Plan, plan
 from moekit.presets import PRESETS, preset
 from moekit.reference import fused_moe_reference
 from moekit.routing import RoutingResult, route

@@ -306,7 +306,7 @@ def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, 
         if any(k.removesuffix("_blocks") in files.key_to_file for k in missing if k.endswith("_blocks")):
             hint = (
                 " The checkpoint stores dequantized float experts instead; build the weights with "
-                "ExpertWeights.from_float or moekit.hf_convert."
+                "ExpertWeights.from_float or moekit.integrations.transformers.convert."
             )
         raise CheckpointError(f"missing tensor(s) {missing} in {files.searched}.{hint}")
     shapes: dict[str, tuple[int, ...]] = {}

@@ -39,17 +39,17 @@ from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeErr
 from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
-from moekit.plan import Plan, resolve_tables
-from moekit.plan import plan as make_plan
+from moekit.planning.plan import Plan, resolve_tables
+from moekit.planning.plan import plan as make_plan
+from moekit.planning.tuned import TunedTables, token_bucket
 from moekit.routing import check_expert_map, route
 from moekit.spec import MoESpec
-from moekit.tuned import TunedTables, token_bucket
 from moekit.weights import ExpertWeights
 
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """How a layer plans: the arguments of `moekit.plan.plan` other than the spec, tokens and device."""
+    """How a layer plans: the arguments of `moekit.plan` other than the spec, tokens and device."""
 
     tuned: TunedTables | str | Path | None = None  # extra tuned table (path) or already-loaded tables
     strict: bool = False  # any fallback (missing, nearest or rejected tuned row) raises PlanFallbackError
@@ -214,32 +214,6 @@ class FusedMoE(torch.nn.Module):
             weights=loaded.weights,
             router_weight=loaded.router_weight,
             router_bias=loaded.router_bias,
-            device=device,
-            options=options,
-        )
-
-    @classmethod
-    def from_hf_module(
-        cls,
-        module: torch.nn.Module,
-        *,
-        config: object | None = None,
-        device: torch.device | str | None = None,
-        options: PlanOptions | None = None,
-    ) -> FusedMoE:
-        """A Hugging Face GptOssMLP / MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock (float experts).
-
-        `config` (the model's config) may be omitted: sizes, top-k and activation are read off the module.
-        The experts are copied once into moekit's layout; the module itself is left untouched.
-        """
-        from moekit.integrations.transformers import hf_layer_of
-
-        hf = hf_layer_of(module, config=config)
-        return cls(
-            spec=hf.spec,
-            weights=hf.weights,
-            router_weight=hf.router_weight,
-            router_bias=hf.router_bias,
             device=device,
             options=options,
         )

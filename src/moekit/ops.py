@@ -13,7 +13,7 @@ import torch
 from moekit.errors import LayoutMismatchError, UnsupportedSpecError
 from moekit.kernels.base import Kernel, Launch
 from moekit.kernels.registry import KernelRegistry, default_registry
-from moekit.plan import Plan
+from moekit.planning.plan import Plan
 from moekit.reference import check_inputs
 from moekit.routing import RoutingResult
 from moekit.weights import ExpertWeights

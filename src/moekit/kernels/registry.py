@@ -11,7 +11,7 @@ import functools
 from collections.abc import Iterable
 
 from moekit.kernels.base import Kernel
-from moekit.kernels.reference_kernel import ReferenceKernel
+from moekit.kernels.reference import ReferenceKernel
 from moekit.kernels.torch_grouped import TorchGroupedKernel
 
 
@@ -51,7 +51,7 @@ class KernelRegistry:
 
 def _optional_kernels() -> list[Kernel]:
     try:
-        from moekit.kernels.triton_kernel import TritonFusedKernel
+        from moekit.kernels.triton.kernel import TritonFusedKernel
     except ImportError:  # no Triton on this machine: its kernels are simply not candidates
         return []
     return [TritonFusedKernel()]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moekit.kernels.base import DeviceKind, Kernel, KernelConfig, Launch, Problem
-from moekit.kernels.reference_kernel import ReferenceKernel
+from moekit.kernels.reference import ReferenceKernel
 from moekit.reference import apply_activation, fake_quant_activation, split_gate_up
 from moekit.spec import (
     ActivationQuant,

@@ -37,7 +37,7 @@ import torch
 
 import triton
 from moekit.errors import ShapeError
-from moekit.kernels.triton import _jit_align
+from moekit.kernels.triton._details import align as _jit_align
 
 # One program sorts at most this many pairs (bitonic sort in registers); larger batches are chunked.
 ONE_PROGRAM_MAX_PAIRS = 1024

@@ -20,7 +20,7 @@ import triton
 from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
 from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
-from moekit.kernels.triton import _jit
+from moekit.kernels.triton._details import gemm as _jit
 from moekit.kernels.triton.align import BlockList, align_routing, split_tail_blocks
 from moekit.routing import RoutingResult
 from moekit.spec import (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import triton
-from moekit.kernels.triton import _jit_route
+from moekit.kernels.triton._details import route as _jit_route
 from moekit.spec import RoutingMethod, RoutingSpec
 
 # One program holds a [BLOCK_T, BLOCK_E] tile of scores: wider routers stay on the torch path.

@@ -16,7 +16,7 @@ import torch
 from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights
-from moekit.plan import plan
+from moekit.planning.plan import plan
 from moekit.presets import cap_experts, preset
 from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
 from moekit.synthetic import random_batch, random_layer

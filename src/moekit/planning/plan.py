@@ -20,8 +20,7 @@ import torch
 from moekit.errors import PlanFallbackError, UnsupportedSpecError
 from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Problem
 from moekit.kernels.registry import KernelRegistry, default_registry
-from moekit.spec import ActivationQuant, GateLayout, MoESpec
-from moekit.tuned import (
+from moekit.planning.tuned import (
     RejectedRow,
     TableKey,
     TunedTables,
@@ -31,6 +30,7 @@ from moekit.tuned import (
     token_bucket,
     triton_version,
 )
+from moekit.spec import ActivationQuant, GateLayout, MoESpec
 
 
 class ConfigSource(enum.Enum):

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 
 from moekit.errors import SpecError
-from moekit.hf_convert import HfMoeLayer, from_hf_moe_block
+from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.spec import GateLayout, MoESpec
 from moekit.weights import ExpertWeights
@@ -161,6 +161,29 @@ def hf_layer_of(module: torch.nn.Module, *, config: object | None = None) -> HfM
         )
     cfg = _config_of_module(module, family, config=_config_for(config, family))
     return from_hf_moe_block(module, config=cfg)
+
+
+def fused_moe_from_hf(
+    module: torch.nn.Module,
+    *,
+    config: object | None = None,
+    device: torch.device | str | None = None,
+    options: PlanOptions | None = None,
+) -> FusedMoE:
+    """A `FusedMoE` from a Hugging Face GptOssMLP / MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock.
+
+    `config` (the model's config) may be omitted: sizes, top-k and activation are read off the module.
+    The experts are copied once into moekit's layout; the module itself is left untouched.
+    """
+    hf = hf_layer_of(module, config=config)
+    return FusedMoE(
+        spec=hf.spec,
+        weights=hf.weights,
+        router_weight=hf.router_weight,
+        router_bias=hf.router_bias,
+        device=device,
+        options=options,
+    )
 
 
 def _hf_expert_tensors(family: Family, weights: ExpertWeights) -> dict[str, torch.Tensor]:
@@ -295,7 +318,7 @@ def patch_model(
     if any(name == "" for name, _, _ in targets):
         raise SpecError(
             "the model is itself an MoE block: patch the model holding it, or use "
-            "FusedMoE.from_hf_module(block)"
+            "moekit.integrations.transformers.fused_moe_from_hf(block)"
         )
     config = getattr(model, "config", None)
     done: list[PatchedBlock] = []

@@ -15,7 +15,7 @@ Offsets that scale with T*K (token rows, pair rows) and with the expert index ar
 
 import triton
 import triton.language as tl
-from moekit.kernels.triton._jit_mxfp4 import (
+from moekit.kernels.triton._details.mxfp4 import (
     _mxfp4_native_bytes,
     _mxfp4_native_scales,
     _mxfp4_tiles,

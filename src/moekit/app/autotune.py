@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from moekit.check_job import poison_allocator
+from moekit.app.check import poison_allocator
+from moekit.app.timing import median_seconds
 from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Problem
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
-from moekit.plan import plan
+from moekit.planning.plan import plan
+from moekit.planning.tuned import row_to_json, spec_fields, token_bucket, triton_version, write_rows
 from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
 from moekit.spec import MoESpec
 from moekit.synthetic import random_batch, random_layer
-from moekit.timing import median_seconds
-from moekit.tuned import row_to_json, spec_fields, token_bucket, triton_version, write_rows
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 
 from moekit.errors import DeviceError
 from moekit.kernels.base import DeviceInfo, DeviceKind
-from moekit.plan import Plan
+from moekit.planning.plan import Plan
 from moekit.presets import preset
 from moekit.spec import (
     Activation,

@@ -243,7 +243,7 @@ def _read_file(path: Path, registry: KernelRegistry) -> tuple[list[TunedRow], li
 
 
 def shipped_table_paths() -> list[Path]:
-    folder = resources.files("moekit") / "tables"
+    folder = resources.files("moekit.planning") / "tables"
     return (
         sorted(Path(str(p)) for p in folder.iterdir() if p.name.endswith(".json")) if folder.is_dir() else []
     )

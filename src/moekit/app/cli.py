@@ -14,10 +14,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from moekit.cli_spec import SIMULATED_DEVICES, add_spec_flags, plan_as_dict, resolve_device, spec_from_flags
+from moekit.app.cli_spec import (
+    SIMULATED_DEVICES,
+    add_spec_flags,
+    plan_as_dict,
+    resolve_device,
+    spec_from_flags,
+)
 from moekit.errors import DeviceError, MoekitError, SpecError
+from moekit.planning.tuned import ENV_VAR as TUNED_ENV_VAR
 from moekit.presets import DEFAULT_PRESET, PRESETS
-from moekit.tuned import ENV_VAR as TUNED_ENV_VAR
 
 DESCRIPTION = """\
 moekit runs Mixture-of-Experts layers (GPT-OSS MXFP4, DeepSeek FP8, Qwen/Mixtral BF16) and checks them
@@ -148,7 +154,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from moekit.run_job import run_job
+    from moekit.app.run import run_job
 
     report = run_job(
         preset_name=args.preset,
@@ -182,7 +188,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
-    from moekit.plan import plan
+    from moekit.planning.plan import plan
 
     spec = spec_from_flags(args)
     result = plan(
@@ -209,7 +215,7 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
     import torch
     from rich.progress import Progress
 
-    from moekit.check_job import check_preset
+    from moekit.app.check import check_preset
     from moekit.kernels.registry import default_registry
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -251,7 +257,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     import torch
     from rich.progress import Progress
 
-    from moekit.bench import bench_preset, measure_ceilings, plot_records, records_as_json
+    from moekit.app.bench import bench_preset, measure_ceilings, plot_records, records_as_json
 
     if not torch.cuda.is_available():
         raise DeviceError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
@@ -300,7 +306,7 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     import torch
     from rich.progress import Progress
 
-    from moekit.autotune import tune
+    from moekit.app.autotune import tune
     from moekit.presets import cap_experts, preset
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
