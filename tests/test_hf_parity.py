@@ -3,7 +3,7 @@
 Tiers:
 1. Float parity: a tiny random GptOss / Mixtral / Qwen3-MoE model (fp32, CPU, one layer) has its MoE
    block's weights set to random non-zero values (gate and up distinct, biases random for GPT-OSS);
-   `integrations.transformers.convert` converts them; route(router logits) + `fused_moe_reference` must match the
+   `integrations.transformers.convert` converts them; route(logits) + `fused_moe_reference` must match the
    block's output to fp32 rounding (rel L2 < 1e-5; measured 0 to ~1e-7), for both HF expert backends.
 2. MXFP4 checkpoint parity: moekit writes an HF-named MXFP4 checkpoint; transformers' own loader
    (`Mxfp4Config(dequantize=True)`) dequantizes it bit-identically to moekit, and its block output
