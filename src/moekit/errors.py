@@ -1,5 +1,8 @@
 """moekit's exceptions.
 
+Data flow: a spec, weights, inputs, a tuned table or a plan request that is wrong -> the module that
+finds it raises one of these -> the caller sees what was wrong and what to do.
+
 Every error moekit raises on bad input derives from `MoekitError`, names the offending values and
 says what to do. Each subclass also derives from the built-in exception a Python user would expect
 (`ValueError`, `TypeError`), so generic handlers keep working.

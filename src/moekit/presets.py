@@ -1,4 +1,4 @@
-"""Model presets: the MoE specs of real models (global shapes, from the guide's table).
+"""Model presets: the MoE specs of real models (global shapes, from each model's published config).
 
 Data flow: a name -> a `MoESpec`. The CLI, benchmarks and tests take presets from here only.
 """

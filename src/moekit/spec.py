@@ -5,7 +5,7 @@ every field; the spec then travels unchanged to the weights' validation, the rou
 the kernels. It is the single source of truth for every parameter of the math: nothing downstream
 re-derives or overrides a field.
 
-Letters follow the guide: T tokens, K experts per token, E experts (global), H hidden, I intermediate.
+Letters: T tokens, K experts per token, E experts (global), H hidden, I intermediate.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Data flow: checkpoint blocks uint8 [..., N, G, 16] (two E2M1 codes a byte, low n
 Runs: the 16-column chunks of a 16-row block come in runs of 8 (128 columns), each run the 32 lanes'
 8 words one after the other (1 KiB), the last run padded with zero words. A K-step of 128 columns then
 reads one contiguous KiB per 16-row block, every lane one whole 32-byte sector; lane-major rows of
-2G words (720 bytes for K = 2880) left half the lanes straddling two sectors, and an H200 profile showed
-an L2 hit rate of 48 % from those re-read sectors (benchmarks/RESULTS.md, session 3).
+2G words (720 bytes for K = 2880) leave half the lanes straddling two sectors (measured on an H200:
+an L2 hit rate of 48 % from those re-read sectors).
 
 Why this arrangement: a Hopper warpgroup MMA (wgmma m64nNk16, bf16) takes its A operand from
 registers. Lane (g, q) of a warp (g = lane // 4, q = lane % 4) holds, for each 16-row block and each
@@ -31,11 +31,12 @@ each (an exhaustive search: at most three rotations of the pattern are disjoint)
 cheapest: 4 rotations, 5 masks and 4 bf16x2 multiplies a word, where contiguous nibbles took two
 shifts and two masks a pair.
 
-Decoding (see `_jit_mxfp4._mxfp4_word_pair`): the E2M1 magnitude bits (exponent e, mantissa m) at bf16
-bits 8..6 and the sign at bit 15 read as the bf16 number value * 2^-126 exactly (e = 0, m = 1, the
-code 0.5, lands on the bf16 subnormal 2^-127); multiplying by 2^(s - 1) applies the E8M0 scale 2^(s -
-127) and the missing 2^126 in one step. 2^(s - 1) is a normal bf16 only for s <= 128, so weights with
-a larger scale byte (a block maximum above 12) keep the checkpoint packing (`scales_reason`).
+Decoding (`_mxfp4_word_pair` in `moekit/kernels/triton/_details/mxfp4.py`): the E2M1 magnitude bits
+(exponent e, mantissa m) at bf16 bits 8..6 and the sign at bit 15 read as the bf16 number value * 2^-126
+exactly (e = 0, m = 1, the code 0.5, lands on the bf16 subnormal 2^-127); multiplying by 2^(s - 1)
+applies the E8M0 scale 2^(s - 127) and the missing 2^126 in one step. 2^(s - 1) is a normal bf16 only
+for s <= 128, so weights with a larger scale byte (a block maximum above 12) keep the checkpoint packing
+(`scales_reason`).
 """
 
 from __future__ import annotations
