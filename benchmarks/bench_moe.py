@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Benchmark moekit's planned kernel and the unfused baseline per preset and T, on one GPU, in one run.
 
-Usage (GPU): python benchmarks/bench_moe.py --presets gpt-oss-120b --tokens 1,8,64 --json $OUT/moekit.json
-Optionally merges OpenAI triton_kernels' figures (from ../shared/peers/bench_triton_kernels.py --json,
-run in the same session) with --peer-json, to print the ratio table side by side.
+Usage (GPU):
+  python benchmarks/bench_moe.py --presets gpt-oss-120b --tokens 1,8,64 --json bench-results/moekit.json
+Optionally merges OpenAI triton_kernels' figures (peers/bench_triton_kernels.py --json, run on the same GPU
+in the same session) with --peer-json, to print the ratio table side by side. Writes a file only where
+--json says (bench-results/ is git-ignored); benchmarks/README.md says how each published figure is made.
 """
 
 import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,7 +24,7 @@ def main() -> int:
     p.add_argument("--presets", default="gpt-oss-120b")
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     p.add_argument("--kernels", default="planned,torch_grouped")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the records here, e.g. bench-results/moekit.json")
     p.add_argument("--peer-json", default=None, help="triton_kernels bench JSON to compare against")
     p.add_argument("--table-only", default=None, help="print the table of an earlier --json run and exit")
     args = p.parse_args()
@@ -60,6 +63,7 @@ def main() -> int:
         print(f"{name}: {time.time() - start:.0f} s", flush=True)
     data = records_as_json(records, ceilings)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
     peer = {}

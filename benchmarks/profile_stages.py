@@ -3,7 +3,8 @@
 planned path at each T, from a CUDA-graph replay traced with torch.profiler (CUPTI), L2 flushed before
 every layer as the benchmarks do.
 
-Usage (GPU): python benchmarks/profile_stages.py --preset gpt-oss-120b --tokens 1,64,1024 --json $OUT/p.json
+Usage (GPU):
+  python benchmarks/profile_stages.py --preset gpt-oss-120b --tokens 1,64,1024 --json bench-results/p.json
 Kernel names are grouped by the substrings in STAGES; the rest is listed as "other". Times are summed
 GPU busy time per layer (no launch gaps), so they add up to less than the graph-replay time of
 `bench_moe.py`; the difference is the idle time between kernels.
@@ -13,6 +14,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -44,7 +46,7 @@ def main() -> int:
     p.add_argument("--preset", default="gpt-oss-120b")
     p.add_argument("--tokens", default="1,8,64,512,1024,8192")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the per-stage times here, e.g. bench-results/p.json")
     args = p.parse_args()
     device = torch.device("cuda")
     spec = preset(args.preset)
@@ -82,6 +84,7 @@ def main() -> int:
         print("   other: " + "; ".join(f"{k} {v:.1f}" for v, k in others[:6]), flush=True)
         del graph
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "time": time.time(), "results": results}, f, indent=1)
     return 0

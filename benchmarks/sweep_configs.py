@@ -3,7 +3,7 @@
 flushed, checked against the reference): what `default_config` and the tuned rows are chosen from.
 
 Usage (GPU):
-  python benchmarks/sweep_configs.py --preset gpt-oss-120b --tokens 1,64,1024 --json $OUT/sweep.json
+  python benchmarks/sweep_configs.py --preset gpt-oss-120b --tokens 1,64,1024 --json bench-results/sweep.json
 Candidates: the Triton kernel's `tuning_space`. With --table, each T's fastest candidate whose output
 (NaN-poisoned, graph-replayed) is within the tolerance of the reference is written as a tuned row.
 Unlike `moekit tune` (eager timing, warm L2), this times what serving sees: graph replay, cold L2.
@@ -34,7 +34,7 @@ def main() -> int:
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
     p.add_argument("--table", default=None, help="write each T's verified winner to this tuned table")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new T after this long")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write every timed candidate here (bench-results/...)")
     args = p.parse_args()
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
@@ -90,6 +90,7 @@ def main() -> int:
             )
         results.append({"tokens": t, "rows": [asdict(rec) for _, rec in timed]})
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "ceilings": asdict(ceilings), "results": results}, f, indent=1)
     return 0
