@@ -1,15 +1,27 @@
 """Hugging Face transformers: convert GPT-OSS, Mixtral and Qwen3-MoE blocks, and patch models with them.
 
-`convert` turns a block (or a config and its expert tensors) into a spec and `ExpertWeights`; `patch`
-swaps a model's blocks for `FusedMoE` layers and puts them back. Importing this package imports neither
-transformers nor torch models: each function reads the modules it is given.
+Data flow: `families` describes each supported family once (block class, router name, config fields,
+experts layout) -> `convert` turns a block (or a config and its expert tensors) into a spec and
+`ExpertWeights` (and back) -> `patch` swaps a model's blocks for `FusedMoE` layers and puts them back.
+Importing this package imports neither transformers nor torch models: each function reads the modules
+it is given.
 """
 
+from moekit.integrations.transformers.convert import (
+    HfMoeLayer,
+    from_hf_experts,
+    from_hf_gpt_oss_experts,
+    from_hf_mixtral_experts,
+    from_hf_moe_block,
+    from_hf_qwen3_moe_experts,
+    hf_expert_tensors,
+    spec_from_hf_config,
+)
+from moekit.integrations.transformers.families import FAMILIES, Family, HfFamily, family_of
 from moekit.integrations.transformers.patch import (
-    Family,
     MoekitMoEBlock,
+    PatchedBlock,
     PatchReport,
-    family_of,
     fused_moe_from_hf,
     hf_layer_of,
     patch_model,
@@ -17,12 +29,23 @@ from moekit.integrations.transformers.patch import (
 )
 
 __all__ = [
+    "FAMILIES",
     "Family",
+    "HfFamily",
+    "HfMoeLayer",
     "MoekitMoEBlock",
     "PatchReport",
+    "PatchedBlock",
     "family_of",
+    "from_hf_experts",
+    "from_hf_gpt_oss_experts",
+    "from_hf_mixtral_experts",
+    "from_hf_moe_block",
+    "from_hf_qwen3_moe_experts",
     "fused_moe_from_hf",
+    "hf_expert_tensors",
     "hf_layer_of",
     "patch_model",
+    "spec_from_hf_config",
     "unpatch",
 ]

@@ -1,84 +1,42 @@
 """Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral and Qwen3-MoE models for moekit layers.
 
-Data flow:
-  patch_model(model): every module whose class is `GptOssMLP`, `MixtralSparseMoeBlock` or
-    `Qwen3MoeSparseMoeBlock` (transformers 5.x) -> `hf_layer_of` (`hf_convert.from_hf_moe_block` with the
-    config fields read off the module: sizes, top-k, clamp, activation by evaluation) -> spec +
-    `ExpertWeights` in the block's own gate layout and dtype (one copy of the experts) -> `FusedMoE` on
-    the experts' device (planned now: an unsupported spec raises, and blocks already swapped are put
-    back) -> a `MoekitMoEBlock` that keeps the HF router module under its original name and takes the
-    block's place in its parent.
+Data flow (which classes are blocks, where their router sits and what they return: `families.FAMILIES`):
+  patch_model(model): every module whose class is a supported block (`family_of`) -> `hf_layer_of`
+    (`convert.from_hf_moe_block` with the config fields read off the module: sizes, top-k, clamp,
+    activation by evaluation) -> spec + `ExpertWeights` in the block's own gate layout and dtype (one
+    copy of the experts) -> `FusedMoE` on the experts' device (planned now: an unsupported spec raises,
+    and blocks already swapped are put back) -> a `MoekitMoEBlock` that keeps the HF router module under
+    its original name and takes the block's place in its parent.
   release: the original experts' parameters are emptied (`param.data` -> 0 elements) once a bit-exact
-    inverse conversion from the moekit weights has been checked, so a patched model holds its experts
-    once; unpatch rebuilds them into the same Parameter objects (same shape, stride, dtype, values).
+    inverse conversion (`convert.hf_expert_tensors`) has been checked, so a patched model holds its
+    experts once; unpatch rebuilds them into the same Parameter objects (same shape, stride, dtype, values).
   MoekitMoEBlock.forward(hidden [B, S, H]): HF router (so transformers' router-logit recording still sees
-    it) -> its logits -> `FusedMoE(x, router_logits=...)` -> the HF block's return signature: GptOssMLP
-    returns `(hidden, router_scores)`, the Mixtral and Qwen3-MoE blocks return `hidden`.
+    it) -> its logits -> `FusedMoE(x, router_logits=...)` -> the HF block's return signature
+    (`(hidden, router_scores)` or `hidden`).
   unpatch(model): every `MoekitMoEBlock` is replaced by its original block, experts restored.
 
-Checked against the installed transformers 5.24 (`models/*/modeling_*.py`): the three blocks hold the
-router as `router` (GPT-OSS) or `gate` (Mixtral, Qwen3-MoE), whose forward returns
-`(router_logits, router_scores, router_indices)`, and the experts as `experts` (fused 3-D parameters).
 Patched blocks serve inference: the moekit op has no autograd formula, and Mixtral's training-time
 router jitter is not applied.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from moekit.errors import SpecError
-from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
+from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block, hf_expert_tensors
+from moekit.integrations.transformers.families import HF_ACTIVATIONS, Family, block_class_names, family_of
 from moekit.layer import FusedMoE, PlanOptions
-from moekit.spec import GateLayout, MoESpec
-from moekit.weights import ExpertWeights
+from moekit.spec import Activation, MoESpec
 
-
-class Family(enum.Enum):
-    """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s)."""
-
-    GPT_OSS = "gpt_oss"
-    MIXTRAL = "mixtral"
-    QWEN3_MOE = "qwen3_moe"
-
-    @property
-    def router_name(self) -> str:
-        return "router" if self is Family.GPT_OSS else "gate"
-
-
-_BLOCK_CLASSES = {  # family -> (module path, class name) in transformers 5.x
-    Family.GPT_OSS: ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssMLP"),
-    Family.MIXTRAL: ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
-    Family.QWEN3_MOE: ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-}
-
-
-def _block_classes() -> dict[type, Family]:
-    import importlib
-
-    found: dict[type, Family] = {}
-    for family, (module_path, class_name) in _BLOCK_CLASSES.items():
-        try:
-            found[getattr(importlib.import_module(module_path), class_name)] = family
-        except (ImportError, AttributeError):  # an older transformers without this model or class
-            continue
-    return found
-
-
-def family_of(module: torch.nn.Module) -> Family | None:
-    """The family of an HF MoE block (by exact class, so subclasses with other math are not taken)."""
-    return _block_classes().get(type(module))
-
-
-# ----- conversion ------------------------------------------------------------------------------------
-_PROBE_ACTIVATIONS = {
-    "silu": torch.nn.functional.silu,
-    "gelu": lambda z: torch.nn.functional.gelu(z, approximate="none"),
-    "gelu_pytorch_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+# HF activations by the moekit activation they compute, to recognize an experts module's `act_fn`.
+_TORCH_ACTIVATIONS = {
+    Activation.SILU: torch.nn.functional.silu,
+    Activation.GELU: lambda z: torch.nn.functional.gelu(z, approximate="none"),
+    Activation.GELU_TANH: lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
 }
 
 
@@ -88,54 +46,47 @@ def _hidden_act_of(act_fn: object) -> str:
     z = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
     with torch.no_grad():
         got = act_fn(z)
-    for name, fn in _PROBE_ACTIVATIONS.items():
-        if torch.allclose(got, fn(z), rtol=1e-9, atol=1e-12):
+    for name, activation in HF_ACTIVATIONS.items():
+        if torch.allclose(got, _TORCH_ACTIVATIONS[activation](z), rtol=1e-9, atol=1e-12):
             return name
     raise SpecError(
-        f"the experts' activation {type(act_fn).__name__} is none of {list(_PROBE_ACTIVATIONS)}; "
+        f"the experts' activation {type(act_fn).__name__} is none of {list(HF_ACTIVATIONS)}; "
         "pass the model's config"
     )
 
 
 def _config_of_module(module: torch.nn.Module, family: Family, *, config: object | None) -> SimpleNamespace:
-    """The config fields `hf_convert.spec_from_hf_config` reads, taken from the block itself.
+    """The config fields `convert.spec_from_hf_config` reads, taken from the block itself.
 
     The module is the truth of what it computes (transformers versions differ in which config fields
     exist: 5.17's GptOssConfig has no `swiglu_limit`, its experts hold `limit`); `config`, if given, is
     only consulted for an activation the probe does not recognize."""
-    experts, router = module.experts, getattr(module, family.router_name)
-    gate_up = experts.gate_up_proj
-    num_experts = gate_up.shape[0]
-    fields = dict(
-        model_type=family.value, num_experts_per_tok=int(router.top_k), hidden_size=router.weight.shape[1]
-    )
-    if family is Family.GPT_OSS:  # gate_up_proj [E, H, 2I]
-        if not hasattr(experts, "limit"):
+    hf = family.hf
+    experts, router = module.experts, getattr(module, hf.router_name)
+    gate_up = experts.gate_up_proj  # [E, H, 2I] if transposed, else [E, 2I, H]
+    fields = {
+        "model_type": family.value,
+        "num_experts_per_tok": int(router.top_k),
+        "hidden_size": router.weight.shape[1],
+        hf.num_experts_field: gate_up.shape[0],
+        hf.intermediate_field: gate_up.shape[2 if hf.gate_up_transposed else 1] // 2,
+    }
+    if hf.swiglu is not None:
+        if not hasattr(experts, hf.swiglu.experts_limit):
             raise SpecError(f"{type(experts).__name__} has no `limit` attribute: its SwiGLU clamp is unknown")
-        alpha = getattr(experts, "alpha", None)  # None: hf_convert's rule for versions that hard-code 1.702
-        return SimpleNamespace(
-            **fields,
-            num_local_experts=num_experts,
-            intermediate_size=gate_up.shape[2] // 2,
-            swiglu_alpha=alpha,
-            swiglu_limit=experts.limit,
-        )
-    try:
-        hidden_act = _hidden_act_of(experts.act_fn)
-    except SpecError:
-        if getattr(config, "hidden_act", None) is None:
-            raise
-        hidden_act = config.hidden_act  # hf_convert refuses names without a moekit activation
-    fields.update(hidden_act=hidden_act)  # gate_up_proj [E, 2I, H]
-    intermediate = gate_up.shape[1] // 2
-    if family is Family.MIXTRAL:
-        return SimpleNamespace(**fields, num_local_experts=num_experts, intermediate_size=intermediate)
-    return SimpleNamespace(
-        **fields,
-        num_experts=num_experts,
-        moe_intermediate_size=intermediate,
-        norm_topk_prob=bool(router.norm_topk_prob),
-    )
+        # A missing alpha stays None: convert then applies the alpha of versions that hard-code it.
+        fields[hf.swiglu.config_alpha] = getattr(experts, hf.swiglu.experts_alpha, None)
+        fields[hf.swiglu.config_limit] = getattr(experts, hf.swiglu.experts_limit)
+    else:
+        try:
+            fields["hidden_act"] = _hidden_act_of(experts.act_fn)
+        except SpecError:
+            if getattr(config, "hidden_act", None) is None:
+                raise
+            fields["hidden_act"] = config.hidden_act  # convert refuses names without a moekit activation
+    if hf.renormalize_field is not None:  # the router holds the flag under the config's name
+        fields[hf.renormalize_field] = bool(getattr(router, hf.renormalize_field))
+    return SimpleNamespace(**fields)
 
 
 def _config_for(config: object | None, family: Family) -> object | None:
@@ -155,9 +106,9 @@ def hf_layer_of(module: torch.nn.Module, *, config: object | None = None) -> HfM
     """An HF MoE block -> moekit spec, expert weights (native gate layout and dtype) and router tensors."""
     family = family_of(module)
     if family is None:
-        names = [c for _, c in _BLOCK_CLASSES.values()]
         raise SpecError(
-            f"{type(module).__name__} is not a supported Hugging Face MoE block; supported: {names}"
+            f"{type(module).__name__} is not a supported Hugging Face MoE block; "
+            f"supported: {block_class_names()}"
         )
     cfg = _config_of_module(module, family, config=_config_for(config, family))
     return from_hf_moe_block(module, config=cfg)
@@ -184,20 +135,6 @@ def fused_moe_from_hf(
         device=device,
         options=options,
     )
-
-
-def _hf_expert_tensors(family: Family, weights: ExpertWeights) -> dict[str, torch.Tensor]:
-    """The HF experts' parameters rebuilt from moekit weights (the exact inverse of hf_convert)."""
-    if family is Family.GPT_OSS:  # [E, H, 2I] interleaved, [E, I, H], biases as is
-        w = weights.to_layout(GateLayout.INTERLEAVED)
-        return {
-            "gate_up_proj": w.w13.transpose(1, 2),
-            "gate_up_proj_bias": w.b13,
-            "down_proj": w.w2.transpose(1, 2),
-            "down_proj_bias": w.b2,
-        }
-    w = weights.to_layout(GateLayout.CONCAT)  # [E, 2I, H] gate rows first, [E, H, I]
-    return {"gate_up_proj": w.w13, "down_proj": w.w2}
 
 
 @dataclass(frozen=True)
@@ -232,12 +169,12 @@ class MoekitMoEBlock(torch.nn.Module):
         flat = hidden_states.reshape(-1, shape[-1])
         router_logits, router_scores, _ = getattr(self, self.family.router_name)(flat)
         out = self.moe(flat, router_logits=router_logits).reshape(shape)
-        return (out, router_scores) if self.family is Family.GPT_OSS else out
+        return (out, router_scores) if self.family.hf.returns_router_scores else out
 
     def release_original(self) -> bool:
         """Empty the original experts' parameters if moekit's weights rebuild them bit-exactly."""
         params = dict(self.original.experts.named_parameters())
-        rebuilt = _hf_expert_tensors(self.family, self.moe.weights)
+        rebuilt = hf_expert_tensors(self.family, self.moe.weights)
         if set(params) != set(rebuilt) or list(self.original.experts.buffers()):
             return False
         for name, p in params.items():
@@ -254,7 +191,7 @@ class MoekitMoEBlock(torch.nn.Module):
     def restore_original(self) -> torch.nn.Module:
         """The original block, with released expert parameters rebuilt into the same Parameter objects."""
         if self._released:
-            rebuilt = _hf_expert_tensors(self.family, self.moe.weights)
+            rebuilt = hf_expert_tensors(self.family, self.moe.weights)
             params = dict(self.original.experts.named_parameters())
             for rp in self._released:
                 src = rebuilt[rp.name]
@@ -313,8 +250,7 @@ def patch_model(
     targets = [(name, m, family_of(m)) for name, m in model.named_modules()]
     targets = [(name, m, f) for name, m, f in targets if f is not None]
     if not targets:
-        names = [c for _, c in _BLOCK_CLASSES.values()]
-        raise SpecError(f"no Hugging Face MoE block ({names}) found in {type(model).__name__}")
+        raise SpecError(f"no Hugging Face MoE block ({block_class_names()}) found in {type(model).__name__}")
     if any(name == "" for name, _, _ in targets):
         raise SpecError(
             "the model is itself an MoE block: patch the model holding it, or use "

@@ -1,0 +1,175 @@
+"""The Hugging Face MoE families moekit converts and patches, each described once.
+
+Data flow: an HF config's `model_type` -> `Family.of_model_type` -> `Family`; an HF module -> `family_of`
+(by exact block class) -> `Family`; `Family.hf` -> the frozen `HfFamily` row of `FAMILIES`, which
+`convert` reads to turn a config and an experts module into moekit's spec and weights (and back), and
+`patch` reads to find blocks, their router and the fields of a config it rebuilds from a block.
+
+The facts below were read from the installed transformers 5.24 source (`models/*/modeling_*.py`):
+- `GptOssMLP`: router `router` (weight `[E, H]`, bias `[E]`; top-k of the logits, softmax over the K),
+  experts `GptOssExperts` with `gate_up_proj [E, H, 2I]` used as `x @ W` (transposed against moekit),
+  columns interleaved (gate = `[..., ::2]`, up = `[..., 1::2]`), `gate_up_proj_bias [E, 2I]`,
+  `down_proj [E, I, H]`, `down_proj_bias [E, H]`; activation SWIGLU_OAI with `config.swiglu_alpha`
+  and `config.swiglu_limit` (the experts hold them as `alpha` and `limit`). The block returns
+  `(hidden, router_scores)`.
+- `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock`: router `gate` (weight `[E, H]`, no bias; softmax
+  over E in fp32, top-k; Mixtral always renormalizes, Qwen3-MoE iff `norm_topk_prob`, which the config
+  and the router both hold), experts with `gate_up_proj [E, 2I, H]` used with `F.linear` (`[out, in]`),
+  split with `.chunk(2)` so gate rows come first (CONCAT), `down_proj [E, H, I]`, `ACT2FN[hidden_act]`,
+  no biases. The blocks return `hidden`. transformers 4.x kept these experts as an `nn.ModuleList` of
+  per-expert MLPs of `nn.Linear` `[out, in]` (Mixtral `w1` gate, `w3` up, `w2` down; Qwen3-MoE
+  `gate_proj`, `up_proj`, `down_proj`).
+Every family's router forward returns `(router_logits, router_scores, router_indices)`.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from moekit.errors import SpecError
+from moekit.spec import Activation, GateLayout, RoutingMethod
+
+# HF `hidden_act` names (transformers.activations.ACT2FN) -> moekit activations with the same math.
+HF_ACTIVATIONS: dict[str, Activation] = {
+    "silu": Activation.SILU,
+    "swish": Activation.SILU,
+    "gelu": Activation.GELU,  # exact erf GELU
+    "gelu_pytorch_tanh": Activation.GELU_TANH,
+}
+
+
+@dataclass(frozen=True)
+class SwigluFields:
+    """Where a family with OpenAI's clamped SwiGLU keeps alpha and the clamp limit."""
+
+    config_alpha: str  # config field
+    config_limit: str
+    experts_alpha: str  # attribute of the experts module
+    experts_limit: str
+    alpha_if_missing: float  # the alpha of versions whose config has no alpha field
+    limit_if_missing: float  # the clamp of versions whose config has no limit field
+
+
+@dataclass(frozen=True)
+class HfFamily:
+    """What moekit reads from (and writes back to) one family's MoE blocks, configs and experts."""
+
+    block_module: str  # module path of the MoE block class in transformers 5.x
+    block_class: str
+    router_name: str  # the block's router attribute: a linear map with `weight [E, H]` and maybe `bias`
+    returns_router_scores: bool  # the block returns `(hidden, router_scores)` rather than `hidden`
+    num_experts_field: str  # config field holding E
+    intermediate_field: str  # config field holding I
+    swiglu: SwigluFields | None  # None: the activation is `ACT2FN[config.hidden_act]`
+    routing_method: RoutingMethod
+    renormalize_field: str | None  # config (and router) flag to renormalize the top-k; None: always
+    gate_up_transposed: bool  # experts hold `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]` (x @ W)
+    gate_layout: GateLayout  # order of the gate and up rows in `gate_up_proj`
+    has_bias: bool  # experts hold `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`
+    legacy_expert_names: tuple[str, str, str] | None  # 4.x per-expert Linear names (gate, up, down)
+
+
+class Family(enum.Enum):
+    """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s).
+
+    What moekit knows of each lives in its `HfFamily` row (`family.hf`)."""
+
+    GPT_OSS = "gpt_oss"
+    MIXTRAL = "mixtral"
+    QWEN3_MOE = "qwen3_moe"
+
+    @property
+    def hf(self) -> HfFamily:
+        return FAMILIES[self]
+
+    @property
+    def router_name(self) -> str:
+        return self.hf.router_name
+
+    @classmethod
+    def of_model_type(cls, model_type: object) -> Family:
+        """The family of an HF config's `model_type`; `SpecError` if moekit does not convert it."""
+        for family in cls:
+            if family.value == model_type:
+                return family
+        raise SpecError(f"unsupported HF model_type {model_type!r}; supported: {[f.value for f in cls]}")
+
+
+FAMILIES: dict[Family, HfFamily] = {
+    Family.GPT_OSS: HfFamily(
+        block_module="transformers.models.gpt_oss.modeling_gpt_oss",
+        block_class="GptOssMLP",
+        router_name="router",
+        returns_router_scores=True,
+        num_experts_field="num_local_experts",
+        intermediate_field="intermediate_size",
+        swiglu=SwigluFields(
+            config_alpha="swiglu_alpha",
+            config_limit="swiglu_limit",
+            experts_alpha="alpha",
+            experts_limit="limit",
+            alpha_if_missing=1.702,  # transformers 4.x `GptOssExperts` hard-coded it
+            limit_if_missing=7.0,  # 5.17's experts: `getattr(config, "swiglu_limit", 7.0)`
+        ),
+        routing_method=RoutingMethod.TOPK_SOFTMAX,
+        renormalize_field=None,
+        gate_up_transposed=True,
+        gate_layout=GateLayout.INTERLEAVED,
+        has_bias=True,
+        legacy_expert_names=None,
+    ),
+    Family.MIXTRAL: HfFamily(
+        block_module="transformers.models.mixtral.modeling_mixtral",
+        block_class="MixtralSparseMoeBlock",
+        router_name="gate",
+        returns_router_scores=False,
+        num_experts_field="num_local_experts",
+        intermediate_field="intermediate_size",
+        swiglu=None,
+        routing_method=RoutingMethod.SOFTMAX_TOPK,
+        renormalize_field=None,
+        gate_up_transposed=False,
+        gate_layout=GateLayout.CONCAT,
+        has_bias=False,
+        legacy_expert_names=("w1", "w3", "w2"),
+    ),
+    Family.QWEN3_MOE: HfFamily(
+        block_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
+        block_class="Qwen3MoeSparseMoeBlock",
+        router_name="gate",
+        returns_router_scores=False,
+        num_experts_field="num_experts",
+        intermediate_field="moe_intermediate_size",
+        swiglu=None,
+        routing_method=RoutingMethod.SOFTMAX_TOPK,
+        renormalize_field="norm_topk_prob",
+        gate_up_transposed=False,
+        gate_layout=GateLayout.CONCAT,
+        has_bias=False,
+        legacy_expert_names=("gate_proj", "up_proj", "down_proj"),
+    ),
+}
+
+
+def block_class_names() -> list[str]:
+    """The supported MoE block class names, for messages."""
+    return [family.hf.block_class for family in Family]
+
+
+def _block_classes() -> dict[type, Family]:
+    found: dict[type, Family] = {}
+    for family in Family:
+        try:
+            found[getattr(importlib.import_module(family.hf.block_module), family.hf.block_class)] = family
+        except (ImportError, AttributeError):  # an older transformers without this model or class
+            continue
+    return found
+
+
+def family_of(module: torch.nn.Module) -> Family | None:
+    """The family of an HF MoE block (by exact class, so subclasses with other math are not taken)."""
+    return _block_classes().get(type(module))
