@@ -7,8 +7,8 @@ fastest whose output matches the reference within the tolerance table (output al
 NaN first) -> one row written to the table at once (`tuned.write_rows`: atomic, locked), so an
 interrupted run keeps what it finished and a re-run resumes after it.
 
-Isolation (guide §3.8): any exception from a candidate (compile error, out of memory, a launch
-failure) is recorded with its message and that candidate is skipped; the run goes on.
+Isolation: one candidate never ends the run. Any exception from a candidate (compile error, out of
+memory, a launch failure) is recorded with its message and that candidate is skipped.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ else the nearest bucket's row -> the row is used only if its kernel is among the
 is recorded as rejected) -> otherwise the highest-priority capable kernel with its default config ->
 a frozen `Plan` that says what was chosen, from where, and what was refused.
 
-The invariant (guide §3.1): whatever the tables say, the chosen kernel is one that `supports` the spec.
+The invariant: whatever the tables say, the chosen kernel is one that `supports` the spec. A table is
+advice about speed; a wrong or stale row can make a layer slower, never make it run an incapable kernel.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tuned tables: which kernel and config to use for a (device, Triton version, spec, shape, tokens) key.
 
-Data flow: JSON files (shipped in `moekit/tables/`, then the user's: a path given to `plan`, or the
+Data flow: JSON files (shipped in `moekit/planning/tables/`, then the user's: a path given to `plan`, or the
 paths in the env var `MOEKIT_TUNED_TABLE`, separated by the OS path separator) -> `load_tables`
 validates every row against the kernel registry -> a `TunedTables` of good rows keyed by `TableKey`
 plus the rejected rows, each with its reason -> the planner looks rows up.
