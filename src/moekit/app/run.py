@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from moekit.app.timing import median_seconds
-from moekit.ops import fused_moe, prepare_weights
+from moekit.ops import fused_moe, prepare_weights, route
 from moekit.planning.plan import Plan, plan
 from moekit.presets import DEFAULT_PRESET, preset
 from moekit.reference import TOLERANCE, fused_moe_per_token_loop, fused_moe_reference, relative_l2_error
-from moekit.routing import RoutingResult, route
+from moekit.routing import RoutingResult
 from moekit.spec import MoESpec
 from moekit.synthetic import random_layer, random_tokens
 from moekit.weights import ExpertWeights
