@@ -119,48 +119,6 @@ def reference_forward(
     return out.to(spec.act_dtype)
 
 
-def fused_moe_per_token_loop(
-    x: torch.Tensor,
-    weights: ExpertWeights,
-    routing: RoutingResult,
-    *,
-    spec: MoESpec,
-    expert_map: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A second, independent spelling of the math: one token and one k at a time, in float64.
-
-    Tests use it to cross-check `fused_moe_reference`; it is far too slow for anything else.
-    """
-    check_forward(x, weights, routing, spec=spec, expert_map=expert_map)
-    out = torch.zeros(x.shape[0], spec.H, dtype=torch.float64, device=x.device)
-    for t in range(x.shape[0]):
-        for k in range(spec.K):
-            expert = int(routing.ids[t, k])
-            if expert_map is not None:
-                expert = int(expert_map[expert])
-                if expert < 0:
-                    continue
-            w = float(routing.weights[t, k])
-            xt = fake_quant_activation(x[t : t + 1].float(), spec.act_quant).double()[0]
-            if spec.router_weight_placement is RouterWeightPlacement.INPUT:
-                xt = fake_quant_activation(x[t : t + 1].float() * w, spec.act_quant).double()[0]
-            w13 = weights.dequantize_w13(expert).double()
-            w2 = weights.dequantize_w2(expert).double()
-            h = torch.mv(w13, xt)
-            if weights.b13 is not None:
-                h = h + weights.b13[expert].double()
-            gate, up = split_gate_up(h.unsqueeze(0), spec.gate_layout)
-            a = fake_quant_activation(
-                apply_activation(gate, up, spec.activation).float(), spec.act_quant
-            ).double()
-            y = torch.mv(w2, a[0])
-            if weights.b2 is not None:
-                y = y + weights.b2[expert].double()
-            scale = w if spec.router_weight_placement is RouterWeightPlacement.OUTPUT else 1.0
-            out[t] += scale * y
-    return out
-
-
 def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64; NaN anywhere gives inf."""
     a, e = actual.double(), expected.double()
