@@ -15,8 +15,8 @@ Data flow:
     `moekit.ops.route_checked` (spec.routing, correction bias) -> `moekit.ops.run_checked` (one typed
     `Launch` -> `kernel.run`); no input is checked a second time.
   warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
-    token counts that give distinct Triton specializations, so no planning, repacking or compilation is
-    left for a forward that is being captured or served.
+    token counts that reach every compiled variant of its kernel (`Kernel.warmup_token_counts`), so no
+    planning, repacking or compilation is left for a forward that is being captured or served.
 
 Device and dtype: build a FusedMoE on its target device (`device=`, default the weights' device): that
 avoids a second copy and a second round of planning. `.to(device)` / `.cuda()` (also through a parent
@@ -95,32 +95,6 @@ def _normalize_device(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _specialization(n: int) -> tuple[bool, bool, bool]:
-    """How Triton specializes an int argument: equal to 1, divisible by 16, needs 64 bits."""
-    return n == 1, n % 16 == 0, n >= 2**31
-
-
-def warmup_token_counts(bucket: int, *, spec: MoESpec, block_m: int | None) -> tuple[int, ...]:
-    """Token counts in `bucket` that reach every Triton specialization of its per-call int arguments.
-
-    The Triton kernels take the pair count P = T*K and the M-block bound as plain ints, and Triton
-    compiles one variant per (== 1, % 16 == 0, 64-bit) class of each: warming up the bucket's largest T
-    alone would leave the other variants to compile inside a later forward (or a CUDA-graph capture).
-    """
-    if block_m is not None:
-        # Only Triton plans pass a block_m, so Triton is importable here (the package imports it).
-        from moekit.kernels.triton.align import max_blocks_bound
-    lo, hi = (0, 1) if bucket <= 1 else (bucket // 2 + 1, bucket)
-    chosen: dict[tuple, int] = {}
-    for t in range(hi, lo - 1, -1):
-        pairs = t * spec.K
-        blocks = 0
-        if block_m is not None:
-            blocks = max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=block_m)
-        chosen.setdefault((_specialization(pairs), _specialization(blocks), t == 0), t)
-    return tuple(sorted(chosen.values()))
 
 
 class FusedMoE(torch.nn.Module):
@@ -270,7 +244,8 @@ class FusedMoE(torch.nn.Module):
 
     def warmup(self, max_tokens: int, *, execute: bool = True) -> WarmupReport:
         """Plan every bucket up to `max_tokens`, prepare weights, and (if `execute`) run each bucket at
-        the token counts of `warmup_token_counts`, so kernels compile now rather than while serving."""
+        the token counts of its kernel's `warmup_token_counts`, so kernels compile now rather than while
+        serving."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ShapeError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         plans: list[Plan] = []
@@ -281,8 +256,8 @@ class FusedMoE(torch.nn.Module):
                 p = self.plan_for(bucket)
                 plans.append(p)
                 if execute:
-                    block_m = p.config.block_m if p.kernel == "triton_fused" else None
-                    for t in warmup_token_counts(bucket, spec=self.spec, block_m=block_m):
+                    kernel = self._kernels[p.kernel]
+                    for t in kernel.warmup_token_counts(bucket, self.spec, p.config):
                         x = torch.zeros(t, self.spec.H, dtype=self.spec.act_dtype, device=self._device)
                         logits = torch.zeros(t, self.spec.E, dtype=torch.float32, device=self._device)
                         self.forward(x, router_logits=logits)
