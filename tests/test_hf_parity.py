@@ -41,8 +41,9 @@ from moekit.integrations.transformers.convert import (  # noqa: E402
     from_hf_moe_block,
     spec_from_hf_config,
 )
-from moekit.reference import fused_moe_per_token_loop, fused_moe_reference, relative_l2_error  # noqa: E402
+from moekit.reference import fused_moe_reference, relative_l2_error  # noqa: E402
 from moekit.spec import Activation, Fp8Scale  # noqa: E402
+from oracle_loop import fused_moe_per_token_loop  # noqa: E402
 
 H, I, E, T = 64, 48, 8, 40  # H != I so a transposed weight cannot pass; I = 48 leaves a ragged MXFP4 block
 RTOL_FP32 = 1e-5

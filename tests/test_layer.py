@@ -38,7 +38,7 @@ from moekit.custom_op import live_handles, lookup_layer
 from moekit.integrations.transformers import fused_moe_from_hf
 from moekit.kernels.base import DeviceInfo
 from moekit.kernels.registry import KernelRegistry, default_registry
-from moekit.layer import FusedMoE, PlanOptions, warmup_token_counts
+from moekit.layer import FusedMoE, PlanOptions
 from moekit.planning.plan import plan
 from moekit.planning.tuned import token_bucket
 from moekit.reference import relative_l2_error
@@ -202,11 +202,21 @@ def test_warmup_plans_every_bucket_and_forward_plans_lazily() -> None:
 def test_warmup_token_counts_cover_every_triton_specialization() -> None:
     # K=4, E_local=8, block_m=16: in bucket 32 (T = 17..32) the pair count T*K is a multiple of 16 for
     # T % 4 == 0; the M-block bound min(P, ceil(P/16) + 8) is too for some T. Both classes must be run.
-    counts = warmup_token_counts(32, spec=GPT_OSS_SMALL, block_m=16)
+    triton = pytest.importorskip("moekit.kernels.triton.kernel")
+    kernel = triton.TritonFusedKernel()
+    counts = kernel.warmup_token_counts(32, GPT_OSS_SMALL, kernel.config_type(block_m=16))
     assert all(17 <= t <= 32 for t in counts) and 32 in counts
     classes = {((t * 4) % 16 == 0, (min(t * 4, -(-t * 4 // 16) + 8)) % 16 == 0) for t in range(17, 33)}
     assert {((t * 4) % 16 == 0, (min(t * 4, -(-t * 4 // 16) + 8)) % 16 == 0) for t in counts} == classes
-    assert warmup_token_counts(1, spec=GPT_OSS_SMALL, block_m=None) == (0, 1)
+
+
+def test_warmup_token_counts_of_a_kernel_that_compiles_nothing() -> None:
+    # The default: one T per class of the pair count T*K (here P = 4T: P == 1 never, P % 16 == 0 for
+    # T % 4 == 0), and T = 0 in bucket 1.
+    kernel = default_registry().get("reference")
+    config = kernel.config_type()
+    assert kernel.warmup_token_counts(1, GPT_OSS_SMALL, config) == (0, 1)
+    assert kernel.warmup_token_counts(32, GPT_OSS_SMALL, config) == (31, 32)
 
 
 def test_workspace_bytes_grows_with_tokens_and_covers_the_output() -> None:

@@ -27,8 +27,9 @@ from moekit import (
     route,
 )
 from moekit.reference import relative_l2_error
-from moekit.spec import Activation, ActivationSpec
+from moekit.spec import Activation, ActivationQuant, ActivationSpec, Fp8Scale
 from moekit.synthetic import random_layer, random_tokens
+from oracle_loop import fused_moe_per_token_loop
 
 SMALL_OSS = MoESpec(
     num_experts=8,
@@ -140,6 +141,57 @@ def test_clamp_limit_changes_large_inputs_only(kind):
     torch.testing.assert_close(fused_moe_reference(x, weights, routing, spec=loose), unclamped)
     tight = replace(spec, activation=ActivationSpec(kind, alpha=alpha, limit=0.01))
     assert relative_l2_error(fused_moe_reference(x, weights, routing, spec=tight), unclamped) > 1e-2
+
+
+# ----- against the independent per-token loop (tests/oracle_loop.py) ----------------------------------------
+@pytest.mark.parametrize("limit", [None, 0.1], ids=["no_limit", "limit"])
+@pytest.mark.parametrize("kind", list(Activation), ids=lambda k: k.name)
+def test_every_activation_matches_the_per_token_loop(kind, limit):
+    alpha = 1.702 if kind is Activation.SWIGLU_OAI else None
+    spec = replace(SMALL_OSS, weight_format=WeightFormat.FP32, activation=ActivationSpec(kind, alpha, limit))
+    weights, x, routing = _setup(spec, t=6)
+    got = fused_moe_reference(x, weights, routing, spec=spec)
+    assert relative_l2_error(got, fused_moe_per_token_loop(x, weights, routing, spec=spec)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("fp8_scale", "act_quant", "hidden"),
+    [
+        (Fp8Scale.PER_CHANNEL, ActivationQuant.FP8_PER_TOKEN, 64),
+        (Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128, 200),  # a ragged last group of 72
+    ],
+    ids=["per_token", "per_group_128"],
+)
+def test_fp8_activations_match_the_per_token_loop(fp8_scale, act_quant, hidden):
+    spec = replace(
+        SMALL_OSS,
+        hidden_size=hidden,
+        intermediate_size=160,
+        weight_format=WeightFormat.FP8_E4M3,
+        fp8_scale=fp8_scale,
+        act_quant=act_quant,
+        activation=ActivationSpec(Activation.SILU),
+        gate_layout=GateLayout.CONCAT,
+    )
+    weights, x, routing = _setup(spec, t=6)
+    got = fused_moe_reference(x, weights, routing, spec=spec)
+    assert relative_l2_error(got, fused_moe_per_token_loop(x, weights, routing, spec=spec)) < 1e-5
+
+
+def test_expert_map_and_input_router_weights_match_the_per_token_loop():
+    spec = replace(
+        SMALL_OSS,
+        top_k=1,
+        num_local_experts=4,
+        router_weight_placement=RouterWeightPlacement.INPUT,
+        weight_format=WeightFormat.FP32,
+    )
+    weights, x, routing = _setup(spec, t=9)
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
+    got = fused_moe_reference(x, weights, routing, spec=spec, expert_map=expert_map)
+    expected = fused_moe_per_token_loop(x, weights, routing, spec=spec, expert_map=expert_map)
+    assert expected.abs().sum() > 0 and (expected[(expert_map[routing.ids.long()] < 0).squeeze(1)] == 0).all()
+    assert relative_l2_error(got, expected) < 1e-5
 
 
 def test_bad_inputs_fail_before_compute():

@@ -1,6 +1,7 @@
-"""The one-launch softmax routing (`moekit.kernels.triton.route`) against the torch path of
-`moekit.routing.route`: identical ids, weights within fp32 rounding. On the CPU under TRITON_INTERPRET=1
-(set by conftest.py); on a GPU the same tests run compiled (mark `gpu` where CUDA is required)."""
+"""The one-launch softmax routing (`moekit.kernels.triton.route`) against the torch twin
+(`moekit.routing.route_torch`, what `moekit.route` runs off CUDA): identical ids, weights within fp32
+rounding. On the CPU under TRITON_INTERPRET=1 (set by conftest.py); on a GPU the same tests run compiled
+(mark `gpu` where CUDA is required)."""
 
 import pytest
 import torch

@@ -15,7 +15,7 @@ from moekit import (
     SpecError,
     route,
 )
-from moekit.routing import check_expert_map
+from moekit.checks import check_expert_map
 
 TOPK_SOFTMAX = RoutingSpec(RoutingMethod.TOPK_SOFTMAX)
 

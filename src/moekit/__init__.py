@@ -20,11 +20,11 @@ from moekit.errors import (
     UnsupportedSpecError,
 )
 from moekit.layer import FusedMoE, PlanOptions, WarmupReport
-from moekit.ops import fused_moe, prepare_weights
+from moekit.ops import fused_moe, prepare_weights, route
 from moekit.planning.plan import ConfigSource, Plan, plan
 from moekit.presets import PRESETS, preset
 from moekit.reference import fused_moe_reference
-from moekit.routing import RoutingResult, route
+from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
     ActivationQuant,

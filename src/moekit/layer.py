@@ -2,18 +2,21 @@
 
 Data flow:
   construction: (spec, ExpertWeights, router weight/bias, `PlanOptions`) -> every tensor checked against the
-    spec and moved once to the target device -> tuned tables read once -> plan for token bucket 1, so an
-    unsupported spec raises the planner's `UnsupportedSpecError` when the model loads -> the weights
-    prepared (`prepare_weights`) for that plan's kernel -> a handle in the custom-op registry.
+    spec (`moekit.checks`, once: the weights, router tensors, correction bias and expert map are this
+    layer's from then on) and moved once to the target device -> tuned tables read once -> plan for
+    token bucket 1, so an unsupported spec raises the planner's `UnsupportedSpecError` when the model
+    loads -> the weights prepared (`Kernel.prepare_weights`) for that plan's kernel -> a handle in the
+    custom-op registry.
   forward(hidden_states [..., H], router_logits=None): host-side checks of shape, dtype and device (no
     sync) -> flatten to x [T, H] -> router logits x @ W^T + b in fp32 unless given ->
     `torch.ops.moekit.fused_moe_layer(x, logits, handle)` -> reshape to [..., H].
   inside the op (eager, compiled, or while a CUDA graph is captured): bucket = token_bucket(T) from the
     host-side shape -> that bucket's plan (planned and its kernel's weights prepared on first use) ->
-    `route` (spec.routing, correction bias) -> `moekit.fused_moe` (one typed `Launch` -> `kernel.run`).
+    `moekit.ops.route_checked` (spec.routing, correction bias) -> `moekit.ops.run_checked` (one typed
+    `Launch` -> `kernel.run`); no input is checked a second time.
   warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
-    token counts that give distinct Triton specializations, so no planning, repacking or compilation is
-    left for a forward that is being captured or served.
+    token counts that reach every compiled variant of its kernel (`Kernel.warmup_token_counts`), so no
+    planning, repacking or compilation is left for a forward that is being captured or served.
 
 Device and dtype: build a FusedMoE on its target device (`device=`, default the weights' device): that
 avoids a second copy and a second round of planning. `.to(device)` / `.cuda()` (also through a parent
@@ -34,15 +37,22 @@ from pathlib import Path
 
 import torch
 
+from moekit.checks import (
+    check_correction_bias_given,
+    check_expert_map,
+    check_expert_map_given,
+    check_hidden_states,
+    check_router_logits,
+    check_router_tensor,
+)
 from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
-from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
+from moekit.errors import DTypeError, LayoutMismatchError, ShapeError, SpecError
 from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
-from moekit.ops import fused_moe, prepare_weights
+from moekit.ops import route_checked, run_checked
 from moekit.planning.plan import Plan, resolve_tables
 from moekit.planning.plan import plan as make_plan
 from moekit.planning.tuned import TunedTables, token_bucket
-from moekit.routing import check_expert_map, route
 from moekit.spec import MoESpec
 from moekit.weights import ExpertWeights
 
@@ -87,32 +97,6 @@ def _normalize_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def _specialization(n: int) -> tuple[bool, bool, bool]:
-    """How Triton specializes an int argument: equal to 1, divisible by 16, needs 64 bits."""
-    return n == 1, n % 16 == 0, n >= 2**31
-
-
-def warmup_token_counts(bucket: int, *, spec: MoESpec, block_m: int | None) -> tuple[int, ...]:
-    """Token counts in `bucket` that reach every Triton specialization of its per-call int arguments.
-
-    The Triton kernels take the pair count P = T*K and the M-block bound as plain ints, and Triton
-    compiles one variant per (== 1, % 16 == 0, 64-bit) class of each: warming up the bucket's largest T
-    alone would leave the other variants to compile inside a later forward (or a CUDA-graph capture).
-    """
-    if block_m is not None:
-        # Only Triton plans pass a block_m, so Triton is importable here (the package imports it).
-        from moekit.kernels.triton.align import max_blocks_bound
-    lo, hi = (0, 1) if bucket <= 1 else (bucket // 2 + 1, bucket)
-    chosen: dict[tuple, int] = {}
-    for t in range(hi, lo - 1, -1):
-        pairs = t * spec.K
-        blocks = 0
-        if block_m is not None:
-            blocks = max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=block_m)
-        chosen.setdefault((_specialization(pairs), _specialization(blocks), t == 0), t)
-    return tuple(sorted(chosen.values()))
-
-
 class FusedMoE(torch.nn.Module):
     """One MoE layer: router + experts of `spec`, planned at construction. See the module docstring."""
 
@@ -150,21 +134,13 @@ class FusedMoE(torch.nn.Module):
         self.register_buffer(
             "router_bias", self._router_tensor(router_bias, "router_bias", (spec.E,)), persistent=False
         )
-        if spec.routing.has_correction_bias != (correction_bias is not None):
-            raise SpecError(
-                f"spec.routing.has_correction_bias={spec.routing.has_correction_bias} but "
-                f"correction_bias was {'given' if correction_bias is not None else 'not given'}"
-            )
+        check_correction_bias_given(spec.routing, correction_bias)
         self.register_buffer(
             "correction_bias",
             self._router_tensor(correction_bias, "correction_bias", (spec.E,)),
             persistent=False,
         )
-        if spec.uses_expert_map != (expert_map is not None):
-            raise SpecError(
-                f"spec.num_local_experts={spec.num_local_experts} "
-                f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
-            )
+        check_expert_map_given(spec, expert_map)
         if expert_map is not None:
             expert_map = expert_map.to(dev)
             check_expert_map(expert_map, num_experts=spec.E, num_local_experts=spec.E_local)
@@ -184,12 +160,7 @@ class FusedMoE(torch.nn.Module):
     ) -> torch.Tensor | None:
         if t is None:
             return None
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise DTypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) != shape:
-            raise ShapeError(
-                f"{name} has shape {tuple(t.shape)}, expected {shape} for spec ({self.spec.describe()})"
-            )
+        check_router_tensor(t, name=name, shape=shape, spec=self.spec)
         return t.detach().to(self._device)
 
     # ----- constructors ------------------------------------------------------------------------------
@@ -261,7 +232,7 @@ class FusedMoE(torch.nn.Module):
         kernel = self._registry.get(plan.kernel)
         if kernel is None:
             raise LayoutMismatchError(f"plan names kernel {plan.kernel!r}, which is not in the registry")
-        prepared = prepare_weights(self.weights, plan, registry=self._registry)
+        prepared = kernel.prepare_weights(self.weights, plan.spec)  # validated when the layer was built
         if (reason := kernel.weights_reason(prepared)) is not None:
             raise LayoutMismatchError(f"kernel {kernel.name} cannot read its own prepared weights: {reason}")
         self._kernels[plan.kernel] = kernel
@@ -273,7 +244,8 @@ class FusedMoE(torch.nn.Module):
 
     def warmup(self, max_tokens: int, *, execute: bool = True) -> WarmupReport:
         """Plan every bucket up to `max_tokens`, prepare weights, and (if `execute`) run each bucket at
-        the token counts of `warmup_token_counts`, so kernels compile now rather than while serving."""
+        the token counts of its kernel's `warmup_token_counts`, so kernels compile now rather than while
+        serving."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ShapeError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         plans: list[Plan] = []
@@ -284,8 +256,8 @@ class FusedMoE(torch.nn.Module):
                 p = self.plan_for(bucket)
                 plans.append(p)
                 if execute:
-                    block_m = p.config.block_m if p.kernel == "triton_fused" else None
-                    for t in warmup_token_counts(bucket, spec=self.spec, block_m=block_m):
+                    kernel = self._kernels[p.kernel]
+                    for t in kernel.warmup_token_counts(bucket, self.spec, p.config):
                         x = torch.zeros(t, self.spec.H, dtype=self.spec.act_dtype, device=self._device)
                         logits = torch.zeros(t, self.spec.E, dtype=torch.float32, device=self._device)
                         self.forward(x, router_logits=logits)
@@ -317,56 +289,40 @@ class FusedMoE(torch.nn.Module):
         `router_logits` `[..., E]` (or flat `[T, E]`), any float dtype, replaces this layer's router."""
         spec = self.spec
         x = hidden_states
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != spec.H:
-            got = getattr(x, "shape", type(x).__name__)
-            raise ShapeError(f"hidden_states must be [..., H={spec.H}], got {got}")
-        if x.dtype != spec.act_dtype:
-            raise DTypeError(
-                f"hidden_states have dtype {x.dtype} but the layer's act_dtype is {spec.act_dtype}"
-            )
-        if x.device != self._device:
-            raise DeviceError(f"hidden_states are on {x.device} but the layer is on {self._device}")
+        check_hidden_states(x, spec=spec, device=self._device)
+        check_router_logits(
+            router_logits,
+            hidden_states=x,
+            spec=spec,
+            device=self._device,
+            has_router=self.router_weight is not None,
+        )
         flat = x.reshape(-1, spec.H)
         if router_logits is None:
-            if self.router_weight is None:
-                raise SpecError("this layer has no router weight: pass router_logits")
             bias = None if self.router_bias is None else self.router_bias.float()
             logits = torch.nn.functional.linear(flat.float(), self.router_weight.float(), bias)
         else:
-            logits = self._flat_logits(router_logits, x)
+            logits = router_logits.reshape(-1, spec.E)
         out = torch.ops.moekit.fused_moe_layer(flat, logits, self._handle)
         return out.reshape(x.shape)
-
-    def _flat_logits(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        e = self.spec.E
-        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-            got = getattr(logits, "dtype", type(logits).__name__)
-            raise DTypeError(f"router_logits must be a float tensor, got {got}")
-        lead = tuple(x.shape[:-1])
-        if tuple(logits.shape) not in ((*lead, e), (x.numel() // self.spec.H, e)):
-            raise ShapeError(
-                f"router_logits must be [..., E={e}] matching hidden_states {tuple(x.shape)}, "
-                f"got {tuple(logits.shape)}"
-            )
-        if logits.device != self._device:
-            raise DeviceError(f"router_logits are on {logits.device} but the layer is on {self._device}")
-        return logits.reshape(-1, e)
 
     def run_flat(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The op's body: x `[T, H]` and logits `[T, E]` (already checked) -> `[T, H]`. Host work only."""
         spec = self.spec
         plan = self.plan_for(x.shape[0])
-        routing = route(router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias)
-        # Ids from `route` are in range by construction, and the expert map was checked at construction:
-        # skip the value checks, which would synchronize with the device.
-        return fused_moe(
+        routing = route_checked(
+            router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
+        )
+        # Every input was checked once, before this point: x and the logits by `forward`, the weights,
+        # their packing, the correction bias and the expert map when the layer built and prepared them;
+        # ids from `route` are in range by construction. Nothing here reads device memory.
+        return run_checked(
+            self._kernels[plan.kernel],
+            plan,
             x,
             self._prepared[plan.kernel],
             routing,
-            plan=plan,
             expert_map=self.expert_map,
-            registry=self._registry,
-            check_values=False,
         )
 
     # ----- module plumbing ---------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from moekit.errors import DeviceError, DTypeError, ShapeError, SpecError
+from moekit.checks import check_forward
 from moekit.formats import dequantize_fp8_activation, quantize_fp8_activation
-from moekit.routing import RoutingResult, check_expert_map
+from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -44,7 +44,7 @@ def split_gate_up(h: torch.Tensor, layout: GateLayout) -> tuple[torch.Tensor, to
 
 
 def apply_activation(gate: torch.Tensor, up: torch.Tensor, act: ActivationSpec) -> torch.Tensor:
-    """The gated activation of the guide, §2, in fp32."""
+    """The gated activation, in fp32: act(gate) * up, or GPT-OSS's gate * sigmoid(alpha * gate) * (up + 1)."""
     limit = act.limit
     if limit is not None:  # same rule for every activation: gate clamped from above, up on both sides
         gate = gate.clamp(max=limit)
@@ -65,46 +65,6 @@ def fake_quant_activation(a: torch.Tensor, quant: ActivationQuant) -> torch.Tens
     return dequantize_fp8_activation(quantize_fp8_activation(a, quant=quant), dtype=torch.float32)
 
 
-def check_inputs(
-    x: torch.Tensor,
-    weights: ExpertWeights,
-    routing: RoutingResult,
-    *,
-    spec: MoESpec,
-    expert_map: torch.Tensor | None,
-    check_values: bool = True,
-) -> None:
-    """Every check a fast path needs before launching anything (shapes, dtypes, devices, ids).
-
-    `check_values=False` skips the checks that read tensor values (expert ids, expert map), which
-    synchronize with the device; fast paths skip them while a CUDA graph is being captured."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != spec.H:
-        raise ShapeError(f"x must be [T, H={spec.H}], got {getattr(x, 'shape', x)!r}")
-    if x.dtype != spec.act_dtype:
-        raise DTypeError(f"x has dtype {x.dtype} but spec.act_dtype is {spec.act_dtype}")
-    weights.validate(spec)
-    if routing.num_tokens != x.shape[0] or routing.top_k != spec.K:
-        raise ShapeError(
-            f"routing is [T={routing.num_tokens}, K={routing.top_k}] but x has T={x.shape[0]} "
-            f"and spec K={spec.K}"
-        )
-    for name, t in (("weights", weights.w13), ("routing", routing.ids)):
-        if t.device != x.device:
-            raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
-    if check_values:
-        routing.check_ids(spec.E)
-    if spec.uses_expert_map != (expert_map is not None):
-        raise SpecError(
-            f"spec.num_local_experts={spec.num_local_experts} "
-            f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
-        )
-    if expert_map is not None:
-        if expert_map.device != x.device:
-            raise DeviceError(f"expert_map is on {expert_map.device} but x is on {x.device}")
-        if check_values:
-            check_expert_map(expert_map, num_experts=spec.E, num_local_experts=spec.E_local)
-
-
 def fused_moe_reference(
     x: torch.Tensor,
     weights: ExpertWeights,
@@ -115,8 +75,21 @@ def fused_moe_reference(
 ) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * (act(x[t] @ w13[e]^T + b13[e]) @ w2[e]^T + b2[e]), e = ids[t,k].
 
-    fp32 inside; the result is cast to spec.act_dtype."""
-    check_inputs(x, weights, routing, spec=spec, expert_map=expert_map)
+    fp32 inside; the result is cast to spec.act_dtype. The inputs are checked first
+    (`moekit.checks.check_forward`, the checks of `moekit.fused_moe`)."""
+    check_forward(x, weights, routing, spec=spec, expert_map=expert_map)
+    return reference_forward(x, weights, routing, spec=spec, expert_map=expert_map)
+
+
+def reference_forward(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fused_moe_reference` on inputs already checked (the reference kernel's `run`)."""
     num_tokens = x.shape[0]
     out = torch.zeros(num_tokens, spec.H, dtype=torch.float32, device=x.device)
     x32 = fake_quant_activation(x.float(), spec.act_quant)
@@ -144,48 +117,6 @@ def fused_moe_reference(
             y = y * route_w
         out.index_add_(0, token_idx, y)
     return out.to(spec.act_dtype)
-
-
-def fused_moe_per_token_loop(
-    x: torch.Tensor,
-    weights: ExpertWeights,
-    routing: RoutingResult,
-    *,
-    spec: MoESpec,
-    expert_map: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A second, independent spelling of the math: one token and one k at a time, in float64.
-
-    Tests use it to cross-check `fused_moe_reference`; it is far too slow for anything else.
-    """
-    check_inputs(x, weights, routing, spec=spec, expert_map=expert_map)
-    out = torch.zeros(x.shape[0], spec.H, dtype=torch.float64, device=x.device)
-    for t in range(x.shape[0]):
-        for k in range(spec.K):
-            expert = int(routing.ids[t, k])
-            if expert_map is not None:
-                expert = int(expert_map[expert])
-                if expert < 0:
-                    continue
-            w = float(routing.weights[t, k])
-            xt = fake_quant_activation(x[t : t + 1].float(), spec.act_quant).double()[0]
-            if spec.router_weight_placement is RouterWeightPlacement.INPUT:
-                xt = fake_quant_activation(x[t : t + 1].float() * w, spec.act_quant).double()[0]
-            w13 = weights.dequantize_w13(expert).double()
-            w2 = weights.dequantize_w2(expert).double()
-            h = torch.mv(w13, xt)
-            if weights.b13 is not None:
-                h = h + weights.b13[expert].double()
-            gate, up = split_gate_up(h.unsqueeze(0), spec.gate_layout)
-            a = fake_quant_activation(
-                apply_activation(gate, up, spec.activation).float(), spec.act_quant
-            ).double()
-            y = torch.mv(w2, a[0])
-            if weights.b2 is not None:
-                y = y + weights.b2[expert].double()
-            scale = w if spec.router_weight_placement is RouterWeightPlacement.OUTPUT else 1.0
-            out[t] += scale * y
-    return out
 
 
 def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

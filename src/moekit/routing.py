@@ -1,9 +1,11 @@
-"""Routing: router logits `[T, E]` -> `RoutingResult` (fp32 weights `[T, K]`, int32 ids `[T, K]`).
+"""Routing in torch ops, the twin of every fast route: router logits `[T, E]` -> `RoutingResult` (fp32
+weights `[T, K]`, int32 ids `[T, K]`).
 
 Data flow: logits (any float dtype) are upcast to fp32, scored per `RoutingSpec.method`, the top K
 experts are selected with ties going to the lower expert index, weights are normalized per method and
-multiplied by `routed_scaling_factor` (the only place it is applied). On CUDA the softmax methods run
-as one Triton launch (`moekit.kernels.triton.route`): same ids, weights within a few fp32 ulps.
+multiplied by `routed_scaling_factor` (the only place it is applied). `moekit.route` (in `moekit.ops`)
+checks the arguments and picks this or a fast route: on CUDA the softmax methods run as one Triton
+launch (`moekit.kernels.triton.route`) with the same ids and weights within a few fp32 ulps.
 
 Ties: `torch.topk` does not promise an order among equal values, so selection is done on a key that
 breaks ties by index: a stable descending sort keeps the lower index first among equal scores.
@@ -11,12 +13,11 @@ breaks ties by index: a stable descending sort keeps the lower index first among
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from moekit.errors import DeviceError, DTypeError, ExpertIdError, ShapeError, SpecError
+from moekit.errors import DeviceError, DTypeError, ExpertIdError, ShapeError
 from moekit.spec import RoutingMethod, RoutingSpec
 
 
@@ -67,38 +68,17 @@ def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return torch.gather(scores, -1, order), order
 
 
-def route(
+def route_torch(
     logits: torch.Tensor,
     *,
     top_k: int,
     spec: RoutingSpec,
     correction_bias: torch.Tensor | None = None,
 ) -> RoutingResult:
-    """Select `top_k` experts per token from router logits `[T, E]` as `spec` says."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise ShapeError(
-            f"router logits must be a float [T, E] tensor, got {getattr(logits, 'shape', logits)!r}"
-        )
-    num_experts = logits.shape[1]
-    if not 1 <= top_k <= num_experts:
-        raise SpecError(f"top_k must be in [1, E={num_experts}], got {top_k}")
-    grouped = spec.method is RoutingMethod.SIGMOID_GROUPED
-    if spec.has_correction_bias != (correction_bias is not None):
-        raise SpecError(
-            f"spec.has_correction_bias={spec.has_correction_bias} but correction_bias "
-            f"{'was' if correction_bias is not None else 'was not'} given"
-        )
-    if correction_bias is not None:
-        if correction_bias.shape != (num_experts,):
-            raise ShapeError(f"correction_bias must be [E={num_experts}], got {tuple(correction_bias.shape)}")
-        if correction_bias.device != logits.device:
-            raise DeviceError(f"correction_bias on {correction_bias.device} but logits on {logits.device}")
-    if grouped and spec.n_group is not None and num_experts % spec.n_group:
-        raise SpecError(f"E={num_experts} is not divisible by n_group={spec.n_group}")
+    """Select `top_k` experts per token from router logits `[T, E]` as `spec` says, in torch ops.
 
-    fast = _fast_softmax_route(logits, top_k=top_k, spec=spec)
-    if fast is not None:
-        return fast
+    The arguments are not checked here: `moekit.route` checks them (`moekit.checks.check_route`) before
+    it picks this or a fast route."""
     scores = logits.float()
     if spec.method is RoutingMethod.TOPK_SOFTMAX:
         top_logits, ids = _stable_topk(scores, top_k)
@@ -112,29 +92,6 @@ def route(
         weights, ids = _sigmoid_grouped(scores, top_k=top_k, spec=spec, correction_bias=correction_bias)
     weights = weights * spec.routed_scaling_factor
     return RoutingResult(weights=weights.contiguous(), ids=ids.to(torch.int32).contiguous())
-
-
-def _fast_softmax_route(logits: torch.Tensor, *, top_k: int, spec: RoutingSpec) -> RoutingResult | None:
-    """CUDA logits and a softmax routing: the same selection in one Triton launch, where the torch ops
-    below took 13 us at T = 1 and 95 us of sorting at T = 16384 (gpt-oss-120b, H200, RESULTS.md).
-    None otherwise."""
-    if not logits.is_cuda:
-        return None
-    triton_route = _triton_route_module()
-    if triton_route is None or not triton_route.fast_route_supported(spec, logits.shape[1]):
-        return None
-    weights, ids = triton_route.route_softmax(logits, top_k=top_k, spec=spec)
-    return RoutingResult(weights=weights, ids=ids)
-
-
-@functools.cache
-def _triton_route_module():
-    """`moekit.kernels.triton.route`, imported on first use (Triton is optional), or None without Triton."""
-    try:
-        from moekit.kernels.triton import route as triton_route
-    except ImportError:
-        return None
-    return triton_route
 
 
 def _sigmoid_grouped(
@@ -157,19 +114,3 @@ def _sigmoid_grouped(
     weights = torch.gather(scores, 1, ids)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
-
-
-def check_expert_map(expert_map: torch.Tensor, *, num_experts: int, num_local_experts: int) -> None:
-    """An expert map is int32 `[E]`, each entry -1 (another rank) or a distinct local id in `[0, E_local)`."""
-    if expert_map.shape != (num_experts,) or expert_map.dtype != torch.int32:
-        raise ExpertIdError(
-            f"expert_map must be int32 [E={num_experts}], got {expert_map.dtype} {tuple(expert_map.shape)}"
-        )
-    local = expert_map[expert_map >= 0]
-    if bool((expert_map < -1).any()) or (local.numel() and int(local.max()) >= num_local_experts):
-        raise ExpertIdError(
-            f"expert_map entries must be -1 or in [0, E_local={num_local_experts}); got min "
-            f"{int(expert_map.min())}, max {int(expert_map.max())}"
-        )
-    if local.unique().numel() != local.numel():
-        raise ExpertIdError("expert_map maps two global experts to the same local expert")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from moekit.formats import fp8_weight_scale_shape, mxfp4_groups
-from moekit.routing import RoutingResult, route
+from moekit.ops import route
+from moekit.routing import RoutingResult
 from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights
 

@@ -19,11 +19,10 @@ import torch
 from moekit.app.timing import median_seconds
 from moekit.kernels.base import DeviceInfo
 from moekit.kernels.registry import default_registry
-from moekit.ops import fused_moe, prepare_weights
+from moekit.ops import fused_moe, prepare_weights, route
 from moekit.planning.plan import plan
 from moekit.presets import cap_experts, preset
 from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
-from moekit.routing import route
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 from moekit.synthetic import random_batch, random_layer
 

@@ -51,8 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "run",
         help="run one MoE layer on random tokens, time it and self-check it",
         description="Build a layer (a preset with random weights, or a checkpoint layer), "
-        "route random tokens through it, time it and check it against an "
-        "independent float64 spelling of the math.",
+        "route random tokens through it, time it and check it against the "
+        "fp32 reference.",
     )
     run.add_argument(
         "--preset",

@@ -125,6 +125,11 @@ class Capabilities:
         return None
 
 
+def _specialization(n: int) -> tuple[bool, bool, bool]:
+    """How Triton specializes an int argument: equal to 1, divisible by 16, needs 64 bits."""
+    return n == 1, n % 16 == 0, n >= 2**31
+
+
 def _names(values: frozenset) -> str:
     return "/".join(sorted(v.name for v in values))
 
@@ -221,6 +226,26 @@ class Kernel(abc.ABC):
         pairs = num_tokens * spec.K
         act = torch.empty((), dtype=spec.act_dtype).element_size()
         return pairs * (2 * spec.I + spec.I + 2 * spec.H) * 4 + pairs * spec.H * act
+
+    def specialization_ints(self, spec: MoESpec, num_tokens: int, config: KernelConfig) -> tuple[int, ...]:
+        """The int arguments of `run`'s compiled code that change with the token count under `config`:
+        a JIT compiles one variant per class of each (see `warmup_token_counts`). Default: the pair count
+        T*K, the size argument of a typical JIT kernel (for a kernel that compiles nothing it only adds a
+        few warmup forwards)."""
+        return (num_tokens * spec.K,)
+
+    def warmup_token_counts(self, bucket: int, spec: MoESpec, config: KernelConfig) -> tuple[int, ...]:
+        """Token counts in `bucket` that reach every compiled variant of `specialization_ints`.
+
+        Triton compiles one variant per (== 1, % 16 == 0, 64-bit) class of each int argument: warming up
+        the bucket's largest T alone would leave the other variants to compile inside a later forward (or
+        a CUDA-graph capture). T = 0 runs on its own path, so bucket 1 warms it up too."""
+        lo, hi = (0, 1) if bucket <= 1 else (bucket // 2 + 1, bucket)
+        chosen: dict[tuple, int] = {}
+        for t in range(hi, lo - 1, -1):
+            classes = tuple(_specialization(n) for n in self.specialization_ints(spec, t, config))
+            chosen.setdefault((classes, t == 0), t)
+        return tuple(sorted(chosen.values()))
 
     @abc.abstractmethod
     def run(self, launch: Launch) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""The reference as a registered kernel: every spec, every device, slow. The planner's last resort."""
+"""The reference as a registered kernel: every spec, every device, slow. The planner's last resort.
+
+Data flow: `Launch` (inputs checked by `moekit.fused_moe`) -> `moekit.reference.reference_forward`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.kernels.base import Capabilities, DeviceKind, Kernel, KernelConfig, Launch, Problem
-from moekit.reference import fused_moe_reference
+from moekit.reference import reference_forward
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -50,7 +53,7 @@ class ReferenceKernel(Kernel):
     def default_config(self, spec: MoESpec, problem: Problem) -> ReferenceConfig:
         return ReferenceConfig()
 
-    def run(self, launch: Launch) -> torch.Tensor:
-        return fused_moe_reference(
+    def run(self, launch: Launch) -> torch.Tensor:  # `moekit.fused_moe` checked the launch's inputs
+        return reference_forward(
             launch.x, launch.weights, launch.routing, spec=launch.spec, expert_map=launch.expert_map
         )

@@ -20,8 +20,9 @@ import torch
 from moekit.errors import DTypeError, FormatError, ShapeError, SpecError
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
 from moekit.integrations.transformers.families import HF_ACTIVATIONS, Family, HfFamily
+from moekit.ops import route
 from moekit.reference import fused_moe_reference
-from moekit.routing import RoutingResult, route
+from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
     ActivationSpec,

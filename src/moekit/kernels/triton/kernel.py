@@ -14,6 +14,7 @@ import torch
 
 from moekit.formats.mxfp4_words import pack_mma_words, scales_reason
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
+from moekit.kernels.triton.align import max_blocks_bound
 from moekit.kernels.triton.launch import (
     TRITON_CAPABILITIES,
     TritonMoEConfig,
@@ -86,6 +87,12 @@ class TritonFusedKernel(Kernel):
 
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         return super().validate_config(config, spec) or config.reason_unusable(spec)
+
+    def specialization_ints(self, spec: MoESpec, num_tokens: int, config: KernelConfig) -> tuple[int, ...]:
+        """The pair count P = T*K and the M-block bound, plain int arguments of the Triton kernels."""
+        pairs = num_tokens * spec.K
+        blocks = max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=config.block_m)
+        return pairs, blocks
 
     def workspace_bytes(self, spec: MoESpec, num_tokens: int, config: KernelConfig | None = None) -> int:
         splits = config.split_k if isinstance(config, TritonMoEConfig) else 1

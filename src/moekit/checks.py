@@ -1,0 +1,181 @@
+"""Every input rule of a forward, written once: what `moekit.fused_moe`, `fused_moe_reference`,
+`moekit.route` and `FusedMoE` check before anything runs.
+
+Data flow: a call's arguments -> the checks below, shape before dtype before device before values (the
+order a reader looks for the mistake in) -> nothing, or the first moekit error, naming the argument and
+what to do. Checks that read tensor values (expert ids, the expert map's entries) synchronize with the
+device: callers skip them while a CUDA graph is being captured, and where the values are valid by
+construction (ids from `moekit.route`, an expert map checked when the layer was built). Kernels keep
+asserts only for their own invariants; they rely on these checks having run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.errors import DeviceError, DTypeError, ExpertIdError, LayoutMismatchError, ShapeError, SpecError
+from moekit.routing import RoutingResult
+from moekit.spec import MoESpec, RoutingMethod, RoutingSpec
+from moekit.weights import ExpertWeights
+
+
+# ----- moekit.fused_moe and fused_moe_reference -----------------------------------------------------------
+def check_forward(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    expert_map: torch.Tensor | None,
+    check_values: bool = True,
+) -> None:
+    """Every check a forward needs before launching anything (shapes, dtypes, devices, ids).
+
+    `check_values=False` skips the checks that read tensor values (expert ids, expert map entries),
+    which synchronize with the device."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != spec.H:
+        raise ShapeError(f"x must be [T, H={spec.H}], got {getattr(x, 'shape', x)!r}")
+    if x.dtype != spec.act_dtype:
+        raise DTypeError(f"x has dtype {x.dtype} but spec.act_dtype is {spec.act_dtype}")
+    weights.validate(spec)
+    if routing.num_tokens != x.shape[0] or routing.top_k != spec.K:
+        raise ShapeError(
+            f"routing is [T={routing.num_tokens}, K={routing.top_k}] but x has T={x.shape[0]} "
+            f"and spec K={spec.K}"
+        )
+    for name, t in (("weights", weights.w13), ("routing", routing.ids)):
+        if t.device != x.device:
+            raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
+    if check_values:
+        routing.check_ids(spec.E)
+    check_expert_map_given(spec, expert_map)
+    if expert_map is not None:
+        if expert_map.device != x.device:
+            raise DeviceError(f"expert_map is on {expert_map.device} but x is on {x.device}")
+        check_expert_map_structure(expert_map, num_experts=spec.E)
+        if check_values:
+            check_expert_map_entries(expert_map, num_local_experts=spec.E_local)
+
+
+def check_packing(reason: str | None) -> None:
+    """`reason` is the chosen kernel's `weights_reason`: weights it cannot read were not prepared for it."""
+    if reason is not None:
+        raise LayoutMismatchError(f"{reason}; call moekit.prepare_weights(weights, plan) once at load time")
+
+
+# ----- the expert map (expert parallelism) ----------------------------------------------------------------
+def check_expert_map_given(spec: MoESpec, expert_map: torch.Tensor | None) -> None:
+    """A spec with local experts (`num_local_experts`) needs an expert map; any other spec forbids one."""
+    if spec.uses_expert_map != (expert_map is not None):
+        raise SpecError(
+            f"spec.num_local_experts={spec.num_local_experts} "
+            f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
+        )
+
+
+def check_expert_map_structure(expert_map: torch.Tensor, *, num_experts: int) -> None:
+    """An expert map is int32 `[E]` (read from its metadata alone: no sync)."""
+    if expert_map.shape != (num_experts,) or expert_map.dtype != torch.int32:
+        raise ExpertIdError(
+            f"expert_map must be int32 [E={num_experts}], got {expert_map.dtype} {tuple(expert_map.shape)}"
+        )
+
+
+def check_expert_map(expert_map: torch.Tensor, *, num_experts: int, num_local_experts: int) -> None:
+    """An expert map is int32 `[E]`, each entry -1 (another rank) or a distinct local id in `[0, E_local)`.
+
+    Reads the entries: syncs with the device."""
+    check_expert_map_structure(expert_map, num_experts=num_experts)
+    check_expert_map_entries(expert_map, num_local_experts=num_local_experts)
+
+
+def check_expert_map_entries(expert_map: torch.Tensor, *, num_local_experts: int) -> None:
+    """Each entry is -1 or a local id in `[0, E_local)`, no local id twice. Syncs with the device."""
+    local = expert_map[expert_map >= 0]
+    if bool((expert_map < -1).any()) or (local.numel() and int(local.max()) >= num_local_experts):
+        raise ExpertIdError(
+            f"expert_map entries must be -1 or in [0, E_local={num_local_experts}); got min "
+            f"{int(expert_map.min())}, max {int(expert_map.max())}"
+        )
+    if local.unique().numel() != local.numel():
+        raise ExpertIdError("expert_map maps two global experts to the same local expert")
+
+
+# ----- moekit.route -------------------------------------------------------------------------------------
+def check_route(
+    logits: torch.Tensor, *, top_k: int, spec: RoutingSpec, correction_bias: torch.Tensor | None
+) -> None:
+    """Router logits are a float `[T, E]`; `top_k` in `[1, E]`; the correction bias as `spec` says."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ShapeError(
+            f"router logits must be a float [T, E] tensor, got {getattr(logits, 'shape', logits)!r}"
+        )
+    num_experts = logits.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise SpecError(f"top_k must be in [1, E={num_experts}], got {top_k}")
+    check_correction_bias_given(spec, correction_bias)
+    if correction_bias is not None:
+        if correction_bias.shape != (num_experts,):
+            raise ShapeError(f"correction_bias must be [E={num_experts}], got {tuple(correction_bias.shape)}")
+        if correction_bias.device != logits.device:
+            raise DeviceError(f"correction_bias on {correction_bias.device} but logits on {logits.device}")
+    grouped = spec.method is RoutingMethod.SIGMOID_GROUPED
+    if grouped and spec.n_group is not None and num_experts % spec.n_group:
+        raise SpecError(f"E={num_experts} is not divisible by n_group={spec.n_group}")
+
+
+def check_correction_bias_given(spec: RoutingSpec, correction_bias: torch.Tensor | None) -> None:
+    """A routing with `has_correction_bias` needs the bias; any other routing forbids one."""
+    if spec.has_correction_bias != (correction_bias is not None):
+        raise SpecError(
+            f"spec.has_correction_bias={spec.has_correction_bias} but correction_bias "
+            f"{'was' if correction_bias is not None else 'was not'} given"
+        )
+
+
+# ----- FusedMoE -----------------------------------------------------------------------------------------
+def check_router_tensor(t: torch.Tensor, *, name: str, shape: tuple[int, ...], spec: MoESpec) -> None:
+    """A layer's router weight `[E, H]`, router bias `[E]` or correction bias `[E]`: float, that shape."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise DTypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected {shape} for spec ({spec.describe()})")
+
+
+def check_hidden_states(x: torch.Tensor, *, spec: MoESpec, device: torch.device) -> None:
+    """A layer's input: `[..., H]` in the spec's act dtype, on the layer's device."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != spec.H:
+        got = getattr(x, "shape", type(x).__name__)
+        raise ShapeError(f"hidden_states must be [..., H={spec.H}], got {got}")
+    if x.dtype != spec.act_dtype:
+        raise DTypeError(f"hidden_states have dtype {x.dtype} but the layer's act_dtype is {spec.act_dtype}")
+    if x.device != device:
+        raise DeviceError(f"hidden_states are on {x.device} but the layer is on {device}")
+
+
+def check_router_logits(
+    logits: torch.Tensor | None,
+    *,
+    hidden_states: torch.Tensor,
+    spec: MoESpec,
+    device: torch.device,
+    has_router: bool,
+) -> None:
+    """Logits given to a layer: float, `[..., E]` matching `hidden_states` (or flat `[T, E]`), on the
+    layer's device; a layer without a router weight needs them."""
+    if logits is None:
+        if not has_router:
+            raise SpecError("this layer has no router weight: pass router_logits")
+        return
+    e = spec.E
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        got = getattr(logits, "dtype", type(logits).__name__)
+        raise DTypeError(f"router_logits must be a float tensor, got {got}")
+    lead = tuple(hidden_states.shape[:-1])
+    if tuple(logits.shape) not in ((*lead, e), (hidden_states.numel() // spec.H, e)):
+        raise ShapeError(
+            f"router_logits must be [..., E={e}] matching hidden_states {tuple(hidden_states.shape)}, "
+            f"got {tuple(logits.shape)}"
+        )
+    if logits.device != device:
+        raise DeviceError(f"router_logits are on {logits.device} but the layer is on {device}")
