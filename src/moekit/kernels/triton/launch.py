@@ -2,8 +2,8 @@
 
 Data flow of `triton_fused_moe` (no host sync anywhere, so the whole call can be graph-captured):
   spec -> `_KernelParams` (every spec parameter as a typed constexpr code of `_details.codes`, once
-  per spec); the config is checked against the spec (`config.py`), the inputs were checked by the
-  caller (`moekit.ops.fused_moe`)
+  per spec) and `_check` (the config against the spec; the inputs were checked by the caller,
+  `moekit.ops.fused_moe`, before any launch)
   ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device)
   x -> [W8A8: `quant._quant_fp8_rows` -> fp8 x + scales] -> `gemm._moe_gemm1` -> h [T*K, I]
     -> [W8A8: `quant._quant_fp8_rows` -> fp8 h + scales] -> `gemm._moe_gemm2` -> y [T*K, H]
