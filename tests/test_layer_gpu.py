@@ -38,10 +38,10 @@ GRAPH_TOKENS = (1, 37, 200)  # decode, a ragged prefill, a larger batch: three b
 
 def _compiled_kernel_count() -> int:
     """Triton kernels compiled so far in this process (0 if this Triton hides its caches)."""
-    from moekit.kernels.triton._details import gemm as _jit
+    from moekit.kernels.triton._details import gemm, quant, reduce
 
     total = 0
-    for fn in vars(_jit).values():
+    for fn in [*vars(gemm).values(), *vars(quant).values(), *vars(reduce).values()]:
         for cache in getattr(fn, "device_caches", {}).values():
             total += len(cache[0]) if isinstance(cache, tuple) else 0
     return total

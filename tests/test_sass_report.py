@@ -1,8 +1,11 @@
-"""Offline Hopper code checks: the MXFP4 GEMMs compiled for sm_90 on this CPU (no GPU needed).
+"""Offline Hopper code checks: the MXFP4 word-path GEMMs compiled for sm_90 on this CPU (no GPU needed).
 
-Runs `benchmarks/sass_report.py` in a subprocess without TRITON_INTERPRET (conftest sets it for this
-process, and interpreted kernels cannot be compiled). Asserts what the H200 speed of the MXFP4 path
-rests on, so a change that breaks it fails here before any device time is spent.
+Data flow: every MXFP4 tile of the shipped H200 table (both GEMMs, each launch it makes) ->
+`tools/sass_report.py` compiles it in a subprocess without TRITON_INTERPRET (conftest sets it for this
+process, and interpreted kernels cannot be compiled) -> its `properties` and the
+`tools/wgmma_hazard.py` simulation -> the assertions below. They hold properties the H200 speed and
+correctness of the word path rest on, not one compiler version's opcode counts, so a change that breaks
+one fails here before any device time is spent.
 """
 
 import json
@@ -16,15 +19,14 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ("gemm", "block_m", "block_n", "block_k", "warps", "stages", "split_k", "block_starts")
 
 
-def _compiled_json(args: list[str], *, timeout: int = 600):
+def _compiled_json(args: list[str], *, timeout: int = 900):
     """Run `python args` from the repository root, compiled (no TRITON_INTERPRET) with src and
-    benchmarks importable, and return the JSON of its last output line."""
+    tools importable, and return the JSON of its last output line."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tools"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -32,38 +34,16 @@ def _compiled_json(args: list[str], *, timeout: int = 600):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _report(*args: str) -> dict:
-    code = (
-        f"import json, sass_report as s; print(json.dumps(s.loop_report(s.compile_gemm({', '.join(args)}))))"
-    )
-    return _compiled_json(["-c", code])
-
-
-def test_mxfp4_words_feed_wgmma_from_registers_without_spills():
-    report = _report("2", "'words'", "(16, 64, 64)", "4", "4")
-    ops = dict(report["opcodes"])
-    assert report["local_bytes"] == 0, report  # no spills
-    assert ops.get("HGMMA.64x16x16.F32.BF16") == 4  # one wgmma per 16-column chunk, weights in registers
-    assert ops.get("LDS.128") == 1 and "LDS.U8" not in ops  # one 16-byte fragment load per thread
-    assert ops.get("HMUL2.BF16_V2") == 16  # the scale: one bf16x2 multiply per decoded pair
-    assert ops.get("SHF.L.W.U32.HI") == 16  # the placement: four rotations a word (PAIR_ROTATIONS)
-    assert ops.get("PRMT", 0) <= 6  # no byte shuffling of weights: the few left extract scale bytes
-    assert report["loop_instructions"] <= 155, report  # 146 measured (179 with nibbles; RESULTS.md, s8)
-
-
-def test_no_shipped_word_config_overwrites_registers_an_mma_still_reads():
-    """Every MXFP4 word-path tile of the shipped H200 table, both GEMMs: `wgmma_hazard.py` finds no write
-    to an A register of a wgmma that may still be in flight (Triton 3.6's pipelined waits allowed that;
-    `_jit._wait_for_mma` completes each K-step's MMAs first — wrong results on the H200 without it,
-    benchmarks/RESULTS.md session 5)."""
-    code = """
+_SHIPPED_WORD_TILES = """
 import json
 import sass_report, wgmma_hazard
-rows = json.load(open('src/moekit/tables/h200.json'))['rows']
+from moekit.planning.tuned import shipped_table_paths
 tiles = set()
-for row in rows:
-    c = row['config']
-    if row['spec']['weight_format'] == 'mxfp4' and row['kernel'] == 'triton_fused':
+for path in shipped_table_paths():
+    for row in json.loads(path.read_text())['rows']:
+        c = row['config']
+        if row['spec']['weight_format'] != 'mxfp4' or row['kernel'] != 'triton_fused':
+            continue
         split = c.get('split_k') or 1
         tail = c.get('tail_block_m')  # then both launches, block_m and tail, read block-start lists
         n2 = c['gemm2_block_n'] or c['block_n']
@@ -73,34 +53,83 @@ for row in rows:
 out = []
 for g, m, n, k, w, s, split, starts in sorted(tiles):
     kernel = sass_report.compile_gemm(g, 'words', (m, n, k), w, s, split, block_starts=starts)
-    r = wgmma_hazard.simulate(kernel)
-    out.append([g, m, n, k, w, s, split, starts, r['wait_depths'], len(r['writes'])])
+    hazard = wgmma_hazard.simulate(kernel)
+    out.append(dict(
+        tile=[g, m, n, k, w, s, split, starts],
+        pairs=sass_report.decoded_pairs_per_thread(g, (m, n, k), w),
+        wait_depths=hazard['wait_depths'],
+        hazard_writes=len(hazard['writes']),
+        **sass_report.properties(kernel),
+    ))
 print(json.dumps(out))
 """
-    tiles = _compiled_json(["-c", code], timeout=900)
+
+
+@pytest.fixture(scope="module")
+def shipped_word_tiles() -> list[dict]:
+    """`sass_report.properties` and the hazard simulation of every shipped MXFP4 word-path tile."""
+    tiles = _compiled_json(["-c", _SHIPPED_WORD_TILES])
     assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
-    unsafe = [t for t in tiles if t[-1] != 0]
-    fields = "(gemm, block_m, block_n, block_k, warps, stages, split_k, block starts, wait depths, writes)"
-    assert not unsafe, f"{fields}: {unsafe}"
+    return tiles
+
+
+def _failing(tiles: list[dict], ok) -> list[str]:
+    return [f"{dict(zip(FIELDS, t['tile'], strict=True))}: {t}" for t in tiles if not ok(t)]
+
+
+def test_no_shipped_word_tile_spills(shipped_word_tiles):
+    """Spills put local-memory traffic inside the K-loop of a path whose pace the decode sets."""
+    bad = _failing(shipped_word_tiles, lambda t: t["local_bytes"] == 0 and t["local_memory_ops"] == 0)
+    assert not bad, "\n".join(bad)
+
+
+def test_shipped_word_tiles_feed_wgmma_from_registers(shipped_word_tiles):
+    """The word decode writes the wgmma's A fragment straight into registers: every K-loop wgmma reads
+    A from registers, none from shared memory (which would mean a round trip through it)."""
+    bad = _failing(shipped_word_tiles, lambda t: t["register_a_wgmma"] > 0 and t["shared_a_wgmma"] == 0)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_shipped_word_tile_overwrites_registers_an_mma_still_reads(shipped_word_tiles):
+    """`wgmma_hazard.py` finds no write to an A register of a wgmma that may still be in flight
+    (Triton 3.6's pipelined waits allowed them; `_details.matmul._wait_for_mma` completes each
+    K-step's MMAs first, without which the word path gave wrong results on an H200)."""
+    bad = _failing(shipped_word_tiles, lambda t: t["hazard_writes"] == 0)
+    assert not bad, "\n".join(bad)
+
+
+# Instructions a K-step may spend per bf16 pair each thread decodes. Decoding a pair takes about three
+# (a funnel-shift rotate into place, a mask, the bf16x2 scale multiply); the loads of A and of the
+# scales, the wgmma and the loop control add a few per pair, more on small tiles (9.1 for GEMM2
+# 16 x 64 x 64; 5.7 - 7.8 for the shipped tiles, Triton 3.6). The nibble-at-a-time decode the word
+# packing replaced took over 11: 10 catches a return to it, or to byte shuffling, and leaves a compiler
+# room to schedule differently.
+MAX_INSTRUCTIONS_PER_DECODED_PAIR = 10
+
+
+def test_shipped_word_tiles_k_loop_stays_decode_bound(shipped_word_tiles):
+    limit = MAX_INSTRUCTIONS_PER_DECODED_PAIR
+    bad = _failing(shipped_word_tiles, lambda t: t["loop_instructions"] <= limit * t["pairs"])
+    assert not bad, "\n".join(bad)
 
 
 def test_hazard_simulation_finds_the_writes_without_the_wait(tmp_path):
-    """The control for the test above: with `_jit._wait_for_mma` replaced by a no-op, Triton 3.6's own
-    waits leave MMAs in flight while the next K-step decodes into their A registers, and the
-    simulation must list those writes (18 for this tile when written)."""
+    """The control for the hazard test: with `_details.matmul._wait_for_mma` replaced by a no-op,
+    Triton 3.6's own waits leave MMAs in flight while the next K-step decodes into their A registers,
+    and the simulation must list those writes."""
     script = tmp_path / "no_wait.py"  # @triton.jit needs its source in a file
     script.write_text(
         """
 import json
 import triton
 import sass_report, wgmma_hazard
-from moekit.kernels.triton._details import gemm as _jit
+from moekit.kernels.triton._details import matmul
 
 @triton.jit
 def _no_wait(acc):
     return acc
 
-_jit._wait_for_mma = _no_wait
+matmul._wait_for_mma = _no_wait
 r = wgmma_hazard.simulate(sass_report.compile_gemm(1, "words", (128, 64, 64), 4, 4))
 print(json.dumps([r["wait_depths"], len(r["writes"])]))
 """

@@ -36,12 +36,9 @@ from moekit import (  # noqa: E402
     route,
 )
 from moekit.formats import fp8_weight_scale_shape, mxfp4_groups, quantize_fp8_activation  # noqa: E402
-from moekit.kernels.triton.launch import (  # noqa: E402
-    TritonMoEConfig,
-    _quantize_rows,
-    default_config,
-    triton_fused_moe,
-)
+from moekit.kernels.triton.config import TritonMoEConfig  # noqa: E402
+from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.tuning import default_config  # noqa: E402
 from moekit.reference import relative_l2_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -323,7 +320,7 @@ ORIENTATIONS = {
 def test_orientations_match_reference(name, orientation, t):
     spec = SPECS[name][0]
     config = TritonMoEConfig(**ORIENTATIONS[orientation])
-    from moekit.kernels.triton.launch import words_reason
+    from moekit.kernels.triton.config import words_reason
 
     if spec.weight_format is WeightFormat.MXFP4 and config.num_warps > 4 and words_reason(spec) is None:
         # Specs that may take the MXFP4 word path refuse 8 warps (a race measured there, RESULTS.md

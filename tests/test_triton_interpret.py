@@ -54,13 +54,9 @@ from moekit.kernels.triton.align import (  # noqa: E402
     max_blocks_bound,
     split_tail_blocks,
 )
-from moekit.kernels.triton.launch import (  # noqa: E402
-    TritonMoEConfig,
-    _quantize_rows,
-    default_config,
-    triton_fused_moe,
-    triton_supports,
-)
+from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
+from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.tuning import default_config  # noqa: E402
 from moekit.reference import relative_l2_error  # noqa: E402
 from moekit.weights import WeightPacking  # noqa: E402
 

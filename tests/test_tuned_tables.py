@@ -188,7 +188,7 @@ def test_register_caps_round_trip_and_rows_without_them_still_load(tmp_path):
     """`max_registers` and `split_k` came after the first tables: rows written without them read as
     their defaults (no cap, one share)."""
     from moekit.app.cli_spec import SIMULATED_DEVICES
-    from moekit.kernels.triton.launch import TritonMoEConfig
+    from moekit.kernels.triton.config import TritonMoEConfig
 
     h200 = SIMULATED_DEVICES["h200"]
     mx = replace(moekit.preset("gpt-oss-20b"), num_experts=4)
@@ -212,7 +212,7 @@ def test_an_eight_warp_row_for_the_mxfp4_word_path_is_rejected_with_the_reason(t
     """Tables written before the word path refused 8 warps: the row is rejected at load, and the plan
     falls back to the kernel default rather than run a config nobody has verified."""
     from moekit.app.cli_spec import SIMULATED_DEVICES
-    from moekit.kernels.triton.launch import TritonMoEConfig
+    from moekit.kernels.triton.config import TritonMoEConfig
 
     h200 = SIMULATED_DEVICES["h200"]
     mx = replace(moekit.preset("gpt-oss-20b"), num_experts=4)

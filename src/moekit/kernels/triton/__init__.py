@@ -1,17 +1,15 @@
 """The Triton fused-MoE path (Hopper; also runs under TRITON_INTERPRET=1 for tests).
 
-Data flow: `launch.triton_fused_moe` checks the call, `align.align_routing` groups the (token, k) pairs
-by expert on the device, and the kernels in `_jit` run the two grouped GEMMs and the top-k sum.
+Data flow: `kernel.TritonFusedKernel` (what the planner sees) -> `config` (what the path computes, the
+config type and its checks) and `tuning` (default configs, tuning spaces) -> `launch.triton_fused_moe`
+-> `align.align_routing` groups the (token, k) pairs by expert on the device -> the kernels under
+`_details/` run the two grouped GEMMs (`gemm`, with the K-loop in `matmul`), the FP8 activation
+quantization (`quant`) and the fixed-order sums (`reduce`). `route` is the one-launch softmax routing.
 """
 
-from moekit.kernels.triton.launch import (
-    TRITON_CAPABILITIES,
-    TritonMoEConfig,
-    default_config,
-    triton_fused_moe,
-    triton_supports,
-    workspace_bytes,
-)
+from moekit.kernels.triton.config import TRITON_CAPABILITIES, TritonMoEConfig, triton_supports
+from moekit.kernels.triton.launch import triton_fused_moe, workspace_bytes
+from moekit.kernels.triton.tuning import default_config
 
 __all__ = [
     "TRITON_CAPABILITIES",

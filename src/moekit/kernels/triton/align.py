@@ -19,11 +19,11 @@ are dropped rather than read out of bounds; callers check ids once at the edge
 (`RoutingResult.check_ids`), never here, because that check syncs.
 
 Three implementations with identical results (`AlignMethod`): for P <= ONE_PROGRAM_MAX_PAIRS one
-Triton program (`_jit_align._align_pairs`: histogram, cumsum, bitonic sort; one launch, where torch ops
-cost ~15 launches, about 45 us of a decode step on an H200); above, a counting sort in three launches
-over chunks of pairs (on an H200 the one program's sort took 74.7 us at P = 4096, the chunked sort
-11.2 us; at P = 32768 the chunked sort takes 37.5 us where torch's ops and routing together took
-193 us: benchmarks/RESULTS.md, session 3); and torch ops with device-sized results (sort,
+Triton program (`_details.align._align_pairs`: histogram, cumsum, bitonic sort; one launch, where torch
+ops cost ~15 launches, about 45 us of a decode step on an H200); above, a counting sort in three
+launches over chunks of pairs (on an H200 the one program's sort took 74.7 us at P = 4096, the chunked
+sort 11.2 us; at P = 32768 the chunked sort takes 37.5 us where torch's ops and routing together took
+193 us); and torch ops with device-sized results (sort,
 searchsorted, cumsum, scatter), the readable specification the tests hold the kernels to. None waits
 for the GPU.
 """

@@ -1,8 +1,10 @@
 """The Triton fused-MoE path as a registered kernel (CUDA; Hopper for FP8 and MXFP4).
 
-Data flow: planner -> `supports` (capability data + per-format compute capability) -> config
-(`TritonMoEConfig`, default heuristic or tuned row, checked by `reason_unusable`) -> `run` hands the
-typed launch to `triton_fused_moe`. Importing this module needs Triton; the registry skips it without.
+Data flow: planner -> `supports` (`config.triton_supports`: capability data, sm_90 for FP8 and MXFP4)
+-> config (`tuning.default_config` or a tuned row, checked by `TritonMoEConfig.reason_unusable`)
+-> `prepare_weights` once at load (MXFP4 scales N-major, words where they fit) -> `run` hands the
+typed launch to `launch.triton_fused_moe`. Importing this module needs Triton; the registry skips it
+without.
 """
 
 from __future__ import annotations
@@ -15,16 +17,9 @@ import torch
 from moekit.formats.mxfp4_words import pack_mma_words, scales_reason
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.triton.align import max_blocks_bound
-from moekit.kernels.triton.launch import (
-    TRITON_CAPABILITIES,
-    TritonMoEConfig,
-    default_config,
-    triton_fused_moe,
-    triton_supports,
-    tuning_space,
-    words_reason,
-    workspace_bytes,
-)
+from moekit.kernels.triton.config import TRITON_CAPABILITIES, TritonMoEConfig, triton_supports, words_reason
+from moekit.kernels.triton.launch import triton_fused_moe, workspace_bytes
+from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
 
@@ -47,10 +42,7 @@ class TritonFusedKernel(Kernel):
         return default_config(spec, problem.num_tokens)
 
     def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[TritonMoEConfig, ...]:
-        """The default plus a short list per regime of tokens per expert, from H200 sweeps
-        (benchmarks/sweep_configs.py): decode streams weights (16-row M tiles, deeper pipelines, both
-        orientations for formats without MXFP4's register-side upcast), prefill grows the M tile.
-        Configs that cannot serve the spec are dropped."""
+        """`tuning.tuning_space`: the default plus a short list per regime of tokens per expert."""
         return tuning_space(spec, problem.num_tokens)
 
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:

@@ -1,27 +1,32 @@
-"""Host side of the Triton fused-MoE path: config, capabilities, and the launch of each stage.
+"""The launch of the Triton fused-MoE path: spec -> constexprs, workspace, and each stage's kernel.
 
 Data flow of `triton_fused_moe` (no host sync anywhere, so the whole call can be graph-captured):
-  spec -> `_KernelParams` (every spec parameter as a typed constexpr, derived once per spec)
+  spec -> `_KernelParams` (every spec parameter as a typed constexpr code of `_details.codes`, once
+  per spec) and `_check` (the config against the spec; the inputs were checked by the caller,
+  `moekit.ops.fused_moe`, before any launch)
   ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device)
-  x -> [W8A8: `_quant_fp8_rows` -> fp8 x + scales] -> `_moe_gemm1` -> h [T*K, I]
-    -> [W8A8: `_quant_fp8_rows` -> fp8 h + scales] -> `_moe_gemm2` -> y [T*K, H]
-    -> `_moe_sum_k` -> out [T, H] (K == 1 without an expert map: `_moe_gemm2` writes out directly).
+  x -> [W8A8: `quant._quant_fp8_rows` -> fp8 x + scales] -> `gemm._moe_gemm1` -> h [T*K, I]
+    -> [W8A8: `quant._quant_fp8_rows` -> fp8 h + scales] -> `gemm._moe_gemm2` -> y [T*K, H]
+    -> `reduce._moe_sum_k` -> out [T, H] (K == 1 without an expert map: `_moe_gemm2` writes out directly).
 Workspace per call (`workspace_bytes`): h, y and the FP8 copies; nothing is cached between calls.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 import triton
-from moekit.errors import DeviceError, DTypeError, LayoutMismatchError, ShapeError, SpecError
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, rows_reason
-from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
-from moekit.kernels.triton._details import gemm as _jit
+from moekit.errors import DeviceError, LayoutMismatchError, ShapeError, SpecError
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
+from moekit.kernels.triton._details import codes
+from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
+from moekit.kernels.triton._details.quant import _quant_fp8_rows
+from moekit.kernels.triton._details.reduce import _moe_gemm1_splits, _moe_sum_k
 from moekit.kernels.triton.align import BlockList, align_routing, split_tail_blocks
+from moekit.kernels.triton.config import TritonMoEConfig, triton_supports
 from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
@@ -33,306 +38,6 @@ from moekit.spec import (
     WeightFormat,
 )
 from moekit.weights import ExpertWeights, WeightPacking
-
-_POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
-
-
-def _check_int(name: str, value: object, valid, rule: str, *, optional: bool = False) -> None:
-    """A TritonMoEConfig field that is an int obeying `rule` (`valid`), or None if `optional`."""
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or not valid(value):
-        allowed = f"None or {rule}" if optional else rule
-        raise SpecError(f"TritonMoEConfig.{name} must be {allowed}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class TritonMoEConfig(KernelConfig):
-    """Tile sizes of both grouped GEMMs (GEMM1 loads 2 * block_n weight rows: gate and up).
-
-    Both GEMMs share the M-blocks (block_m: one routing alignment per call), K-step, warps and stages;
-    GEMM2 may take a different N tile (`gemm2_block_n`), since its full tile is half GEMM1's. With
-    `tail_block_m` the alignment is at that half size and each GEMM runs twice: block_m blocks, then
-    each expert's odd last half-block (`align.split_tail_blocks`).
-    `split_k` > 1 splits each GEMM's reduction into that many shares, one program each, summed in a
-    fixed order by a small second kernel (deterministic): more programs, and more bytes in flight,
-    when few M-blocks leave most of the SMs idle (decode).
-    """
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 64
-    group_m: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    swap_ab: bool = False  # compute W @ A^T: weight rows on the MMA's M side, tokens on its N side
-    # ptxas register cap per thread (PTX .maxnreg); None lets ptxas choose. Fewer registers fit more
-    # programs on an SM, which hides the latency of the MXFP4 decode at small T, at some extra moves.
-    max_registers: int | None = None
-    # GEMM2's weight rows per tile; None: block_n. With 4 warps, GEMM1's 2 * 64 rows and GEMM2's 128 rows
-    # give both the same 128-row register operand (two m64 wgmma per warpgroup).
-    gemm2_block_n: int | None = None
-    split_k: int = 1
-    # block_m // 2, or None: an expert's last `tail_block_m` pairs or fewer run as a block of that size in
-    # a second launch of each GEMM instead of padding a full block_m block (half its MMA rows wasted).
-    tail_block_m: int | None = None
-
-    @property
-    def block_n_gemm2(self) -> int:
-        """The N tile GEMM2 runs with."""
-        return self.block_n if self.gemm2_block_n is None else self.gemm2_block_n
-
-    def __post_init__(self) -> None:
-        for name in (*_POW2_FIELDS, "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(f"TritonMoEConfig.{name} must be a positive int, got {value!r}")
-        for name in _POW2_FIELDS:
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise SpecError(f"TritonMoEConfig.{name} must be a power of two, got {value}")
-        for name in ("block_m", "block_n", "block_k"):  # tl.dot's smallest tile edge
-            if getattr(self, name) < 16:
-                raise SpecError(f"TritonMoEConfig.{name} must be >= 16, got {getattr(self, name)}")
-        if not isinstance(self.swap_ab, bool):
-            raise SpecError(f"TritonMoEConfig.swap_ab must be a bool, got {self.swap_ab!r}")
-        if self.num_warps > 16 or self.num_stages > 8:
-            raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
-        _check_int(
-            "gemm2_block_n",
-            self.gemm2_block_n,
-            lambda n: 16 <= n <= 256 and not n & (n - 1),
-            "a power of two in [16, 256]",
-            optional=True,
-        )
-        _check_int("split_k", self.split_k, lambda n: 1 <= n <= 16, "an int in [1, 16]")
-        _check_int(
-            "tail_block_m",
-            self.tail_block_m,
-            lambda m: m == self.block_m // 2 and m >= 16,
-            f"block_m // 2 = {self.block_m // 2} (at least 16)",
-            optional=True,
-        )
-        if self.tail_block_m is not None and self.split_k != 1:
-            raise SpecError(
-                f"TritonMoEConfig.tail_block_m needs split_k=1 (tail blocks are for large batches), got "
-                f"split_k={self.split_k}; drop one of them"
-            )
-        _check_int(
-            "max_registers",
-            self.max_registers,
-            lambda r: 32 <= r <= 255 and not r % 8,
-            "a multiple of 8 in [32, 255] (ptxas' per-thread range)",
-            optional=True,
-        )
-
-    def reason_unusable(self, spec: MoESpec) -> str | None:
-        """None if this config can compute `spec`, else why not."""
-        if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
-            return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
-        per_128 = spec.fp8_scale is Fp8Scale.BLOCK_128 or spec.act_quant is ActivationQuant.FP8_PER_GROUP_128
-        if per_128 and self.block_k > 128:
-            return f"128-wide FP8 scale groups need block_k <= 128, got {self.block_k}"
-        if spec.act_quant is not ActivationQuant.NONE and self.block_k < 32:
-            return f"FP8 x FP8 dots need block_k >= 32, got {self.block_k}"
-        if spec.weight_format is WeightFormat.MXFP4 and self.num_warps > 4 and words_reason(spec) is None:
-            # Session 3 (H200, before the K-step wgmma wait of `_jit._wait_for_mma`): rel L2 3e-3 on most
-            # runs and 1e32 or inf on some. With the wait, 8-warp tiles passed one check per candidate in
-            # session 5's sweep but were 11 - 58 % slower at every T, and no race hunt has cleared them:
-            # refused until one does (benchmarks/RESULTS.md).
-            return (
-                f"the MXFP4 word path (MXFP4_MMA_WORDS, {spec.act_dtype} activations) is not verified with "
-                f"{self.num_warps} warps (it gave intermittently wrong results before the K-step wgmma wait, "
-                f"and was slower after it); use num_warps=4"
-            )
-        return None
-
-
-@functools.cache  # `reason_unusable` asks on every forward (`_check`)
-def words_reason(spec: MoESpec) -> str | None:
-    """None if `spec`'s shapes and activations allow MXFP4_MMA_WORDS, else why not. The weights'
-    scale bytes must fit too (`mxfp4_words.scales_reason`), which only the data can tell."""
-    if spec.act_dtype not in (torch.bfloat16, torch.float32):
-        return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
-    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
-        reason = rows_reason(rows)
-        if reason is not None:
-            return f"{name}: {reason}"
-    return None
-
-
-TRITON_CAPABILITIES = Capabilities(
-    weight_formats=frozenset(WeightFormat),
-    fp8_scales=frozenset(Fp8Scale),
-    act_quants=frozenset(ActivationQuant),
-    act_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
-    activations=frozenset(Activation),
-    honours_alpha=True,
-    honours_limit=True,
-    gate_layouts=frozenset(GateLayout),
-    bias=True,
-    router_placements=frozenset(RouterWeightPlacement),
-    expert_map=True,
-    devices=frozenset({DeviceKind.CUDA}),
-    packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.MXFP4_MMA_WORDS}),
-    min_compute_capability=(8, 0),  # the float formats; FP8 and MXFP4 need 9.0 (`min_compute_capability`)
-)
-# FP8 dots (and our MXFP4 path, validated only on Hopper) need sm_90; the float formats run on sm_80.
-MIN_COMPUTE_CAPABILITY: dict[WeightFormat, tuple[int, int]] = {
-    WeightFormat.BF16: (8, 0),
-    WeightFormat.FP16: (8, 0),
-    WeightFormat.FP32: (8, 0),
-    WeightFormat.FP8_E4M3: (9, 0),
-    WeightFormat.MXFP4: (9, 0),
-}
-
-
-def min_compute_capability(spec: MoESpec) -> tuple[int, int]:
-    return MIN_COMPUTE_CAPABILITY[spec.weight_format]
-
-
-def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str | None:
-    """None if the Triton path computes `spec` (on `device`, if given), else the reason it cannot."""
-    reason = TRITON_CAPABILITIES.check(spec, device)
-    if reason is not None:
-        return reason
-    if device is not None and device.kind is DeviceKind.CUDA:
-        need = min_compute_capability(spec)
-        if (device.compute_capability or (0, 0)) < need:
-            return (
-                f"{spec.weight_format.name} needs compute capability >= {need[0]}.{need[1]}, "
-                f"device has {device.compute_capability}"
-            )
-    return None
-
-
-def _tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
-    return max(num_tokens, 1) * spec.K / spec.E_local
-
-
-def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
-    """A capable config without tuning: tiles grow with the tokens each expert sees on average.
-
-    Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed; benchmarks/RESULTS.md);
-    the tuned rows of `moekit/tables/h200.json` refine it per model and T.
-    """
-    per_expert = _tokens_per_expert(spec, num_tokens)
-    if spec.act_dtype == torch.float32 and spec.act_quant is ActivationQuant.NONE:
-        # fp32 dots run on FMA units (exact-comparison path): small tiles keep registers in check.
-        return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
-    fmt = spec.weight_format
-    if fmt is WeightFormat.MXFP4:
-        if per_expert <= 8:  # weight streaming: the decode, not the MMA, sets the pace
-            return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
-        if per_expert <= 24:
-            return TritonMoEConfig(block_m=32, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)
-        if per_expert <= 96:
-            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-    if fmt is WeightFormat.FP8_E4M3:
-        # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
-        if per_expert <= 16:
-            return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
-        return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
-    if per_expert <= 8:
-        return TritonMoEConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=3)
-    if per_expert <= 32:
-        return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-    return TritonMoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-
-
-def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
-    """`default_config` first, then tiles for the regime of tokens per expert (see TritonFusedKernel)."""
-    per_expert = _tokens_per_expert(spec, num_tokens)
-    mxfp4 = spec.weight_format is WeightFormat.MXFP4
-    default = default_config(spec, num_tokens)
-    # (block_m, block_n, block_k, group_m, num_warps, num_stages)
-    if per_expert <= 8:
-        tiles = [
-            (16, 32, 128, 1, 4, 3),
-            (16, 64, 64, 1, 4, 4),
-            (16, 64, 64, 1, 4, 5),
-            (16, 64, 64, 1, 8, 4),
-            (16, 64, 128, 1, 4, 3),
-            (16, 64, 128, 1, 4, 4),
-            (16, 128, 64, 1, 8, 4),
-            # Two warpgroups on wide, deep tiles, as triton_kernels decodes gpt-oss (its opt_flags:
-            # block_n 256 rows of w13 = our 2 * 128, block_k 128, 8 warps).
-            (16, 128, 128, 1, 8, 3),
-            (16, 64, 128, 1, 8, 3),
-        ]
-        # Register caps (5 or 6 programs per SM instead of 4) and 4-stage 2-warpgroup tiles were 5 - 60 %
-        # slower for gpt-oss on an H200 at every T <= 256 (benchmarks/RESULTS.md, session 3): not swept.
-    elif per_expert <= 32:
-        tiles = [
-            (16, 64, 64, 4, 4, 4),
-            (32, 64, 64, 4, 4, 4),
-            (32, 64, 64, 4, 8, 4),
-            (32, 128, 64, 4, 8, 4),
-            (64, 64, 64, 8, 4, 4),
-        ]
-        if mxfp4:  # one M-block per expert decodes each weight tile once, half-empty or not
-            tiles += [
-                (32, 64, 128, 4, 4, 3),
-                (64, 64, 64, 8, 4, 3),
-                (32, 64, 128, 4, 4, 4),
-                (64, 64, 128, 8, 4, 3),
-            ]
-    elif per_expert <= 128:
-        tiles = [
-            (32, 64, 64, 8, 4, 4),
-            (64, 64, 64, 8, 4, 4),
-            (64, 64, 64, 8, 4, 3),
-            (64, 128, 64, 8, 8, 4),
-            (128, 64, 64, 8, 4, 4),
-        ]
-        if mxfp4:  # 64 rows of w13 a tile (see below)
-            tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4)]
-    else:
-        tiles = [
-            (128, 64, 64, 8, 4, 4),
-            (128, 64, 64, 8, 4, 3),
-            (64, 64, 64, 8, 4, 4),
-            (128, 128, 64, 8, 8, 4),
-            (128, 128, 64, 8, 8, 3),
-        ]
-        # 8-warp MXFP4 tiles (block_m 256, block_n / block_k 128) were 2 - 13 % slower at T >= 2048 on an
-        # H200 before the word path refused them (`reason_unusable`); RESULTS.md, session 3.
-        if mxfp4:  # 64 rows of w13 a tile: a third the registers, three programs an SM instead of two
-            tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4), (256, 32, 64, 8, 4, 3)]
-    # MXFP4 upcasts on the register side of the MMA whichever way round (Triton's dot_scaled), so
-    # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
-    swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
-    # GEMM2's tile is half GEMM1's (no gate/up pair): 4-warp tiles also try GEMM2 on 128 weight rows,
-    # the size of GEMM1's operand, which halves the activation rows GEMM2 re-reads per weight row.
-    grid = [
-        TritonMoEConfig(
-            block_m=m,
-            block_n=n,
-            block_k=k,
-            group_m=g,
-            num_warps=w,
-            num_stages=st,
-            swap_ab=swap,
-            gemm2_block_n=n2,
-        )
-        for m, n, k, g, w, st in tiles
-        for swap in swaps
-        for n2 in {(64, 4): (None, 128), (32, 4): (64, 128)}.get((n, w), (None,))
-    ]
-    if num_tokens * spec.K <= 32:
-        # A decode step of few pairs hits at most that many experts: T = 1 of gpt-oss-120b runs 4 x 45
-        # GEMM1 programs on 132 SMs. Split-K multiplies the programs (and weight bytes in flight).
-        grid += [replace(default, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
-    if per_expert > 32:
-        # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
-        # at T = 2048 - 16384 on an H200 (benchmarks/RESULTS.md, session 7).
-        grid += [replace(c, tail_block_m=c.block_m // 2) for c in grid if c.block_m >= 64 and c.split_k == 1]
-    # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
-    # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200
-    # (benchmarks/RESULTS.md, session 4): not swept.
-    unique = dict.fromkeys([default, *grid])
-    return tuple(c for c in unique if c.reason_unusable(spec) is None)
 
 
 @dataclass(frozen=True)
@@ -381,28 +86,28 @@ class _KernelParams:
 
 
 _W_FORMAT = {
-    WeightFormat.BF16: _jit.WFMT_FLOAT.value,
-    WeightFormat.FP16: _jit.WFMT_FLOAT.value,
-    WeightFormat.FP32: _jit.WFMT_FLOAT.value,
-    WeightFormat.FP8_E4M3: _jit.WFMT_FP8.value,
-    WeightFormat.MXFP4: _jit.WFMT_MXFP4.value,
+    WeightFormat.BF16: codes.WFMT_FLOAT.value,
+    WeightFormat.FP16: codes.WFMT_FLOAT.value,
+    WeightFormat.FP32: codes.WFMT_FLOAT.value,
+    WeightFormat.FP8_E4M3: codes.WFMT_FP8.value,
+    WeightFormat.MXFP4: codes.WFMT_MXFP4.value,
 }
 _FP8_SCALE = {
-    None: _jit.FP8S_TENSOR.value,
-    Fp8Scale.PER_TENSOR: _jit.FP8S_TENSOR.value,
-    Fp8Scale.PER_CHANNEL: _jit.FP8S_CHANNEL.value,
-    Fp8Scale.BLOCK_128: _jit.FP8S_BLOCK.value,
+    None: codes.FP8S_TENSOR.value,
+    Fp8Scale.PER_TENSOR: codes.FP8S_TENSOR.value,
+    Fp8Scale.PER_CHANNEL: codes.FP8S_CHANNEL.value,
+    Fp8Scale.BLOCK_128: codes.FP8S_BLOCK.value,
 }
 _A_QUANT = {
-    ActivationQuant.NONE: _jit.AQ_NONE.value,
-    ActivationQuant.FP8_PER_TOKEN: _jit.AQ_TOKEN.value,
-    ActivationQuant.FP8_PER_GROUP_128: _jit.AQ_GROUP.value,
+    ActivationQuant.NONE: codes.AQ_NONE.value,
+    ActivationQuant.FP8_PER_TOKEN: codes.AQ_TOKEN.value,
+    ActivationQuant.FP8_PER_GROUP_128: codes.AQ_GROUP.value,
 }
 _ACTIVATION = {
-    Activation.SILU: _jit.ACT_SILU.value,
-    Activation.GELU: _jit.ACT_GELU.value,
-    Activation.GELU_TANH: _jit.ACT_GELU_TANH.value,
-    Activation.SWIGLU_OAI: _jit.ACT_SWIGLU_OAI.value,
+    Activation.SILU: codes.ACT_SILU.value,
+    Activation.GELU: codes.ACT_GELU.value,
+    Activation.GELU_TANH: codes.ACT_GELU_TANH.value,
+    Activation.SWIGLU_OAI: codes.ACT_SWIGLU_OAI.value,
 }
 
 
@@ -415,8 +120,8 @@ def workspace_bytes(*, spec: MoESpec, num_tokens: int, split_k: int = 1) -> int:
     total = pairs * spec.I * torch.empty((), dtype=params.h_dtype).element_size()
     total += pairs * spec.H * act  # y (skipped when K == 1 without an expert map; counted anyway)
     if params.a_quant:
-        codes = num_tokens * spec.H + pairs * spec.I  # one byte each, plus fp32 scales per 128 at most
-        total += codes + 4 * (codes // 128 + num_tokens + pairs)
+        fp8_bytes = num_tokens * spec.H + pairs * spec.I  # one byte each, plus fp32 scales per 128 at most
+        total += fp8_bytes + 4 * (fp8_bytes // 128 + num_tokens + pairs)
     if split_k > 1:  # the fp32 shares of both GEMMs (y is not allocated then; counted anyway)
         total += split_k * pairs * (2 * spec.I + spec.H) * 4
     return total + 16 * pairs  # routing metadata, roughly
@@ -488,28 +193,17 @@ class _WeightArgs:
         )
 
 
-def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
-    """Shape, dtype, device and layout checks that never read device memory (no sync)."""
+def _check(x, *, spec, config, expert_map, out) -> None:
+    """The launch's own invariants, without reading device memory (no sync): the config against the
+    spec, and the arguments only the launch takes. The inputs against the spec (x, weights and their
+    packing, routing, devices, whether an expert map is needed) were checked by `moekit.ops.fused_moe`
+    before any launch (`moekit.reference.check_inputs`, `Kernel.weights_reason`)."""
     if not isinstance(config, TritonMoEConfig):
         raise SpecError(f"config must be a TritonMoEConfig, got {type(config).__name__}")
     reason = triton_supports(spec) or config.reason_unusable(spec)
     if reason is not None:
         raise SpecError(f"the Triton path cannot run this spec ({spec.describe()}): {reason}")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != spec.H:
-        raise ShapeError(f"x must be [T, H={spec.H}], got {getattr(x, 'shape', x)!r}")
-    if x.dtype != spec.act_dtype:
-        raise DTypeError(f"x has dtype {x.dtype} but spec.act_dtype is {spec.act_dtype}")
-    weights.validate(spec)
-    if weights.packing not in TRITON_CAPABILITIES.packings:
-        names = sorted(p.name for p in TRITON_CAPABILITIES.packings)
-        raise LayoutMismatchError(f"the Triton path reads packings {names}, got {weights.packing.name}")
-    if not isinstance(routing, RoutingResult) or tuple(routing.ids.shape) != (x.shape[0], spec.K):
-        raise ShapeError(f"routing must be a RoutingResult [T={x.shape[0]}, K={spec.K}]")
-    if spec.uses_expert_map != (expert_map is not None):
-        raise SpecError(
-            f"spec.num_local_experts={spec.num_local_experts} "
-            f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
-        )
+    # The alignment reads the map as int32 [E]; the caller checks its values only when it may sync.
     if expert_map is not None and (expert_map.shape != (spec.E,) or expert_map.dtype != torch.int32):
         raise ShapeError(
             f"expert_map must be int32 [E={spec.E}], got {expert_map.dtype} {tuple(expert_map.shape)}"
@@ -521,10 +215,8 @@ def _check(x, weights, routing, *, spec, config, expert_map, out) -> None:
             f"out must be [T, H={spec.H}] {spec.act_dtype} with contiguous rows, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
-    others = (("weights", weights.w13), ("routing", routing.ids), ("expert_map", expert_map), ("out", out))
-    for name, t in others:
-        if t is not None and t.device != x.device:
-            raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
+    if out is not None and out.device != x.device:
+        raise DeviceError(f"x is on {x.device} but out is on {out.device}; move them to one device")
 
 
 def _stride(t: torch.Tensor | None, dim: int) -> int:
@@ -541,7 +233,7 @@ def _quantize_rows(
     groups = triton.cdiv(cols, 128) if per_group else 1
     data = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=src.device)
     scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
-    _jit._quant_fp8_rows[(rows, groups)](
+    _quant_fp8_rows[(rows, groups)](
         src_ptr=src,  # [R, C]
         row_mult_ptr=row_mult,  # fp32 [R] or None
         dst_ptr=data,  # fp8 [R, C]
@@ -583,7 +275,7 @@ def triton_fused_moe(
     Matches `moekit.reference.fused_moe_reference`. Routing ids are not range-checked here (that
     syncs): out-of-range ids are dropped. `out`, if given, receives the result (and is returned).
     """
-    _check(x, weights, routing, spec=spec, config=config, expert_map=expert_map, out=out)
+    _check(x, spec=spec, config=config, expert_map=expert_map, out=out)
     num_tokens, top_k = x.shape[0], spec.K
     if out is None:
         out = torch.empty(num_tokens, spec.H, dtype=spec.act_dtype, device=x.device)
@@ -609,10 +301,10 @@ def triton_fused_moe(
     w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
     num_pairs = aligned.num_pairs
     words = weights.packing is WeightPacking.MXFP4_MMA_WORDS
-    w_format = _jit.WFMT_MXFP4_WORDS.value if words else p.w_format
+    w_format = codes.WFMT_MXFP4_WORDS.value if words else p.w_format
     # Compiled bf16 only: tl.dot_scaled and inline PTX have no interpreter implementation, and
     # dot_scaled upcasts to bf16 (fp16 would lose bits).
-    mx_native = p.w_format == _jit.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
+    mx_native = p.w_format == codes.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
     mx_native = mx_native and x.device.type == "cuda"
 
     # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles but N.
@@ -654,7 +346,7 @@ def triton_fused_moe(
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
     )
     for blocks in block_lists:
-        _jit._moe_gemm1[(blocks.max_blocks * triton.cdiv(spec.I, cfg.block_n), splits)](
+        _moe_gemm1[(blocks.max_blocks * triton.cdiv(spec.I, cfg.block_n), splits)](
             x_ptr=x,  # [T, H] act dtype or fp8
             x_scale_ptr=x_scale,  # fp32 [T, G] or None
             route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
@@ -675,7 +367,7 @@ def triton_fused_moe(
         )
     if split:
         block_fin = min(1024, triton.next_power_of_2(spec.I))
-        _jit._moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
+        _moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
             part_ptr=part1,  # fp32 [S, T*K, 2I]
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
             b_ptr=w13.bias,  # [E_local, 2I] or None
@@ -703,7 +395,7 @@ def triton_fused_moe(
         y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     block_n2 = cfg.block_n_gemm2
     for blocks in block_lists:
-        _jit._moe_gemm2[(blocks.max_blocks * triton.cdiv(spec.H, block_n2), splits)](
+        _moe_gemm2[(blocks.max_blocks * triton.cdiv(spec.H, block_n2), splits)](
             h_ptr=h,  # [T*K, I] act dtype or fp8
             h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
             route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]
@@ -724,7 +416,7 @@ def triton_fused_moe(
     if split or not direct:
         shares = part2 if split else y.unsqueeze(0)  # [S, T*K, H]
         block_h = min(1024, triton.next_power_of_2(spec.H))
-        _jit._moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
+        _moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
             y_ptr=shares,  # [S, T*K, H]: GEMM2's raw fp32 shares, or its finished rows
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
             b_ptr=w2.bias if split else None,  # [E_local, H] or None

@@ -1,4 +1,4 @@
-"""Host side of the one-launch softmax routings (`_jit_route._route_softmax`), used by
+"""Host side of the one-launch softmax routings (`_details.route._route_softmax`), used by
 `moekit.routing.route` for CUDA logits.
 
 Data flow: logits [T, E] -> (SOFTMAX_TOPK: softmax over E) -> the top K by `_order_key` -> weights

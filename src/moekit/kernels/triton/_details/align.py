@@ -1,6 +1,8 @@
 """Triton JIT code of the routing preparation (host side: `align.py`).
 
-Two ways to the same result, a stable counting sort of the (token, k) pairs by local expert:
+Data flow: ids [T, K] (through the optional expert map) -> each pair's local expert -> a stable counting
+sort of the (token, k) pairs by local expert, padded per expert to BLOCK_M rows -> the M-block
+metadata the GEMMs read. Two ways to the same result:
 - `_align_pairs`: one program (histogram, cumsum, bitonic sort in registers); one launch, for small P.
 - `_align_count` -> `_align_finish` -> `_align_scatter`: the pairs in chunks of CHUNK, one program per
   chunk, so the work spreads over the GPU whatever P is. `_align_count` finds each pair's local expert,

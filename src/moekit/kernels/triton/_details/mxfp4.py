@@ -1,6 +1,8 @@
-"""Triton JIT code that turns MXFP4 weights into MMA operands (used by `_jit._expert_matmul`).
+"""Triton JIT code that turns MXFP4 weights into MMA operands (used by `matmul._expert_matmul`).
 
-Three ways, chosen by the launch (`launch.py`) from the weights' packing and the activation dtype:
+Data flow: one K-step's weight rows (packed E2M1 bytes or words) and their E8M0 scales -> an MMA
+operand, in one of three ways, chosen by the launch (`launch.py`) from the weights' packing and the
+activation dtype:
 - CHECKPOINT packing, compiled bf16: `_mxfp4_native_bytes` / `_mxfp4_native_scales` hand packed bytes
   and E8M0 scales to `tl.dot_scaled`, whose compiler-generated upcast feeds the MMA from registers;
 - CHECKPOINT packing otherwise (interpreter, fp16, fp32): `_mxfp4_tiles` decodes with bit operations;

@@ -1,5 +1,7 @@
-"""Triton JIT code of the softmax routings (host side: `route.py`): router logits -> top-K ids and weights
-in one launch, where the torch ops of `moekit.routing` take a sort, a gather, a softmax and casts.
+"""Triton JIT code of the softmax routings (host side: `route.py`).
+
+Data flow: router logits [T, E] -> top-K ids and weights in one launch, where the torch ops of
+`moekit.routing` take a sort, a gather, a softmax and casts.
 
 Selection orders experts exactly as `moekit.routing` does (a stable descending sort): on an int32 key
 that is monotone in the fp32 score, with -0 equal to +0, every NaN above every number, and ties going to

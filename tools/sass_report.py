@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Compile moekit's grouped GEMMs for Hopper (sm_90) on any machine, no GPU needed, and report the inner
-K-loop: SASS instructions per K-step by opcode, registers, spills and shared memory.
+"""Compile moekit's grouped GEMMs for Hopper (sm_90) on any machine, no GPU needed, and report the
+properties their speed rests on: spills, register-A wgmma, and the inner K-loop's instructions.
 
 Data flow: a (gemm, weight format, tile config) -> `triton.compile` of `_moe_gemm1` / `_moe_gemm2`
 with the constexprs `launch.py` would pass for gpt-oss (H = I = 2880, SWIGLU_OAI, INTERLEAVED, biases,
-bf16 activations) and the divisibility the launch specializes on -> `cuobjdump -sass` -> the
-instructions between the loop's backward branch and its target.
+bf16 activations) and the divisibility the launch specializes on -> `cuobjdump -sass` -> `properties`
+(local memory, wgmma operands, K-loop size against the work of a K-step) and `loop_report` (the K-loop's
+opcodes: the instructions between the loop's backward branch and its target).
 
-Usage: python benchmarks/sass_report.py --gemm 1 --format words --block 16,64,128 --warps 4 --stages 3
+Usage: python tools/sass_report.py --gemm 1 --format words --block 16,64,128 --warps 4 --stages 3
 Formats: words (MXFP4_MMA_WORDS), mxfp4 (CHECKPOINT, tl.dot_scaled), bf16.
 """
 
@@ -24,12 +25,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moekit.kernels.triton._details import gemm as _jit
+from moekit.kernels.triton._details import codes
+from moekit.kernels.triton._details import gemm as _gemm_module
 
 _W = {
-    "words": (_jit.WFMT_MXFP4_WORDS.value, "*i32"),
-    "mxfp4": (_jit.WFMT_MXFP4.value, "*u8"),
-    "bf16": (0, "*bf16"),
+    "words": (codes.WFMT_MXFP4_WORDS.value, "*i32"),
+    "mxfp4": (codes.WFMT_MXFP4.value, "*u8"),
+    "bf16": (codes.WFMT_FLOAT.value, "*bf16"),
 }
 
 
@@ -42,7 +44,7 @@ def compile_gemm(
     split_k: int = 1,
     block_starts: bool = False,
 ):
-    fn = _jit._moe_gemm1 if gemm == 1 else _jit._moe_gemm2
+    fn = _gemm_module._moe_gemm1 if gemm == 1 else _gemm_module._moe_gemm2
     w_format, w_type = _W[fmt]
     a_name, out_name = ("x_ptr", "h_ptr") if gemm == 1 else ("h_ptr", "y_ptr")
     pointers = {
@@ -162,6 +164,45 @@ def loop_report(kernel) -> dict:
     }
 
 
+def _wgmma_operands(instructions: list[tuple[int, str]]) -> tuple[int, int]:
+    """(register-A, shared-A) wgmma among `instructions`: `HGMMA ... Rc, Ra, gdesc[..]` reads A from
+    registers, `HGMMA ... Rc, gdesc[..]` from shared memory."""
+    register_a = shared_a = 0
+    for _, text in instructions:
+        op = unpredicated(text)
+        if op.startswith("HGMMA"):
+            if re.match(r"HGMMA\S+\s+R\d+, R\d+,", op):
+                register_a += 1
+            else:
+                shared_a += 1
+    return register_a, shared_a
+
+
+def decoded_pairs_per_thread(gemm: int, block: tuple[int, int, int], warps: int) -> int:
+    """bf16 pairs each thread decodes per K-step of the MXFP4 word path: the tile's weight rows (GEMM1
+    loads gate and up, 2 * block_n) x block_k elements, two a pair, over 32 * warps threads."""
+    rows = 2 * block[1] if gemm == 1 else block[1]
+    return rows * block[2] // (2 * 32 * warps)
+
+
+def properties(kernel) -> dict:
+    """What the H200 speed of a compiled GEMM rests on, read from its SASS and resource usage:
+    `local_bytes` / `local_memory_ops` (spills: LDL / STL anywhere in the kernel), the K-loop's
+    `loop_instructions` and its wgmma by operand source (`register_a_wgmma`, `shared_a_wgmma`)."""
+    instructions = all_instructions(kernel)
+    loop = loop_instructions(kernel, instructions)
+    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(kernel, "-res-usage")))
+    register_a, shared_a = _wgmma_operands(loop)
+    return {
+        "local_bytes": int(resources.get("LOCAL", 0)),
+        "local_memory_ops": sum(1 for _, t in instructions if re.match(r"(LDL|STL)\b", unpredicated(t))),
+        "registers": int(resources.get("REG", 0)),
+        "loop_instructions": len(loop),
+        "register_a_wgmma": register_a,
+        "shared_a_wgmma": shared_a,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gemm", type=int, choices=(1, 2), default=2)
@@ -172,13 +213,18 @@ def main() -> int:
     p.add_argument("--split-k", type=int, default=1)
     args = p.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
-    report = loop_report(compile_gemm(args.gemm, args.format, block, args.warps, args.stages, args.split_k))
+    kernel = compile_gemm(args.gemm, args.format, block, args.warps, args.stages, args.split_k)
+    report, props = loop_report(kernel), properties(kernel)
     print(
         f"GEMM{args.gemm} {args.format} block {block} warps {args.warps} stages {args.stages}: "
         f"{report['loop_instructions']} SASS instructions per K-step, {report['registers']} registers, "
         f"{report['local_bytes']} B local (spills), {report['shared_bytes']} B shared"
     )
     print("  " + ", ".join(f"{op} {n}" for op, n in report["opcodes"]))
+    print(
+        f"  {props['local_memory_ops']} local loads / stores, K-loop wgmma: {props['register_a_wgmma']} "
+        f"register-A, {props['shared_a_wgmma']} shared-A"
+    )
     return 0
 
 

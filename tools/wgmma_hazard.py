@@ -5,13 +5,15 @@ A Hopper wgmma with its A operand in registers (`HGMMA ... R_c, R_a, gdesc, R_c`
 after it is issued; PTX calls any write to those registers before a `wgmma.wait_group` that covers the
 instruction undefined behaviour. Triton's pipeliner waits with `pendings = dots per iteration - 1`
 (triton-lang/triton#9433), which leaves the later wgmma groups of one K-step in flight while the next
-K-step's decode writes registers. This script compiles moekit's GEMMs for sm_90 (as
-`sass_report.py`), follows the wgmma groups in flight through the kernel (the K-loop twice), and lists
-every instruction that writes an A register of a group no wait has yet covered.
+K-step's decode writes registers; `_details.matmul._wait_for_mma` closes that gap.
+
+Data flow: a GEMM tile -> `sass_report.compile_gemm` (sm_90, offline) -> its SASS -> `simulate`
+follows the wgmma groups in flight through the kernel (the K-loop twice) -> every instruction that
+writes an A register of a group no wait has yet covered.
 
 Reading: a count above zero means the schedule relies on timing (the wgmma reading its registers before
 the decode overwrites them), not on a wait.
-Usage: python benchmarks/wgmma_hazard.py --gemm 1 --block 128,64,64 [--warps 4 --stages 3]
+Usage: python tools/wgmma_hazard.py --gemm 1 --block 128,64,64 [--warps 4 --stages 3]
 """
 
 from __future__ import annotations

@@ -1,0 +1,254 @@
+"""One expert's tile of a grouped GEMM, for every weight format: the K-loop both GEMMs share.
+
+Data flow: A rows (gathered tokens for GEMM1, pairs for GEMM2) and one expert's weight rows -> per
+K-step: load A; load W (float, FP8) or decode it (MXFP4 bytes through `tl.dot_scaled` or bit
+operations, MXFP4_MMA_WORDS straight into the MMA's register operand; `mxfp4.py`) -> MMA into an fp32
+accumulator (FP8: promoted per tile, where block scales along K apply) -> per-channel, per-tensor and
+per-token scales -> fp32 [BLOCK_M, BLOCK_N] to the GEMM's epilogue (`gemm.py`).
+"""
+
+import triton
+import triton.language as tl
+from moekit.kernels.triton._details.codes import (
+    AQ_GROUP,
+    AQ_NONE,
+    AQ_TOKEN,
+    FP8S_BLOCK,
+    FP8S_CHANNEL,
+    FP8S_TENSOR,
+    WFMT_FLOAT,
+    WFMT_FP8,
+    WFMT_MXFP4,
+    WFMT_MXFP4_WORDS,
+)
+from moekit.kernels.triton._details.mxfp4 import (
+    _mxfp4_native_bytes,
+    _mxfp4_native_scales,
+    _mxfp4_tiles,
+    _mxfp4_words_tile,
+)
+
+# Operand formats of tl.dot_scaled (constexpr objects: the interpreter does not wrap string literals).
+_E2M1 = tl.constexpr("e2m1")
+_BF16 = tl.constexpr("bf16")
+
+
+@triton.jit
+def _expert_matmul(
+    a_ptr,
+    a_scale_ptr,
+    a_rows,
+    a_mask,
+    stride_am,
+    stride_asm,
+    stride_ask,
+    w_ptr,
+    w_scale_ptr,
+    expert,
+    w_rows,
+    w_mask,
+    w_blocks,
+    w_block_mask,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    IN_DIM: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    FP8_SCALE: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N] = A[a_rows, K] @ W[expert, w_rows, K]^T with every scale applied, K all of
+    IN_DIM or, with SPLIT_K > 1, share `tl.program_id(1)` of its K-steps.
+
+    A and W are contiguous along the reduction axis (checked on the host). Steps past IN_DIM (a ragged
+    last step, or the empty end of the last share) read nothing and add zero.
+    SWAP_AB computes the transpose W @ A^T instead: the weight rows fill the MMA's M side (64 on
+    Hopper) and the few token rows of a decode step its N side (16), so small batches waste no MMA
+    rows. MXFP4 never needs it: `tl.dot_scaled` already puts the upcast weights on the register side,
+    and the MXFP4_MMA_WORDS format is always computed that way round.
+    MX_NATIVE (bf16 activations, compiled only) selects `tl.dot_scaled` for CHECKPOINT MXFP4 and the
+    PTX bf16x2 scaling for MXFP4_MMA_WORDS; otherwise both decode with plain Triton operations
+    (interpreter, fp16, fp32). See `mxfp4.py`.
+    """
+    K_STEPS: tl.constexpr = ((IN_DIM + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K  # a share's
+    EVEN_K: tl.constexpr = K_STEPS * SPLIT_K * BLOCK_K == IN_DIM  # every step inside IN_DIM: no K masks
+    if SPLIT_K == 1:
+        k_begin = 0  # the literal keeps the compiled loop as it is without split-K
+    else:
+        k_begin = tl.program_id(1) * (K_STEPS * BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows[:, None] * stride_am
+    w_base = w_ptr + expert * stride_we
+    s_base = w_scale_ptr  # None for float weights: no pointer arithmetic on it
+    if W_FORMAT != WFMT_FLOAT:
+        s_base = w_scale_ptr + expert * stride_wse
+    # MXFP4_MMA_WORDS decode straight into the MMA's register operand: always weights-first.
+    SWAPPED: tl.constexpr = SWAP_AB or W_FORMAT == WFMT_MXFP4_WORDS
+    if SWAPPED:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    PREFETCH_SCALES: tl.constexpr = W_FORMAT == WFMT_MXFP4_WORDS or (W_FORMAT == WFMT_MXFP4 and MX_NATIVE)
+    if PREFETCH_SCALES:
+        # Scale tiles are too small for cp.async (1 byte per thread), so the software pipeline skips
+        # them: prefetch one K-step ahead in registers instead of stalling on HBM every step.
+        next_scales = _mxfp4_native_scales(
+            s_base, w_rows, w_mask, k_begin, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
+        )
+    # Constexpr bounds: the interpreter cannot loop over runtime ones (see _quant_fp8_rows).
+    for k_rel in range(0, K_STEPS * BLOCK_K, BLOCK_K):
+        k0 = k_begin + k_rel
+        ks = k0 + offs_k
+        if EVEN_K:  # an all-true mask along K would keep the loads from vectorizing
+            k_mask = tl.full([BLOCK_K], True, tl.int1)
+        else:
+            k_mask = ks < IN_DIM
+        a = tl.load(a_base + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+        if PREFETCH_SCALES:
+            scales = next_scales
+            next_scales = _mxfp4_native_scales(
+                s_base, w_rows, w_mask, k0 + BLOCK_K, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
+            )
+        if W_FORMAT == WFMT_MXFP4_WORDS:
+            out_dtype: tl.constexpr = tl.float32 if DOT_FP32 else a.dtype
+            w = _mxfp4_words_tile(
+                w_base,
+                w_blocks,
+                w_block_mask,
+                scales,
+                k0,
+                IN_DIM,
+                EVEN_K,
+                stride_wn,
+                MX_NATIVE,
+                out_dtype,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            acc = _dot(w, tl.trans(a.to(out_dtype)), acc, DOT_FP32)
+            if MX_NATIVE:
+                acc = _wait_for_mma(acc)
+        elif W_FORMAT == WFMT_MXFP4:
+            if MX_NATIVE:
+                packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, EVEN_K, stride_wn, BLOCK_K)
+                if SWAP_AB:
+                    acc = tl.dot_scaled(packed, scales, _E2M1, tl.trans(a), None, _BF16, acc, fast_math=True)
+                else:
+                    acc = tl.dot_scaled(a, None, _BF16, tl.trans(packed), scales, _E2M1, acc, fast_math=True)
+            else:
+                w_even, w_odd = _mxfp4_tiles(
+                    w_base,
+                    s_base,
+                    w_rows,
+                    w_mask,
+                    k0,
+                    IN_DIM,
+                    stride_wn,
+                    stride_wsn,
+                    stride_wsk,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+                if DOT_FP32:
+                    a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+                else:  # E2M1 times a power of two is exact in bf16 (and in fp16 within its range)
+                    w_even, w_odd = w_even.to(a.dtype), w_odd.to(a.dtype)
+                if SWAP_AB:
+                    acc = _dot(tl.trans(w_even), tl.trans(a_even), acc, DOT_FP32)
+                    acc = _dot(tl.trans(w_odd), tl.trans(a_odd), acc, DOT_FP32)
+                else:
+                    acc = _dot(a_even, w_even, acc, DOT_FP32)
+                    acc = _dot(a_odd, w_odd, acc, DOT_FP32)
+        else:
+            if SWAP_AB:  # [BLOCK_N, BLOCK_K]
+                w = tl.load(
+                    w_base + w_rows[:, None] * stride_wn + ks[None, :],
+                    mask=w_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
+            else:  # [BLOCK_K, BLOCK_N]
+                w = tl.load(
+                    w_base + w_rows[None, :] * stride_wn + ks[:, None],
+                    mask=w_mask[None, :] & k_mask[:, None],
+                    other=0.0,
+                )
+            if W_FORMAT == WFMT_FP8:
+                if A_QUANT != AQ_NONE:
+                    w_op, a_op = w, a  # fp8 x fp8 on the tensor cores
+                elif DOT_FP32:
+                    w_op, a_op = w.to(tl.float32), a.to(tl.float32)
+                else:
+                    w_op, a_op = w.to(a.dtype), a  # E4M3 values are exact in bf16 / fp16
+                zero = tl.zeros(acc.shape, dtype=tl.float32)
+                if SWAP_AB:
+                    part = _dot(w_op, tl.trans(a_op), zero, DOT_FP32)  # [BLOCK_N, BLOCK_M]
+                else:
+                    part = _dot(a_op, w_op, zero, DOT_FP32)
+                # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32
+                # (BLOCK_K <= 128), which is also where block scales along K must be applied.
+                if FP8_SCALE == FP8S_BLOCK:
+                    ws = tl.load(
+                        s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
+                        mask=w_mask if EVEN_K else w_mask & (k0 < IN_DIM),  # no scale past IN_DIM
+                        other=0.0,
+                    )
+                    part = part * (ws[:, None] if SWAP_AB else ws[None, :])
+                if A_QUANT == AQ_GROUP:
+                    sa = tl.load(
+                        a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+                        mask=a_mask if EVEN_K else a_mask & (k0 < IN_DIM),
+                        other=0.0,
+                    )
+                    part = part * (sa[None, :] if SWAP_AB else sa[:, None])
+                acc += part
+            else:
+                w_op = w.to(tl.float32) if DOT_FP32 else w.to(a.dtype)
+                a_op = a.to(tl.float32) if DOT_FP32 else a
+                if SWAP_AB:
+                    acc = _dot(w_op, tl.trans(a_op), acc, DOT_FP32)
+                else:
+                    acc = _dot(a_op, w_op, acc, DOT_FP32)
+    if SWAPPED:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N] for the epilogues
+    if W_FORMAT == WFMT_FP8:
+        if FP8_SCALE == FP8S_CHANNEL:
+            acc = acc * tl.load(s_base + w_rows * stride_wsn, mask=w_mask, other=0.0)[None, :]
+        if FP8_SCALE == FP8S_TENSOR:
+            acc = acc * tl.load(s_base)
+    if A_QUANT == AQ_TOKEN:
+        acc = acc * tl.load(a_scale_ptr + a_rows * stride_asm, mask=a_mask, other=0.0)[:, None]
+    return acc
+
+
+@triton.jit
+def _wait_for_mma(acc):
+    """`acc` unchanged, through an empty inline-asm use: Triton must complete every wgmma that writes
+    `acc` first, so the next K-step's decode cannot overwrite A registers an MMA still reads.
+
+    Why: Triton 3.6 waits for the register-A wgmma groups of a K-step with `pendings = groups - 1`
+    (triton-lang/triton#9433), and the next decode then wrote A registers of in-flight MMAs
+    (tools/wgmma_hazard.py: 43 - 86 such writes a K-step). Without the wait the word path gave rel L2
+    1e-2 - 5e-2 on an H200; with it, 0 such writes and no failing run. The cost: no MMA/decode overlap
+    inside one program, 3 - 6 % for gpt-oss-120b at T >= 2048 on an H200 (same tiles). Compiled only
+    (the interpreter has no inline asm)."""
+    return tl.inline_asm_elementwise("", "=f,0", [acc], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ b: IEEE fp32 FMAs for DOT_FP32 (exact-comparison path), else the tensor cores."""
+    if DOT_FP32:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out

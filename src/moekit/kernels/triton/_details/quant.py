@@ -1,0 +1,75 @@
+"""FP8 row quantization of activations on the device (W8A8), bit for bit as `moekit.formats`.
+
+Data flow: rows [R, C] (x before GEMM1, h before GEMM2) (* the router weight, INPUT placement) -> per
+row, or per 1x128 group: amax -> scale = max(amax / 448, tiny) -> codes rounded to E4M3 nearest-even
+-> float8_e4m3fn [R, C] + fp32 scales [R, G]. Host side: `launch._quantize_rows`.
+"""
+
+import triton
+import triton.language as tl
+
+_FP8_MAX = tl.constexpr(448.0)
+_FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # moekit.formats.fp8's floor for amax / 448
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 `y` (|y| <= 448) to the nearest E4M3 value, ties to even, still in fp32.
+
+    The cast to float8 that follows is then exact everywhere: the Triton interpreter's own
+    fp32 -> fp8 cast does not round to nearest-even (measured), the GPU's cvt.rn does.
+    Adding and subtracting 2^23 * spacing makes the fp32 adder round at the E4M3 spacing.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    exp = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # below 2^-6 the spacing is the subnormal 2^-9
+    magic = ((exp + 20) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3) * 2^23
+    mag = ((tl.abs(y) + magic) - magic).to(tl.int32, bitcast=True)
+    # Copy the sign bit (not `-mag`: negation compiles to 0 - x, which turns -0 into +0).
+    return (mag | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_fp8_rows(
+    src_ptr,  # [R, C] float rows
+    row_mult_ptr,  # fp32 [R] multiplier applied before quantizing (router weight, INPUT placement) or None
+    dst_ptr,  # float8_e4m3fn [R, C]
+    scale_ptr,  # fp32 [R, G]: G = 1 per token, ceil(C/128) per 1x128 group
+    NUM_COLS: tl.constexpr,  # C
+    GROUP_COLS: tl.constexpr,  # C per token, 128 per group
+    stride_src,
+    stride_dst,
+    stride_scale,
+    HAS_ROW_MULT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per (row, group): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    col_start = group * GROUP_COLS
+    offs = tl.arange(0, BLOCK)
+    mult = 1.0
+    if HAS_ROW_MULT:
+        mult = tl.load(row_mult_ptr + row)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    # Loop bounds are constexpr: sizes H and I are fixed per model, and the Triton interpreter cannot
+    # loop over runtime bounds with numpy 2.
+    for c in range(0, GROUP_COLS, BLOCK):
+        cols = col_start + c + offs
+        mask = (c + offs < GROUP_COLS) & (cols < NUM_COLS)
+        v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ROW_MULT:
+            v = v * mult
+        amax = tl.maximum(amax, tl.abs(v))
+    amax_row = tl.max(amax, axis=0)
+    # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
+    scale = tl.maximum(tl.math.div_rn(amax_row, _FP8_MAX), _FP32_TINY)
+    scale = tl.where(amax_row > 0, scale, 1.0)
+    for c in range(0, GROUP_COLS, BLOCK):
+        cols = col_start + c + offs
+        mask = (c + offs < GROUP_COLS) & (cols < NUM_COLS)
+        v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ROW_MULT:
+            v = v * mult
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -_FP8_MAX), _FP8_MAX)
+        tl.store(dst_ptr + row * stride_dst + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr + row * stride_scale + group, scale)

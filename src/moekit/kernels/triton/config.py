@@ -1,0 +1,188 @@
+"""What the Triton fused-MoE path computes, and the config that tiles it.
+
+Data flow: spec -> `triton_supports` (the capability data of `TRITON_CAPABILITIES`, with sm_90 for the
+formats whose dots need Hopper) -> a `TritonMoEConfig` (checked on its own in `__post_init__`) ->
+`TritonMoEConfig.reason_unusable(spec)` (the config against the spec: scale groups, FP8 K-steps, the
+MXFP4 word path's warp count) -> the launch (`launch.py`), which asserts both again.
+`words_reason` says whether a spec's shapes allow the MXFP4_MMA_WORDS packing (`kernel.py` packs).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from moekit.errors import SpecError
+from moekit.formats.mxfp4_words import rows_reason
+from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
+from moekit.spec import (
+    Activation,
+    ActivationQuant,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RouterWeightPlacement,
+    WeightFormat,
+)
+from moekit.weights import WeightPacking
+
+TRITON_CAPABILITIES = Capabilities(
+    weight_formats=frozenset(WeightFormat),
+    fp8_scales=frozenset(Fp8Scale),
+    act_quants=frozenset(ActivationQuant),
+    act_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+    activations=frozenset(Activation),
+    honours_alpha=True,
+    honours_limit=True,
+    gate_layouts=frozenset(GateLayout),
+    bias=True,
+    router_placements=frozenset(RouterWeightPlacement),
+    expert_map=True,
+    devices=frozenset({DeviceKind.CUDA}),
+    packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.MXFP4_MMA_WORDS}),
+    min_compute_capability=(8, 0),  # the float formats; `_SM90_FORMATS` need 9.0
+)
+# FP8 dots need sm_90, and the MXFP4 path is validated on Hopper only: for these formats the one
+# compute-capability rule (`Capabilities.min_compute_capability`) is checked at 9.0.
+_SM90_FORMATS = frozenset({WeightFormat.FP8_E4M3, WeightFormat.MXFP4})
+_SM90_CAPABILITIES = replace(TRITON_CAPABILITIES, min_compute_capability=(9, 0))
+
+
+def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str | None:
+    """None if the Triton path computes `spec` (on `device`, if given), else the reason it cannot."""
+    reason = TRITON_CAPABILITIES.check(spec, device)
+    if reason is None and spec.weight_format in _SM90_FORMATS:
+        # Everything but the compute capability passed above: only sm_90 can refuse here.
+        reason = _SM90_CAPABILITIES.check(spec, device)
+        if reason is not None:
+            return f"{spec.weight_format.name} {reason}"
+    return reason
+
+
+@functools.cache  # `reason_unusable` asks before every launch
+def words_reason(spec: MoESpec) -> str | None:
+    """None if `spec`'s shapes and activations allow MXFP4_MMA_WORDS, else why not. The weights'
+    scale bytes must fit too (`mxfp4_words.scales_reason`), which only the data can tell."""
+    if spec.act_dtype not in (torch.bfloat16, torch.float32):
+        return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
+    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
+        reason = rows_reason(rows)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
+_POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
+
+
+def _check_int(name: str, value: object, valid, rule: str, *, optional: bool = False) -> None:
+    """A TritonMoEConfig field that is an int obeying `rule` (`valid`), or None if `optional`."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not valid(value):
+        allowed = f"None or {rule}" if optional else rule
+        raise SpecError(f"TritonMoEConfig.{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TritonMoEConfig(KernelConfig):
+    """Tile sizes of both grouped GEMMs (GEMM1 loads 2 * block_n weight rows: gate and up).
+
+    Both GEMMs share the M-blocks (block_m: one routing alignment per call), K-step, warps and stages;
+    GEMM2 may take a different N tile (`gemm2_block_n`), since its full tile is half GEMM1's. With
+    `tail_block_m` the alignment is at that half size and each GEMM runs twice: block_m blocks, then
+    each expert's odd last half-block (`align.split_tail_blocks`).
+    `split_k` > 1 splits each GEMM's reduction into that many shares, one program each, summed in a
+    fixed order by a small second kernel (deterministic): more programs, and more bytes in flight,
+    when few M-blocks leave most of the SMs idle (decode).
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = False  # compute W @ A^T: weight rows on the MMA's M side, tokens on its N side
+    # ptxas register cap per thread (PTX .maxnreg); None lets ptxas choose. Fewer registers fit more
+    # programs on an SM, which hides the latency of the MXFP4 decode at small T, at some extra moves.
+    max_registers: int | None = None
+    # GEMM2's weight rows per tile; None: block_n. With 4 warps, GEMM1's 2 * 64 rows and GEMM2's 128 rows
+    # give both the same 128-row register operand (two m64 wgmma per warpgroup).
+    gemm2_block_n: int | None = None
+    split_k: int = 1
+    # block_m // 2, or None: an expert's last `tail_block_m` pairs or fewer run as a block of that size in
+    # a second launch of each GEMM instead of padding a full block_m block (half its MMA rows wasted).
+    tail_block_m: int | None = None
+
+    @property
+    def block_n_gemm2(self) -> int:
+        """The N tile GEMM2 runs with."""
+        return self.block_n if self.gemm2_block_n is None else self.gemm2_block_n
+
+    def __post_init__(self) -> None:
+        for name in (*_POW2_FIELDS, "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"TritonMoEConfig.{name} must be a positive int, got {value!r}")
+        for name in _POW2_FIELDS:
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise SpecError(f"TritonMoEConfig.{name} must be a power of two, got {value}")
+        for name in ("block_m", "block_n", "block_k"):  # tl.dot's smallest tile edge
+            if getattr(self, name) < 16:
+                raise SpecError(f"TritonMoEConfig.{name} must be >= 16, got {getattr(self, name)}")
+        if not isinstance(self.swap_ab, bool):
+            raise SpecError(f"TritonMoEConfig.swap_ab must be a bool, got {self.swap_ab!r}")
+        if self.num_warps > 16 or self.num_stages > 8:
+            raise SpecError(f"num_warps <= 16 and num_stages <= 8, got {self.num_warps}, {self.num_stages}")
+        _check_int(
+            "gemm2_block_n",
+            self.gemm2_block_n,
+            lambda n: 16 <= n <= 256 and not n & (n - 1),
+            "a power of two in [16, 256]",
+            optional=True,
+        )
+        _check_int("split_k", self.split_k, lambda n: 1 <= n <= 16, "an int in [1, 16]")
+        _check_int(
+            "tail_block_m",
+            self.tail_block_m,
+            lambda m: m == self.block_m // 2 and m >= 16,
+            f"block_m // 2 = {self.block_m // 2} (at least 16)",
+            optional=True,
+        )
+        if self.tail_block_m is not None and self.split_k != 1:
+            raise SpecError(
+                f"TritonMoEConfig.tail_block_m needs split_k=1 (tail blocks are for large batches), got "
+                f"split_k={self.split_k}; drop one of them"
+            )
+        _check_int(
+            "max_registers",
+            self.max_registers,
+            lambda r: 32 <= r <= 255 and not r % 8,
+            "a multiple of 8 in [32, 255] (ptxas' per-thread range)",
+            optional=True,
+        )
+
+    def reason_unusable(self, spec: MoESpec) -> str | None:
+        """None if this config can compute `spec`, else why not."""
+        if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
+            return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
+        per_128 = spec.fp8_scale is Fp8Scale.BLOCK_128 or spec.act_quant is ActivationQuant.FP8_PER_GROUP_128
+        if per_128 and self.block_k > 128:
+            return f"128-wide FP8 scale groups need block_k <= 128, got {self.block_k}"
+        if spec.act_quant is not ActivationQuant.NONE and self.block_k < 32:
+            return f"FP8 x FP8 dots need block_k >= 32, got {self.block_k}"
+        if spec.weight_format is WeightFormat.MXFP4 and self.num_warps > 4 and words_reason(spec) is None:
+            # 8-warp tiles on the word path: on an H200, without the K-step wgmma wait
+            # (`_details.matmul._wait_for_mma`) they gave rel L2 3e-3 on most runs and 1e32 or inf on
+            # some; with the wait they were 11 - 58 % slower at every T, and no race hunt has cleared
+            # them. Refused.
+            return (
+                f"the MXFP4 word path (MXFP4_MMA_WORDS, {spec.act_dtype} activations) is not verified with "
+                f"{self.num_warps} warps (it gave intermittently wrong results before the K-step wgmma wait, "
+                f"and was slower after it); use num_warps=4"
+            )
+        return None

@@ -1,0 +1,149 @@
+"""How the Triton fused-MoE path is tiled when no tuned row decides: the regimes of tokens per expert.
+
+Data flow: (spec, T) -> tokens per expert (T * K / E_local, the M rows each expert's GEMMs see on
+average) -> `default_config` (one config per regime and weight format) or `tuning_space` (the default
+first, then the tiles worth sweeping in that regime; `moekit.app.autotune` times them and writes the
+tuned rows that refine the default per model and T).
+The figures quoted below were measured on an H200 (whole layer, graph replay, L2 flushed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from moekit.kernels.triton.config import TritonMoEConfig
+from moekit.spec import ActivationQuant, MoESpec, WeightFormat
+
+
+def _tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
+    return max(num_tokens, 1) * spec.K / spec.E_local
+
+
+def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
+    """A capable config without tuning: tiles grow with the tokens each expert sees on average.
+
+    Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed); the tuned rows of
+    `moekit/planning/tables/h200.json` refine it per model and T.
+    """
+    per_expert = _tokens_per_expert(spec, num_tokens)
+    if spec.act_dtype == torch.float32 and spec.act_quant is ActivationQuant.NONE:
+        # fp32 dots run on FMA units (exact-comparison path): small tiles keep registers in check.
+        return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
+    fmt = spec.weight_format
+    if fmt is WeightFormat.MXFP4:
+        if per_expert <= 8:  # weight streaming: the decode, not the MMA, sets the pace
+            return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
+        if per_expert <= 24:
+            return TritonMoEConfig(block_m=32, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)
+        if per_expert <= 96:
+            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+    if fmt is WeightFormat.FP8_E4M3:
+        # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
+        if per_expert <= 16:
+            return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
+        return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+    if per_expert <= 8:
+        return TritonMoEConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=3)
+    if per_expert <= 32:
+        return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+    return TritonMoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
+    """`default_config` first, then tiles for the regime of tokens per expert, from H200 sweeps
+    (benchmarks/sweep_configs.py): decode streams weights (16-row M tiles, deeper pipelines, both
+    orientations for formats without MXFP4's register-side upcast), prefill grows the M tile.
+    Configs that cannot serve the spec are dropped."""
+    per_expert = _tokens_per_expert(spec, num_tokens)
+    mxfp4 = spec.weight_format is WeightFormat.MXFP4
+    default = default_config(spec, num_tokens)
+    # (block_m, block_n, block_k, group_m, num_warps, num_stages)
+    if per_expert <= 8:
+        tiles = [
+            (16, 32, 128, 1, 4, 3),
+            (16, 64, 64, 1, 4, 4),
+            (16, 64, 64, 1, 4, 5),
+            (16, 64, 64, 1, 8, 4),
+            (16, 64, 128, 1, 4, 3),
+            (16, 64, 128, 1, 4, 4),
+            (16, 128, 64, 1, 8, 4),
+            # Two warpgroups on wide, deep tiles, as triton_kernels decodes gpt-oss (its opt_flags:
+            # block_n 256 rows of w13 = our 2 * 128, block_k 128, 8 warps).
+            (16, 128, 128, 1, 8, 3),
+            (16, 64, 128, 1, 8, 3),
+        ]
+        # Register caps (5 or 6 programs per SM instead of 4) and 4-stage 2-warpgroup tiles were 5 - 60 %
+        # slower for gpt-oss on an H200 at every T <= 256: not swept.
+    elif per_expert <= 32:
+        tiles = [
+            (16, 64, 64, 4, 4, 4),
+            (32, 64, 64, 4, 4, 4),
+            (32, 64, 64, 4, 8, 4),
+            (32, 128, 64, 4, 8, 4),
+            (64, 64, 64, 8, 4, 4),
+        ]
+        if mxfp4:  # one M-block per expert decodes each weight tile once, half-empty or not
+            tiles += [
+                (32, 64, 128, 4, 4, 3),
+                (64, 64, 64, 8, 4, 3),
+                (32, 64, 128, 4, 4, 4),
+                (64, 64, 128, 8, 4, 3),
+            ]
+    elif per_expert <= 128:
+        tiles = [
+            (32, 64, 64, 8, 4, 4),
+            (64, 64, 64, 8, 4, 4),
+            (64, 64, 64, 8, 4, 3),
+            (64, 128, 64, 8, 8, 4),
+            (128, 64, 64, 8, 4, 4),
+        ]
+        if mxfp4:  # 64 rows of w13 a tile (see below)
+            tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4)]
+    else:
+        tiles = [
+            (128, 64, 64, 8, 4, 4),
+            (128, 64, 64, 8, 4, 3),
+            (64, 64, 64, 8, 4, 4),
+            (128, 128, 64, 8, 8, 4),
+            (128, 128, 64, 8, 8, 3),
+        ]
+        # 8-warp MXFP4 tiles (block_m 256, block_n / block_k 128) were 2 - 13 % slower at T >= 2048 on an
+        # H200 (before the word path refused them, `reason_unusable`): not swept.
+        if mxfp4:  # 64 rows of w13 a tile: a third the registers, three programs an SM instead of two
+            tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4), (256, 32, 64, 8, 4, 3)]
+    # MXFP4 upcasts on the register side of the MMA whichever way round (Triton's dot_scaled), so
+    # swapping only adds a transpose there; float and FP8 weights try it while M tiles are small.
+    swaps = (False,) if mxfp4 or per_expert > 8 else (False, True)
+    # GEMM2's tile is half GEMM1's (no gate/up pair): 4-warp tiles also try GEMM2 on 128 weight rows,
+    # the size of GEMM1's operand, which halves the activation rows GEMM2 re-reads per weight row.
+    grid = [
+        TritonMoEConfig(
+            block_m=m,
+            block_n=n,
+            block_k=k,
+            group_m=g,
+            num_warps=w,
+            num_stages=st,
+            swap_ab=swap,
+            gemm2_block_n=n2,
+        )
+        for m, n, k, g, w, st in tiles
+        for swap in swaps
+        for n2 in {(64, 4): (None, 128), (32, 4): (64, 128)}.get((n, w), (None,))
+    ]
+    if num_tokens * spec.K <= 32:
+        # A decode step of few pairs hits at most that many experts: T = 1 of gpt-oss-120b runs 4 x 45
+        # GEMM1 programs on 132 SMs. Split-K multiplies the programs (and weight bytes in flight).
+        grid += [replace(default, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
+    if per_expert > 32:
+        # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
+        # at T = 2048 - 16384 on an H200.
+        grid += [replace(c, tail_block_m=c.block_m // 2) for c in grid if c.block_m >= 64 and c.split_k == 1]
+    # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
+    # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200:
+    # not swept.
+    unique = dict.fromkeys([default, *grid])
+    return tuple(c for c in unique if c.reason_unusable(spec) is None)
