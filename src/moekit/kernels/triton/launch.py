@@ -193,21 +193,16 @@ class _WeightArgs:
         )
 
 
-def _check(x, *, spec, config, expert_map, out) -> None:
+def _check(x, *, spec, config, out) -> None:
     """The launch's own invariants, without reading device memory (no sync): the config against the
     spec, and the arguments only the launch takes. The inputs against the spec (x, weights and their
-    packing, routing, devices, whether an expert map is needed) were checked by `moekit.ops.fused_moe`
-    before any launch (`moekit.reference.check_inputs`, `Kernel.weights_reason`)."""
+    packing, routing, devices, the expert map's presence, shape and dtype) were checked by
+    `moekit.ops.fused_moe` before any launch (`moekit.checks.check_forward`, `Kernel.weights_reason`)."""
     if not isinstance(config, TritonMoEConfig):
         raise SpecError(f"config must be a TritonMoEConfig, got {type(config).__name__}")
     reason = triton_supports(spec) or config.reason_unusable(spec)
     if reason is not None:
         raise SpecError(f"the Triton path cannot run this spec ({spec.describe()}): {reason}")
-    # The alignment reads the map as int32 [E]; the caller checks its values only when it may sync.
-    if expert_map is not None and (expert_map.shape != (spec.E,) or expert_map.dtype != torch.int32):
-        raise ShapeError(
-            f"expert_map must be int32 [E={spec.E}], got {expert_map.dtype} {tuple(expert_map.shape)}"
-        )
     if out is not None and (
         tuple(out.shape) != (x.shape[0], spec.H) or out.dtype != spec.act_dtype or out.stride(1) != 1
     ):
@@ -275,7 +270,7 @@ def triton_fused_moe(
     Matches `moekit.reference.fused_moe_reference`. Routing ids are not range-checked here (that
     syncs): out-of-range ids are dropped. `out`, if given, receives the result (and is returned).
     """
-    _check(x, spec=spec, config=config, expert_map=expert_map, out=out)
+    _check(x, spec=spec, config=config, out=out)
     num_tokens, top_k = x.shape[0], spec.K
     if out is None:
         out = torch.empty(num_tokens, spec.H, dtype=spec.act_dtype, device=x.device)

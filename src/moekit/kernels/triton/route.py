@@ -1,5 +1,5 @@
 """Host side of the one-launch softmax routings (`_details.route._route_softmax`), used by
-`moekit.routing.route` for CUDA logits.
+`moekit.ops.route` for CUDA logits (`moekit.routing.route_torch` is its torch twin).
 
 Data flow: logits [T, E] -> (SOFTMAX_TOPK: softmax over E) -> the top K by `_order_key` -> weights
 (TOPK_SOFTMAX: softmax over the K; SOFTMAX_TOPK: optionally renormalized) * routed_scaling_factor.
