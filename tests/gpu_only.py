@@ -1,6 +1,8 @@
-"""The module-level gate of the compiled-GPU test files (`test_triton_gpu.py`, `test_layer_gpu.py`)."""
+"""What the compiled-GPU test files share: their module-level gate and a count of Triton compilations."""
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,3 +18,30 @@ def skip_unless_compiled_gpu() -> None:
             allow_module_level=True,
         )
     pytest.importorskip("triton")
+
+
+@contextlib.contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """Yield a list that receives `module.kernel` for every Triton kernel compiled inside the block.
+
+    Triton calls `knobs.runtime.jit_post_compile_hook` each time a JIT function adds a kernel to its
+    in-process cache, whether it compiled it or loaded it from the on-disk cache, so a served forward
+    that needed a kernel warmup did not prepare is counted even when the disk cache is warm. A Triton
+    without the hook raises here instead of counting nothing; callers also assert that the warmup they
+    measure counted something, so a hook that stopped firing fails too.
+    """
+    from triton import knobs
+
+    seen: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        fn = kwargs["fn"]
+        seen.append(f"{fn.module}.{fn.name}")
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield seen
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous

@@ -1,7 +1,8 @@
 """The one-launch softmax routing (`moekit.kernels.triton.route`) against the torch twin
 (`moekit.routing.route_torch`, what `moekit.route` runs off CUDA): identical ids, weights within fp32
 rounding. On the CPU under TRITON_INTERPRET=1 (set by conftest.py); on a GPU the same tests run compiled
-(mark `gpu` where CUDA is required)."""
+and are marked `gpu`, and test_interpreter_suite.py also runs them interpreted in a child pytest with
+CUDA hidden."""
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from moekit import RoutingMethod, RoutingSpec, route  # noqa: E402
 from moekit.kernels.triton.route import MAX_EXPERTS, fast_route_supported, route_softmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Compiled on a CUDA machine, so `pytest -m gpu` runs them there; interpreted anywhere else.
+pytestmark = pytest.mark.gpu if DEVICE == "cuda" else pytest.mark.interpret
 
 SPECS = [
     RoutingSpec(method=RoutingMethod.TOPK_SOFTMAX),

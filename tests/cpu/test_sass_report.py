@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("gemm", "block_m", "block_n", "block_k", "warps", "stages", "split_k", "block_starts")
 
 

@@ -96,10 +96,14 @@ def test_patched_logits_match_and_unpatch_restores_exactly(family: Family) -> No
     err = relative_l2_error(got.logits, expected.logits)
     print(f"\n{family.value}: patched vs unpatched logits rel L2 {err:.2e}")
     assert err <= RTOL
-    # Router logits are still recorded (the HF router module runs inside the patched block).
+    # Router logits are still recorded (the HF router module runs inside the patched block). The first
+    # layer's router sees the same embeddings, so its logits are bit-identical; a later layer's router
+    # sees the previous patched block's output, which equals HF's only to fp32 summation order (another
+    # matmul split, e.g. another thread count, moves its last bits), so it is held to the same RTOL.
     assert len(got.router_logits) == 2
-    for a, b in zip(got.router_logits, expected.router_logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(got.router_logits[0], expected.router_logits[0], rtol=0, atol=0)
+    for a, b in zip(got.router_logits[1:], expected.router_logits[1:], strict=True):
+        assert relative_l2_error(a, b) <= RTOL
 
     assert unpatch(model) == 2
     assert all(model.get_submodule(n) is m for n, m in blocks.items())

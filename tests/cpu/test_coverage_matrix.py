@@ -1,8 +1,12 @@
 """Coverage matrix: for every weight format x activation (with and without clamp) x gate layout x bias x
-router placement, and each registered kernel alone, the plan either runs and matches the reference
-within the tolerance table, or is refused at plan time with UnsupportedSpecError. Nothing else, ever.
+router placement, and each registered kernel alone, the plan either runs and matches the oracle
+(`fused_moe_reference`) within the tolerance table, or is refused at plan time with UnsupportedSpecError.
+Nothing else, ever. The oracle itself is checked on the same matrix against the per-token loop, a second
+spelling of the math that shares none of its code, so the `reference` kernel's row (which runs the
+oracle) does not merely compare the oracle with itself.
 """
 
+import functools
 import itertools
 from dataclasses import replace
 
@@ -24,7 +28,7 @@ from moekit import (
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
-from moekit.reference import relative_l2_error
+from moekit.reference import fused_moe_per_token_loop, relative_l2_error
 from moekit.synthetic import random_layer, random_tokens
 
 # (format, fp8 scale, activation quantization, activation dtype); fp32 activations where the kernel's own
@@ -76,6 +80,17 @@ def _specs():
 SPECS = list(_specs())
 
 
+@functools.cache
+def _case(index: int):
+    """(layer, x, routing, oracle output) of SPECS[index], shared by every kernel's row."""
+    spec = SPECS[index]
+    layer = random_layer(spec, seed=index)
+    x = random_tokens(spec, 5, seed=index)
+    logits = x.float() @ layer.router_weight.float().T
+    routing = moekit.route(logits, top_k=spec.K, spec=spec.routing)
+    return layer, x, routing, moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
+
+
 @pytest.mark.parametrize("kernel_name", default_registry().names)
 def test_coverage_matrix(kernel_name):
     registry = KernelRegistry([default_registry().get(kernel_name)])
@@ -87,11 +102,7 @@ def test_coverage_matrix(kernel_name):
             assert kernel_name in str(err)
             refused += 1
             continue
-        layer = random_layer(spec, seed=index)
-        x = random_tokens(spec, 5, seed=index)
-        logits = x.float() @ layer.router_weight.float().T
-        routing = moekit.route(logits, top_k=spec.K, spec=spec.routing)
-        expected = moekit.fused_moe_reference(x, layer.weights, routing, spec=spec)
+        layer, x, routing, expected = _case(index)
         out = fused_moe(
             x,
             prepare_weights(layer.weights, result, registry=registry),
@@ -106,6 +117,14 @@ def test_coverage_matrix(kernel_name):
     # On a CPU the CUDA-only kernels refuse everything; CPU kernels must run the whole matrix.
     cpu_kernel = registry.get(kernel_name).capabilities.devices != {moekit.kernels.base.DeviceKind.CUDA}
     assert (ran == len(SPECS)) if cpu_kernel else (ran == 0), (kernel_name, ran, refused)
+
+
+def test_the_oracle_matches_the_per_token_loop_on_the_whole_matrix():
+    for index, spec in enumerate(SPECS):
+        layer, x, routing, expected = _case(index)
+        loop = fused_moe_per_token_loop(x, layer.weights, routing, spec=spec)
+        err = relative_l2_error(expected, loop)
+        assert err <= TOLERANCE[spec.act_dtype], f"oracle on {spec.describe()}: rel L2 {err:.2e} vs the loop"
 
 
 def test_matrix_covers_the_combinations():
