@@ -30,7 +30,7 @@ Checkpoint facts, verified against public code (facts only, no code copied):
 - transformers 5.24 (installed) `integrations/mxfp4.py` (`_convert_moe_packed_tensors`: scales - 127,
   low nibble -> even column, result `[E, N, in]` then transposed to the `[E, in, N]` parameters of
   `GptOssExperts`) and `quantizers/quantizer_mxfp4.py` (expects `gate_up_proj_blocks/_scales`,
-  `down_proj_blocks/_scales`). `tests/test_hf_parity.py` runs that dequantizer on moekit's blocks.
+  `down_proj_blocks/_scales`). `tests/cpu/test_hf_parity.py` runs that dequantizer on moekit's blocks.
 Biases and the router are accepted in fp32, bf16 or fp16 and kept as stored (the reference
 accumulates in fp32).
 """

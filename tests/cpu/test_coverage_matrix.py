@@ -28,8 +28,9 @@ from moekit import (
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
-from moekit.reference import fused_moe_per_token_loop, relative_l2_error
+from moekit.reference import relative_l2_error
 from moekit.synthetic import random_layer, random_tokens
+from oracle_loop import fused_moe_per_token_loop
 
 # (format, fp8 scale, activation quantization, activation dtype); fp32 activations where the kernel's own
 # arithmetic can be exact, so a wrong element shows; one bf16 row to cover the bf16 rounding path.

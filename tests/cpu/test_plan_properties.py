@@ -1,5 +1,5 @@
 """Property: over random specs, shapes, devices and random tuned tables, `plan` never returns a kernel
-that does not support the spec on that device (guide §3.1)."""
+that does not support the spec on that device."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""The planner: never an incapable kernel, whatever the tuned tables say (guide §3.1-3.3).
+"""The planner: never an incapable kernel, whatever the tuned tables say.
 
 The regression suite replays the failure that motivated moekit on the gpt-oss-120b spec (MXFP4,
 SWIGLU_OAI alpha=1.702 L=7, INTERLEAVED, biases): each bad table state must resolve to a capable

@@ -48,7 +48,8 @@ def test_softmax_topk_without_renormalize_keeps_full_softmax_mass():
 
 
 def test_softmax_topk_renormalized_equals_topk_softmax():
-    # Mathematically identical (guide §2); the ids must agree exactly, weights to fp32 rounding.
+    # Mathematically identical (softmax is monotonic, and renormalizing the K kept probabilities is the
+    # softmax over those K logits); the ids must agree exactly, weights to fp32 rounding.
     logits = torch.randn(33, 32)
     a = route(logits, top_k=4, spec=RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=True))
     b = route(logits, top_k=4, spec=TOPK_SOFTMAX)

@@ -323,8 +323,8 @@ def test_orientations_match_reference(name, orientation, t):
     from moekit.kernels.triton.config import words_reason
 
     if spec.weight_format is WeightFormat.MXFP4 and config.num_warps > 4 and words_reason(spec) is None:
-        # Specs that may take the MXFP4 word path refuse 8 warps (a race measured there, RESULTS.md
-        # session 3), whichever packing the weights end up in: the launch must refuse before running.
+        # Specs that may take the MXFP4 word path refuse 8 warps (intermittently wrong results were
+        # measured there on an H200), whichever packing the weights end up in: the launch must refuse.
         assert "num_warps=4" in config.reason_unusable(spec)
         with pytest.raises(SpecError, match="num_warps=4"):
             _run(spec, _weights(name), *_inputs(spec, t, seed=100 + t), config=config)

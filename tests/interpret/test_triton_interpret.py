@@ -655,8 +655,8 @@ def test_configs_that_do_not_fit_the_spec_are_refused():
 
 
 def test_the_word_path_refuses_more_than_four_warps():
-    """8-warp tiles are not verified on the MXFP4 word path: intermittently wrong results before the
-    K-step wgmma wait (H200, session 3), slower and not race-hunted after it (session 5)."""
+    """8-warp tiles are not verified on the MXFP4 word path: intermittently wrong results on an H200
+    without the K-step wgmma wait, slower and not race-hunted with it."""
     words = _spec(fmt=WeightFormat.MXFP4, dtype=torch.bfloat16, h=256, i=128)
     eight = TritonMoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
     assert "num_warps=4" in eight.reason_unusable(words)
