@@ -21,10 +21,14 @@ Data flow:
 Device and dtype: build a FusedMoE on its target device (`device=`, default the weights' device): that
 avoids a second copy and a second round of planning. `.to(device)` / `.cuda()` (also through a parent
 module) still work: they move the source weights and router tensors, drop every plan and prepared copy
-and plan bucket 1 again for the new device. Casts are refused (`.half()`, `.to(dtype)` raise DTypeError
-when they would change the act dtype, and never touch the tensors otherwise): the dtypes belong to the
-spec. Expert weights are plain attributes and the router tensors non-persistent buffers, so
-`state_dict()` is empty: rebuild the layer from its checkpoint rather than loading a state dict into it.
+and plan bucket 1 again for the new device, all or nothing (a refused device leaves the layer as it was).
+Casts are refused (`.half()`, `.to(dtype)` raise DTypeError when they would change the act dtype, and
+never touch the tensors otherwise): the dtypes belong to the spec, as a loaded model's dtype does in vLLM
+or SGLang. Through a parent module the refusal comes when `nn.Module._apply` reaches this layer, after
+the parent's earlier children were cast; `check_conversion` asks without changing anything, so a parent
+can refuse first (the Hugging Face patch does, for the whole model). Expert weights are plain attributes
+and the router tensors non-persistent buffers, so `state_dict()` is empty: rebuild the layer from its
+checkpoint rather than loading a state dict into it (a patched HF block saves and loads its own).
 
 Inference only: the custom op has no autograd formula. Value checks that would sync (expert-id ranges)
 are unnecessary here: `route` only produces ids in [0, E).
@@ -326,32 +330,55 @@ class FusedMoE(torch.nn.Module):
         )
 
     # ----- module plumbing ---------------------------------------------------------------------------
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
-        # `fn` is never applied to this layer's tensors (a model-wide `.to(dtype)` would cast fp32 biases
-        # or FP32-format weights behind the spec's back). A probe tells what it does: a device change moves
-        # the layer and plans again for the new device; an act-dtype change is refused.
+    def check_conversion(self, fn) -> torch.device:  # noqa: ANN001 - an nn.Module._apply function
+        """The device `fn` (what `.to()`, `.half()`, `.cuda()` apply to each tensor) would move this layer
+        to; `DTypeError` if it would change the act dtype, `DeviceError` for a device moekit does not run
+        on. Changes nothing, so a parent can ask every moekit layer first and refuse a cast before any of
+        its own tensors changes."""
         probe = fn(torch.empty(0, dtype=self.spec.act_dtype, device=self._device))
         if probe.dtype != self.spec.act_dtype:
             raise DTypeError(
                 f"FusedMoE runs in act_dtype {self.spec.act_dtype} and cannot be cast to "
-                f"{probe.dtype}: build it with a spec of that act_dtype"
+                f"{probe.dtype}: build it with a spec of that act_dtype (for a patched Hugging Face "
+                "model: unpatch, cast, patch again)"
             )
-        if _normalize_device(probe.device) != self._device:
-            self._move(_normalize_device(probe.device))
+        device = _normalize_device(probe.device)
+        DeviceInfo.of(device)  # refuses a device type moekit does not run on
+        return device
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        # `fn` is never applied to this layer's tensors (a model-wide `.to(dtype)` would cast fp32 biases
+        # or FP32-format weights behind the spec's back): a device change moves the layer and plans again
+        # for the new device; an act-dtype change is refused.
+        device = self.check_conversion(fn)
+        if device != self._device:
+            self._move(device)
         return self
 
     def _move(self, device: torch.device) -> None:
-        """Move weights and router tensors to `device`, drop every plan and prepared copy, plan bucket 1."""
-        self.weights = self.weights.to(device)
-        for name in ("router_weight", "router_bias", "correction_bias", "expert_map"):
-            if self._buffers.get(name) is not None:
-                self._buffers[name] = self._buffers[name].to(device)
-        self._device = device
-        self._device_info = DeviceInfo.of(device)
-        self._plans.clear()
-        self._prepared.clear()
-        self._kernels.clear()
-        self.plan_for(1)  # the new device may refuse the spec: say so now, not at the next forward
+        """Move weights and router tensors to `device`, drop every plan and prepared copy, plan bucket 1.
+
+        All or nothing: if the new device is refused (no moekit device, no capable kernel there), the
+        layer keeps its tensors, device and plans exactly as they were."""
+        saved = (self.weights, dict(self._buffers), self._device, self._device_info)
+        caches = (dict(self._plans), dict(self._prepared), dict(self._kernels))
+        try:
+            self._device_info = DeviceInfo.of(device)  # an unknown device type is refused before any copy
+            self.weights = self.weights.to(device)
+            for name in ("router_weight", "router_bias", "correction_bias", "expert_map"):
+                if self._buffers.get(name) is not None:
+                    self._buffers[name] = self._buffers[name].to(device)
+            self._device = device
+            for cache in (self._plans, self._prepared, self._kernels):
+                cache.clear()
+            self.plan_for(1)  # the new device may refuse the spec: say so now, not at the next forward
+        except BaseException:
+            self.weights, buffers, self._device, self._device_info = saved
+            self._buffers.update(buffers)
+            for cache, old in zip((self._plans, self._prepared, self._kernels), caches, strict=True):
+                cache.clear()
+                cache.update(old)
+            raise
 
     def __setstate__(self, state: dict) -> None:  # unpickling: a new process, a new handle
         super().__setstate__(state)

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
-from moekit import SpecError, UnsupportedSpecError  # noqa: E402
+from moekit import MoekitError, SpecError, UnsupportedSpecError  # noqa: E402
 from moekit.integrations.transformers.patch import (  # noqa: E402
     Family,
     MoekitMoEBlock,
@@ -150,3 +150,135 @@ def test_a_block_that_cannot_be_planned_leaves_the_model_unpatched() -> None:
         patch_model(model, options=refusing)
     assert not any(isinstance(m, MoekitMoEBlock) for m in model.modules())
     assert all(torch.equal(p, v) and p.numel() > 0 for p, v in before.values())
+
+
+# ----- saving and loading a patched model ------------------------------------------------------------------
+def _saved_tensors(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    assert files, f"no safetensors written to {directory}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("family", list(Family), ids=[f.value for f in Family])
+def test_save_pretrained_of_a_patched_model_writes_the_unpatched_checkpoint(family: Family, tmp_path) -> None:
+    model = _model(family)
+    with torch.no_grad():
+        expected = model(IDS).logits
+    unpatched_state = model.state_dict()
+    model.save_pretrained(tmp_path / "unpatched")
+    patch_model(model)
+    state = model.state_dict()
+    assert list(state) == list(unpatched_state)  # same names, same order
+    assert all(torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in unpatched_state.items())
+
+    model.save_pretrained(tmp_path / "patched")
+    saved, reference = _saved_tensors(tmp_path / "patched"), _saved_tensors(tmp_path / "unpatched")
+    assert saved.keys() == reference.keys()
+    assert all(torch.equal(saved[k], v) for k, v in reference.items())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "patched", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(IDS).logits, expected, rtol=0, atol=0)
+    unpatch(model)  # saving left the patched model as it was
+    assert all(torch.equal(p, unpatched_state[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("family", [Family.GPT_OSS, Family.MIXTRAL], ids=["gpt_oss", "mixtral"])
+@pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
+def test_load_state_dict_into_a_patched_model_loads_the_experts(family: Family, release: bool) -> None:
+    source = _model(family)
+    with torch.no_grad():
+        expected = source(IDS).logits
+    state = source.state_dict()
+    patch_model(source)
+    with torch.no_grad():
+        expected_patched = source(IDS).logits
+
+    model = _model(family, seed=5)
+    patch_model(model, release_originals=release)
+    assert not torch.equal(model(IDS).logits, expected_patched)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, expected_patched, rtol=0, atol=0)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    unpatch(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_a_bad_state_dict_is_refused_and_leaves_the_patched_model_as_it_was() -> None:
+    model = _model(Family.QWEN3_MOE)
+    state = model.state_dict()
+    patch_model(model)
+    with torch.no_grad():
+        before = model(IDS).logits
+    key = "model.layers.1.mlp.experts.down_proj"
+    with pytest.raises(RuntimeError, match=f"Missing key.*{key}"):
+        model.load_state_dict({k: v for k, v in state.items() if k != key})
+    with pytest.raises(RuntimeError, match=f"size mismatch for {key}"):
+        model.load_state_dict(state | {key: state[key][:, :-1]})
+    with pytest.raises(RuntimeError, match="Unexpected key.*experts.bogus"):
+        model.load_state_dict(state | {"model.layers.0.mlp.experts.bogus": torch.zeros(1)})
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, before, rtol=0, atol=0)
+
+
+# ----- casts and moves -------------------------------------------------------------------------------------
+def _every_tensor(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (moekit's non-persistent ones too) and every moekit weight tensor."""
+    found = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, m in model.named_modules():
+        if isinstance(m, MoekitMoEBlock):
+            found |= {f"{name}.moe.weights.{n}": t for n, t in m.moe.weights.tensors().items()}
+    return found
+
+
+CASTS = {
+    "half": lambda m: m.half(),
+    "to_bf16": lambda m: m.to(torch.bfloat16),
+    "to_fp16_cpu": lambda m: m.to("cpu", torch.float16),
+    "double": lambda m: m.double(),
+    "inner_model_half": lambda m: m.model.half(),
+    "layers_half": lambda m: m.model.layers.half(),
+    "block_half": lambda m: m.model.layers[1].mlp.half(),
+    "to_meta": lambda m: m.to("meta"),
+}
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("family", list(Family), ids=[f.value for f in Family])
+def test_a_refused_cast_leaves_every_tensor_as_it_was(family: Family, cast: str) -> None:
+    model = _model(family)
+    patch_model(model)
+    with torch.no_grad():
+        before_logits = model(IDS).logits
+    before = {n: (t, t.dtype, t.device, t.detach().clone()) for n, t in _every_tensor(model).items()}
+    with pytest.raises(MoekitError, match="act_dtype|cpu or cuda"):
+        CASTS[cast](model)
+    after = _every_tensor(model)
+    assert after.keys() == before.keys()
+    for name, (t, dtype, device, values) in before.items():
+        assert after[name] is t and t.dtype == dtype and t.device == device, name
+        assert torch.equal(t, values), name
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, before_logits, rtol=0, atol=0)
+
+
+def test_same_dtype_casts_and_device_moves_work_and_unpatch_removes_the_guards() -> None:
+    model = _model(Family.GPT_OSS)
+    with torch.no_grad():
+        expected = model(IDS).logits
+    patch_model(model)
+    with torch.no_grad():
+        before = model(IDS).logits
+    assert model.float() is model and model.to("cpu") is model and model.to(torch.float32) is model
+    assert model.cpu() is model and model.to("cpu", torch.float32) is model
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, before, rtol=0, atol=0)
+    unpatch(model)
+    assert not any("_apply" in m.__dict__ for m in model.modules())
+    model.half()  # the unpatched model casts as transformers does
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    with torch.no_grad():
+        torch.testing.assert_close(model.float()(IDS).logits, expected, rtol=2e-2, atol=2e-2)

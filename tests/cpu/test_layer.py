@@ -288,6 +288,27 @@ def test_casts_are_refused_and_same_device_moves_are_no_ops() -> None:
     torch.testing.assert_close(moe(x), before, rtol=0, atol=0)
 
 
+def test_a_refused_move_leaves_the_layer_as_it_was() -> None:
+    moe, _ = _layer(GPT_OSS_SMALL)
+    x = random_tokens(GPT_OSS_SMALL, 5)
+    before, plans = moe(x), moe.plans
+    tensors = dict(moe.weights.tensors()) | dict(moe.named_buffers())
+    with pytest.raises(DeviceError, match="meta"):
+        torch.nn.Sequential(moe).to("meta")
+    with pytest.raises(DeviceError, match="meta"):
+        moe.check_conversion(lambda t: t.to("meta"))
+    # A device whose planner refuses the spec (a CUDA one, on a CPU-only machine simulated): all or nothing.
+    refusing = UnsupportedSpecError("no registered kernel supports this spec on the new device")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "plan_for", lambda n: (_ for _ in ()).throw(refusing))
+        with pytest.raises(UnsupportedSpecError, match="new device"):
+            moe._move(torch.device("cpu"))
+    assert moe.device == torch.device("cpu") and moe.plans == plans
+    after = dict(moe.weights.tensors()) | dict(moe.named_buffers())
+    assert after.keys() == tensors.keys() and all(after[n] is t for n, t in tensors.items())
+    torch.testing.assert_close(moe(x), before, rtol=0, atol=0)
+
+
 def test_copies_get_their_own_handle_and_freed_layers_leave_the_registry() -> None:
     moe, _ = _layer(FP32)
     x = random_tokens(FP32, 9)

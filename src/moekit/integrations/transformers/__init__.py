@@ -2,7 +2,8 @@
 
 Data flow: `families` describes each supported family once (block class, router name, config fields,
 experts layout) -> `convert` turns a block (or a config and its expert tensors) into a spec and
-`ExpertWeights` (and back) -> `patch` swaps a model's blocks for `FusedMoE` layers and puts them back.
+`ExpertWeights` (and back) -> `block.MoekitMoEBlock` runs a `FusedMoE` in a block's place (saved, loaded
+and cast as the block would be) -> `patch` swaps a model's blocks for them and puts them back.
 Importing this package imports neither transformers nor torch models: each function reads the modules
 it is given.
 """

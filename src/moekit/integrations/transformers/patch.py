@@ -7,13 +7,18 @@ Data flow (which classes are blocks, where their router sits and what they retur
     copy of the experts) -> `FusedMoE` on the experts' device (planned now: an unsupported spec raises,
     and blocks already swapped are put back) -> a `MoekitMoEBlock` that keeps the HF router module under
     its original name and takes the block's place in its parent.
-  release: the original experts' parameters are emptied (`param.data` -> 0 elements) once a bit-exact
-    inverse conversion (`convert.hf_expert_tensors`) has been checked, so a patched model holds its
-    experts once; unpatch rebuilds them into the same Parameter objects (same shape, stride, dtype, values).
-  MoekitMoEBlock.forward(hidden [B, S, H]): HF router (so transformers' router-logit recording still sees
-    it) -> its logits -> `FusedMoE(x, router_logits=...)` -> the HF block's return signature
-    (`(hidden, router_scores)` or `hidden`).
-  unpatch(model): every `MoekitMoEBlock` is replaced by its original block, experts restored.
+  `MoekitMoEBlock` (`block`): forward through the HF router and `FusedMoE`; the original experts' storage
+    released once a bit-exact inverse is checked; saved, loaded and cast as the original block would be.
+  patch_model also guards casts on every module above a patched block (`block.guard_casts`): a refused
+    `.half()` / `.to(dtype)` raises before any tensor of the model changes.
+  unpatch(model): every `MoekitMoEBlock` is replaced by its original block, experts restored, guards removed.
+
+Saving: `model.state_dict()` / `save_pretrained` of a patched model hold the same names and values as
+the unpatched model's (the experts rebuilt from moekit's weights), so the checkpoint reloads without
+moekit. Casting: the dtypes belong to the moekit spec, as a model's dtype does in vLLM or SGLang once it
+is loaded: `.half()` / `.to(dtype)` on a patched model raise `DTypeError` and leave every tensor as it
+was; cast before patching, or unpatch, cast and patch again. Device moves (`.to("cpu")`, `.cuda()`) work
+and plan again on the new device; a device moekit cannot run on is refused the same way, changing nothing.
 
 Patched blocks serve inference: the moekit op has no autograd formula, and Mixtral's training-time
 router jitter is not applied.
@@ -27,7 +32,8 @@ from types import SimpleNamespace
 import torch
 
 from moekit.errors import SpecError
-from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block, hf_expert_tensors
+from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, unguard_casts
+from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
 from moekit.integrations.transformers.families import HF_ACTIVATIONS, Family, block_class_names, family_of
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.spec import Activation, MoESpec
@@ -138,73 +144,6 @@ def fused_moe_from_hf(
 
 
 @dataclass(frozen=True)
-class _ReleasedParam:
-    name: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class MoekitMoEBlock(torch.nn.Module):
-    """Takes an HF MoE block's place: its router module (same attribute name) plus a `FusedMoE`."""
-
-    def __init__(self, *, original: torch.nn.Module, family: Family, moe: FusedMoE) -> None:
-        super().__init__()
-        self.family = family
-        self.moe = moe  # registered before the router so a refused `.to()` fails before anything moves
-        self.add_module(family.router_name, getattr(original, family.router_name))
-        self.__dict__["_original"] = original  # kept out of the module tree: no double state_dict entries
-        self._released: tuple[_ReleasedParam, ...] = ()
-
-    @property
-    def original(self) -> torch.nn.Module:
-        return self.__dict__["_original"]
-
-    @property
-    def released_original(self) -> bool:
-        return bool(self._released)
-
-    def forward(self, hidden_states: torch.Tensor):  # noqa: ANN201 - the HF block's return type
-        shape = hidden_states.shape
-        flat = hidden_states.reshape(-1, shape[-1])
-        router_logits, router_scores, _ = getattr(self, self.family.router_name)(flat)
-        out = self.moe(flat, router_logits=router_logits).reshape(shape)
-        return (out, router_scores) if self.family.hf.returns_router_scores else out
-
-    def release_original(self) -> bool:
-        """Empty the original experts' parameters if moekit's weights rebuild them bit-exactly."""
-        params = dict(self.original.experts.named_parameters())
-        rebuilt = hf_expert_tensors(self.family, self.moe.weights)
-        if set(params) != set(rebuilt) or list(self.original.experts.buffers()):
-            return False
-        for name, p in params.items():
-            r = rebuilt[name]
-            if r.dtype != p.dtype or r.shape != p.shape or r.device != p.device or not torch.equal(r, p):
-                return False
-        released = []
-        for name, p in params.items():
-            released.append(_ReleasedParam(name, tuple(p.shape), tuple(p.stride()), p.dtype))
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._released = tuple(released)
-        return True
-
-    def restore_original(self) -> torch.nn.Module:
-        """The original block, with released expert parameters rebuilt into the same Parameter objects."""
-        if self._released:
-            rebuilt = hf_expert_tensors(self.family, self.moe.weights)
-            params = dict(self.original.experts.named_parameters())
-            for rp in self._released:
-                src = rebuilt[rp.name]
-                dst = torch.empty_strided(rp.shape, rp.stride, dtype=rp.dtype, device=src.device)
-                params[rp.name].data = dst.copy_(src)
-            self._released = ()
-        return self.original
-
-    def extra_repr(self) -> str:
-        return f"family={self.family.value}, released_original={self.released_original}"
-
-
-@dataclass(frozen=True)
 class PatchedBlock:
     name: str  # module path in the model, e.g. "model.layers.0.mlp"
     family: Family
@@ -274,6 +213,7 @@ def patch_model(
             wrapper = MoekitMoEBlock(original=block, family=family, moe=moe)
             released = release_originals and wrapper.release_original()
             _set_submodule(model, name, wrapper)
+            guard_casts(model, [name])
             done.append(
                 PatchedBlock(
                     name=name,
@@ -294,4 +234,5 @@ def unpatch(model: torch.nn.Module) -> int:
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoekitMoEBlock)]
     for name, wrapper in found:
         _set_submodule(model, name, wrapper.restore_original())
+    unguard_casts(model)
     return len(found)

@@ -1,0 +1,269 @@
+"""`MoekitMoEBlock`: the moekit layer that takes a Hugging Face MoE block's place, saved and cast like it.
+
+Data flow:
+  forward(hidden [B, S, H]): HF router (so transformers' router-logit recording still sees it) -> its
+    logits -> `FusedMoE(x, router_logits=...)` -> the HF block's return signature (`(hidden, router_scores)`
+    or `hidden`).
+  release: the original experts' parameters are emptied (`param.data` -> 0 elements) once a bit-exact
+    inverse conversion (`convert.hf_expert_tensors`) has been checked, so a patched model holds its
+    experts once; `restore_original` rebuilds them into the same Parameter objects (same shape, stride,
+    dtype, values).
+  state_dict: the block's entries are the original block's, in its order and under its names: the router's
+    own tensors, and the experts' tensors rebuilt from moekit's weights (a copy only where the HF layout
+    differs from moekit's, as GPT-OSS's transposed one does) -> `save_pretrained` of a patched model
+    writes the checkpoint the unpatched model writes.
+  load_state_dict: the experts' entries are copied into the original experts' parameters (as the
+    unpatched block would load them), converted again and a new `FusedMoE` built from them (planned,
+    checked); only then does it replace the old one, so a refused load leaves the block as it was.
+  casts: a module above patched blocks (the model, its decoder, its layer list) gets a `_CastGuard`: before
+    `.half()` / `.to(dtype)` / `.to(device)` changes any tensor, every moekit layer under it is asked
+    (`FusedMoE.check_conversion`) and moved; a refused cast (an act-dtype change, a device moekit cannot
+    run on) raises before anything changed, so the model stays exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.integrations.transformers.convert import from_hf_experts, hf_expert_tensors
+from moekit.integrations.transformers.families import Family
+from moekit.layer import FusedMoE
+
+
+@dataclass(frozen=True)
+class _ReleasedParam:
+    name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _as_released(t: torch.Tensor, rp: _ReleasedParam) -> torch.Tensor:
+    """`t` with the released parameter's shape and strides (itself if it has them already)."""
+    if tuple(t.shape) == rp.shape and tuple(t.stride()) == rp.stride and t.dtype == rp.dtype:
+        return t
+    return torch.empty_strided(rp.shape, rp.stride, dtype=rp.dtype, device=t.device).copy_(t)
+
+
+def convert_moekit_layers_first(module: torch.nn.Module, fn) -> None:  # noqa: ANN001 - an _apply function
+    """Ask every `FusedMoE` under `module` whether `fn` may be applied, then move them, all or none.
+
+    Runs before `nn.Module._apply` touches any tensor: a refusal (`DTypeError` for an act-dtype change,
+    `DeviceError` for a device moekit does not run on) leaves every tensor as it was."""
+    layers = [m for m in module.modules() if isinstance(m, FusedMoE)]
+    targets = [layer.check_conversion(fn) for layer in layers]
+    moved: list[tuple[FusedMoE, torch.device]] = []
+    try:
+        for layer, target in zip(layers, targets, strict=True):
+            if target != layer.device:
+                source = layer.device
+                layer.to(target)  # all or nothing per layer (`FusedMoE._move`)
+                moved.append((layer, source))
+    except BaseException:
+        for layer, source in reversed(moved):
+            layer.to(source)
+        raise
+
+
+class _CastGuard:
+    """A module's `_apply` while it holds patched blocks: moekit layers first, then the usual recursion."""
+
+    def __init__(self, module: torch.nn.Module, inner: object | None) -> None:
+        self.module = module
+        self.inner = inner  # an `_apply` someone else set on the instance, kept and called
+
+    def __call__(self, fn, recurse: bool = True):  # noqa: ANN001, ANN204 - nn.Module._apply's signature
+        if recurse:
+            convert_moekit_layers_first(self.module, fn)
+        if self.inner is not None:
+            return self.inner(fn, recurse)
+        return type(self.module)._apply(self.module, fn, recurse)
+
+
+def guard_casts(model: torch.nn.Module, block_names: list[str]) -> None:
+    """Install a `_CastGuard` on `model` and every module between it and each named patched block."""
+    for name in block_names:
+        parts = name.split(".")
+        for depth in range(len(parts)):
+            module = model.get_submodule(".".join(parts[:depth]))
+            if not isinstance(module.__dict__.get("_apply"), _CastGuard):
+                module.__dict__["_apply"] = _CastGuard(module, module.__dict__.get("_apply"))
+
+
+def unguard_casts(model: torch.nn.Module) -> None:
+    """Remove every `_CastGuard` under `model` (restoring an `_apply` it wrapped)."""
+    for module in model.modules():
+        guard = module.__dict__.get("_apply")
+        if isinstance(guard, _CastGuard):
+            if guard.inner is None:
+                del module.__dict__["_apply"]
+            else:
+                module.__dict__["_apply"] = guard.inner
+
+
+class MoekitMoEBlock(torch.nn.Module):
+    """Takes an HF MoE block's place: its router module (same attribute name) plus a `FusedMoE`.
+
+    Saved, loaded and cast as the original block would be: `state_dict()` holds the original block's
+    entries (experts rebuilt from moekit's weights), `load_state_dict` loads them into moekit's weights,
+    and a cast that would change the act dtype is refused before any tensor changes (the dtypes belong
+    to the spec: unpatch, cast, and patch again)."""
+
+    def __init__(self, *, original: torch.nn.Module, family: Family, moe: FusedMoE) -> None:
+        super().__init__()
+        self.family = family
+        self.moe = moe
+        self.add_module(family.router_name, getattr(original, family.router_name))
+        self.__dict__["_original"] = original  # kept out of the module tree: no double state_dict entries
+        self._released: tuple[_ReleasedParam, ...] = ()
+        self.register_state_dict_post_hook(_state_dict_as_original)
+
+    @property
+    def original(self) -> torch.nn.Module:
+        return self.__dict__["_original"]
+
+    @property
+    def released_original(self) -> bool:
+        return bool(self._released)
+
+    def forward(self, hidden_states: torch.Tensor):  # noqa: ANN201 - the HF block's return type
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        router_logits, router_scores, _ = getattr(self, self.family.router_name)(flat)
+        out = self.moe(flat, router_logits=router_logits).reshape(shape)
+        return (out, router_scores) if self.family.hf.returns_router_scores else out
+
+    def release_original(self) -> bool:
+        """Empty the original experts' parameters if moekit's weights rebuild them bit-exactly."""
+        params = dict(self.original.experts.named_parameters())
+        rebuilt = hf_expert_tensors(self.family, self.moe.weights)
+        if set(params) != set(rebuilt) or list(self.original.experts.buffers()):
+            return False
+        for name, p in params.items():
+            r = rebuilt[name]
+            if r.dtype != p.dtype or r.shape != p.shape or r.device != p.device or not torch.equal(r, p):
+                return False
+        released = []
+        for name, p in params.items():
+            released.append(_ReleasedParam(name, tuple(p.shape), tuple(p.stride()), p.dtype))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._released = tuple(released)
+        return True
+
+    def experts_state(self) -> dict[str, torch.Tensor]:
+        """The original experts' state_dict entries (names relative to `experts.`), as the unpatched
+        block holds them: rebuilt from moekit's weights where released, the originals' otherwise."""
+        if not self._released:
+            return {n: t.detach() for n, t in self.original.experts.state_dict(keep_vars=True).items()}
+        rebuilt = hf_expert_tensors(self.family, self.moe.weights)
+        return {rp.name: _as_released(rebuilt[rp.name], rp) for rp in self._released}
+
+    def restore_original(self) -> torch.nn.Module:
+        """The original block, with released expert parameters rebuilt into the same Parameter objects."""
+        if self._released:
+            rebuilt = hf_expert_tensors(self.family, self.moe.weights)
+            self._fill_released({rp.name: rebuilt[rp.name] for rp in self._released})
+            self._released = ()
+        return self.original
+
+    def _fill_released(self, values: dict[str, torch.Tensor]) -> None:
+        params = dict(self.original.experts.named_parameters())
+        for rp in self._released:
+            src = values[rp.name]
+            dst = torch.empty_strided(rp.shape, rp.stride, dtype=rp.dtype, device=params[rp.name].device)
+            params[rp.name].data = dst.copy_(src)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        if recurse:
+            convert_moekit_layers_first(self, fn)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(  # noqa: ANN001 - nn.Module's signature
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        head = prefix + "experts."
+        given = {k[len(head) :]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(head)]}
+        shapes = self._expert_shapes()
+        if strict:
+            missing_keys.extend(head + n for n in shapes if n not in given)
+        unexpected_keys.extend(head + n for n in given if n not in shapes)
+        mismatched = [n for n in given if n in shapes and tuple(given[n].shape) != shapes[n]]
+        error_msgs.extend(
+            f"size mismatch for {head + n}: copying a param with shape {tuple(given[n].shape)} from "
+            f"checkpoint, the shape in current model is {shapes[n]}."
+            for n in mismatched
+        )
+        loadable = {n: t for n, t in given.items() if n in shapes}
+        if loadable and not mismatched:
+            self._load_experts(loadable)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._released:
+            return {rp.name: rp.shape for rp in self._released}
+        return {n: tuple(t.shape) for n, t in self.original.experts.state_dict(keep_vars=True).items()}
+
+    def _load_experts(self, values: dict[str, torch.Tensor]) -> None:
+        """Load expert tensors (HF names) into the original experts, then rebuild `moe` from them."""
+        params = dict(self.original.experts.named_parameters())
+        released = self._released
+        with torch.no_grad():
+            if released:
+                current = {} if len(values) == len(released) else self.experts_state()
+                self._fill_released({rp.name: values.get(rp.name, current.get(rp.name)) for rp in released})
+                backup = {}
+            else:
+                backup = {n: params[n].detach().clone() for n in values}
+                for n, t in values.items():
+                    params[n].copy_(t)
+        try:
+            weights = from_hf_experts(
+                self.original.experts, self.family, gate_layout=self.moe.weights.gate_layout
+            )
+            router = getattr(self, self.family.router_name)
+            moe = FusedMoE(
+                spec=self.moe.spec,
+                weights=weights,
+                router_weight=router.weight,
+                router_bias=getattr(router, "bias", None),
+                device=self.moe.device,
+                options=self.moe.options,
+            )
+        except BaseException:
+            with torch.no_grad():
+                for n, t in backup.items():
+                    params[n].copy_(t)
+                for rp in released:
+                    params[rp.name].data = torch.empty(0, dtype=rp.dtype, device=params[rp.name].device)
+            raise
+        self.moe = moe
+        if released:
+            self._released = ()
+            self.release_original()
+
+    def extra_repr(self) -> str:
+        return f"family={self.family.value}, released_original={self.released_original}"
+
+
+def _state_dict_as_original(
+    block: MoekitMoEBlock, state_dict: dict, prefix: str, local_metadata: dict
+) -> None:
+    """A patched block's entries become the original block's, in its order (router tensors kept)."""
+    ours = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    experts = block.experts_state()
+    original = block.original.state_dict(prefix=prefix, keep_vars=True)
+    head = prefix + "experts."
+    for key, value in original.items():
+        if key in ours:
+            state_dict[key] = ours[key]
+        elif key.startswith(head) and key[len(head) :] in experts:
+            state_dict[key] = experts[key[len(head) :]]
+        else:
+            state_dict[key] = value.detach()
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None and hasattr(original, "_metadata"):
+        metadata.update(original._metadata)
