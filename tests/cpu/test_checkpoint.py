@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import moekit.checkpoint as ckpt
+import moekit.checkpoint.loader as ckpt_loader
 from moekit import CheckpointError, ExpertWeights, GateLayout, LayoutMismatchError, WeightFormat
 from moekit.checkpoint import (
     ROLES,
@@ -189,8 +189,8 @@ def test_reads_only_the_requested_layer(tmp_path: Path, naming: CheckpointNaming
         tensors |= gpt_oss_layer_tensors(make_layer(seed=20 + n, layer=n), layer=n, naming=naming)
     path = write(tmp_path / "model.safetensors", tensors)
     log: list[str] = []
-    real_open = ckpt.safe_open
-    monkeypatch.setattr(ckpt, "safe_open", lambda *a, **kw: _SpyFile(real_open(*a, **kw), log))
+    real_open = ckpt_loader.safe_open
+    monkeypatch.setattr(ckpt_loader, "safe_open", lambda *a, **kw: _SpyFile(real_open(*a, **kw), log))
     got = load_gpt_oss_layer(path, layer=2, naming=naming)
     assert sorted(log) == sorted(gpt_oss_layer_keys(naming=naming, layer=2).values())
     assert torch.equal(got.weights.w13, tensors[gpt_oss_layer_keys(naming=naming, layer=2)["w13"]])
@@ -365,3 +365,94 @@ def test_save_refuses_incomplete_concat_or_dequantized_layers(tmp_path: Path) ->
     path = tmp_path / "m.safetensors"
     save_gpt_oss_layer(path, layer.tensors(), layer=0, naming=CheckpointNaming.OPENAI)
     assert_same_layer(layer, load_gpt_oss_layer(path, layer=0))
+
+
+# ----- ambiguous checkpoints: refused, never resolved by file order ---------------------------------------
+def _index(folder: Path, weight_map: dict[str, str]) -> Path:
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("whole_layer", [True, False], ids=["whole_layer", "one_tensor"])
+def test_two_shards_holding_the_same_tensor_are_refused(tmp_path: Path, hf_tensors, whole_layer: bool):
+    """Without an index, the copy read used to be whichever file sorted last."""
+    first = write(tmp_path / "a.safetensors", hf_tensors)
+    other = gpt_oss_layer_tensors(make_layer(seed=8), layer=3, naming=CheckpointNaming.HF)
+    second = write(tmp_path / "b.safetensors", other if whole_layer else {KEYS["b2"]: other[KEYS["b2"]]})
+    with pytest.raises(CheckpointError, match="ambiguous") as err:
+        load_gpt_oss_layer(tmp_path, layer=3)
+    msg = str(err.value)
+    assert (KEYS["w13"] if whole_layer else KEYS["b2"]) in msg and str(first) in msg and str(second) in msg
+    # Another layer's duplicate is not this layer's business: layer 0 loads.
+    write(
+        tmp_path / "c.safetensors",
+        gpt_oss_layer_tensors(make_layer(seed=9, layer=0), layer=0, naming=CheckpointNaming.HF),
+    )
+    assert load_gpt_oss_layer(tmp_path, layer=0).layer == 0
+
+
+def test_an_index_that_disagrees_with_its_shards_is_refused(tmp_path: Path, hf_tensors) -> None:
+    a = write(tmp_path / "a.safetensors", {k: v for k, v in hf_tensors.items() if k != KEYS["b2"]})
+    b = write(tmp_path / "b.safetensors", {KEYS["b2"]: hf_tensors[KEYS["b2"]]})
+    right = {k: "a.safetensors" for k in hf_tensors} | {KEYS["b2"]: "b.safetensors"}
+    _index(tmp_path, right)
+    load_gpt_oss_layer(tmp_path, layer=3)  # consistent: loads
+    # The index maps b2 to a shard that lacks it, while another shard it lists holds it.
+    _index(tmp_path, right | {KEYS["b2"]: "a.safetensors", "lm_head.weight": "b.safetensors"})
+    with pytest.raises(CheckpointError, match="disagree") as err:
+        load_gpt_oss_layer(tmp_path, layer=3)
+    assert KEYS["b2"] in str(err.value) and str(a) in str(err.value) and str(b) in str(err.value)
+    # The index does not list b2 at all, yet a listed shard holds it.
+    _index(
+        tmp_path, {k: v for k, v in right.items() if k != KEYS["b2"]} | {"lm_head.weight": "b.safetensors"}
+    )
+    with pytest.raises(CheckpointError, match="does not list it") as err:
+        load_gpt_oss_layer(tmp_path, layer=3)
+    assert KEYS["b2"] in str(err.value) and str(b) in str(err.value)
+    # Two listed shards both hold b2: the index picks one, but the checkpoint holds two versions.
+    write(tmp_path / "a.safetensors", hf_tensors)
+    _index(tmp_path, right)
+    with pytest.raises(CheckpointError, match="stored in 2 files") as err:
+        load_gpt_oss_layer(tmp_path, layer=3)
+    assert KEYS["b2"] in str(err.value) and str(a) in str(err.value) and str(b) in str(err.value)
+    assert "the index" in str(err.value)
+
+
+def test_an_index_naming_files_outside_its_folder_or_nested_too_deeply_is_refused(tmp_path: Path) -> None:
+    _index(tmp_path, {KEYS["w13"]: "../elsewhere.safetensors"})
+    with pytest.raises(CheckpointError, match="outside"):
+        load_gpt_oss_layer(tmp_path, layer=3)
+    (tmp_path / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="weight_map"):
+        load_gpt_oss_layer(tmp_path, layer=3)
+
+
+def test_the_layer_under_both_namings_is_refused_even_with_naming_given(tmp_path: Path, hf_tensors) -> None:
+    openai = gpt_oss_layer_tensors(make_layer(seed=6), layer=3, naming=CheckpointNaming.OPENAI)
+    path = write(tmp_path / "both.safetensors", hf_tensors | openai)
+    with pytest.raises(CheckpointError, match="allow_extra_tensors=True") as err:
+        load_gpt_oss_layer(path, layer=3, naming=CheckpointNaming.HF)
+    assert EXPECTED_KEYS[CheckpointNaming.OPENAI]["w13"] in str(err.value)
+    got = load_gpt_oss_layer(path, layer=3, naming=CheckpointNaming.HF, allow_extra_tensors=True)
+    assert torch.equal(got.weights.w13, hf_tensors[KEYS["w13"]])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.gate_up_proj_blocks_old"],
+    ids=["dequantized_copy", "unknown_tensor"],
+)
+def test_moe_tensors_the_loader_would_not_read_are_refused(tmp_path: Path, hf_tensors, extra: str) -> None:
+    path = write(tmp_path / "m.safetensors", hf_tensors | {extra: torch.zeros(E, H, 2 * I)})
+    with pytest.raises(CheckpointError, match="silently ignored") as err:
+        load_gpt_oss_layer(path, layer=3)
+    assert extra in str(err.value)
+    assert load_gpt_oss_layer(path, layer=3, allow_extra_tensors=True).layer == 3
+
+
+def test_tensors_outside_the_moe_block_and_the_openai_block_norm_are_expected(tmp_path: Path) -> None:
+    tensors = gpt_oss_layer_tensors(make_layer(seed=11), layer=3, naming=CheckpointNaming.OPENAI)
+    tensors |= {"block.3.mlp.norm.scale": torch.ones(H), "block.3.attn.norm.scale": torch.ones(H)}
+    path = write(tmp_path / "m.safetensors", tensors)
+    assert load_gpt_oss_layer(path, layer=3).naming is CheckpointNaming.OPENAI

@@ -79,13 +79,30 @@ BAD_TABLES = {
         _row(spec, kernel="torch_grouped", config={"block_m": 16}, device=dev)
     ],
     "f_malformed_file": None,
+    # JSON types a hand-edited table gets wrong: reported like any bad row, never a crash, never used.
+    "g_kernel_named_by_a_list": lambda spec, dev: [
+        _row(spec, kernel=["silu_gelu_only"], config={}, device=dev)
+    ],
+    "h_has_bias_as_a_string": lambda spec, dev: [
+        _spec_field(_row(spec, kernel="reference", config={}, device=dev), has_bias="no")
+    ],
+    "i_deeply_nested_file": None,
 }
+
+
+def _spec_field(row, **fields):
+    row["spec"].update(fields)
+    return row
 
 
 def _write_case(tmp_path, case, spec, device_name):
     if case == "f_malformed_file":
         path = tmp_path / "user.json"
         path.write_text('{"schema_version": 1, "rows": [ {"device": ')  # truncated mid-write
+        return path
+    if case == "i_deeply_nested_file":
+        path = tmp_path / "user.json"
+        path.write_text("[" * 100_000 + "]" * 100_000)  # past json's recursion limit
         return path
     return _table(tmp_path, BAD_TABLES[case](spec, device_name))
 
@@ -110,6 +127,9 @@ def test_gpt_oss_120b_bad_tables_resolve_to_capable_kernel(tmp_path, case):
         "d_kernel_does_not_exist": "unknown kernel 'vllm_fused_moe'",
         "e_config_invalid_for_kernel": "unknown fields ['block_m']",
         "f_malformed_file": "unreadable table",
+        "g_kernel_named_by_a_list": "kernel must be a non-empty string, got ['silu_gelu_only']",
+        "h_has_bias_as_a_string": "spec.has_bias must be true or false, got 'no'",
+        "i_deeply_nested_file": "unreadable table: JSON nested too deeply",
     }.get(case)
     if expected_reason:
         assert expected_reason in text

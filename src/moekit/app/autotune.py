@@ -115,6 +115,7 @@ def tune(
                         config=outcome.winner.config,
                     )
                 ],
+                registry=registry,
             )
             done.add(token_bucket(t))
         outcomes.append(outcome)

@@ -1,0 +1,26 @@
+"""GPT-OSS MXFP4 checkpoints, one MoE layer at a time.
+
+Data flow: a .safetensors file, a folder of them, or a folder with an index -> `loader.load_gpt_oss_layer`
+(locate, check headers, read eight tensors) -> `layer.GptOssLayer`; and back: `layer.save_gpt_oss_layer`.
+"""
+
+from moekit.checkpoint.layer import (
+    ROLES,
+    CheckpointNaming,
+    GptOssLayer,
+    gpt_oss_layer_keys,
+    gpt_oss_layer_tensors,
+    save_gpt_oss_layer,
+)
+from moekit.checkpoint.loader import INDEX_FILE, load_gpt_oss_layer
+
+__all__ = [
+    "INDEX_FILE",
+    "ROLES",
+    "CheckpointNaming",
+    "GptOssLayer",
+    "gpt_oss_layer_keys",
+    "gpt_oss_layer_tensors",
+    "load_gpt_oss_layer",
+    "save_gpt_oss_layer",
+]

@@ -1,0 +1,331 @@
+"""GPT-OSS MXFP4 checkpoints: read one MoE layer, and refuse a checkpoint that is ambiguous about it.
+
+Data flow:
+  path (a .safetensors file, a directory of them, or a directory with model.safetensors.index.json)
+  -> `_resolve`: key -> file map, from the index or from each file's header (no tensor data read)
+  -> naming detected (or given), layer checked against the layers present
+  -> `_check_sources`: each of the layer's tensors in exactly one file, the one the index names;
+     `_unexpected`: no other MoE tensor of the layer (unless allowed)
+  -> header pass: every key of the layer present, dtype and shape checked with `get_slice` metadata,
+     sizes E, H, I taken by majority over the eight tensors so the one wrong tensor is the one named
+  -> data pass: `safe_open(...).get_tensor` for exactly these eight keys, nothing else
+  -> E8M0 scale bytes checked for 0xFF (NaN) -> `GptOssLayer` (MXFP4 + INTERLEAVED `ExpertWeights`,
+     router weight and bias) -> `GptOssLayer.spec_for(...)` gives the matching `MoESpec`.
+
+Nothing is chosen silently: a tensor of the layer stored in two files, an index that disagrees with
+its shards, or MoE tensors of the layer that would not be read (another copy or format of the
+experts, the layer under the other naming) are refused with the tensor and the files named.
+The names, the layouts and the facts they rest on are in `layer.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moekit.checkpoint.layer import (
+    LAYER_PATTERNS,
+    ROLES,
+    CheckpointNaming,
+    GptOssLayer,
+    gpt_oss_layer_keys,
+)
+from moekit.errors import CheckpointError, FormatError
+from moekit.formats import check_mxfp4_scales, mxfp4_groups
+from moekit.spec import GateLayout, WeightFormat
+from moekit.weights import ExpertWeights
+
+INDEX_FILE = "model.safetensors.index.json"
+_UINT8_ROLES = frozenset({"w13", "w13_scale", "w2", "w2_scale"})
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+# ----- locating tensors ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Files:
+    """Where each key of a checkpoint lives; built from headers or the index only."""
+
+    key_to_file: dict[str, Path]  # the file a key is read from: the index's entry, else the file holding it
+    searched: str  # for error messages: which file(s) or index were searched
+    holders: dict[str, list[Path]]  # every file whose header lists the key (index-listed files only)
+    index: Path | None = None
+
+
+def _open(file: Path, *, device: str | torch.device = "cpu"):  # returns a safetensors handle
+    """`safe_open` (reads the header only) with unreadable files reported as CheckpointError."""
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"cannot read {file} as a safetensors file: {exc}") from exc
+
+
+def _read_keys(file: Path) -> list[str]:
+    with _open(file) as f:
+        return list(f.keys())
+
+
+def _holders(files: list[Path]) -> dict[str, list[Path]]:
+    holders: dict[str, list[Path]] = {}
+    for file in files:
+        for key in _read_keys(file):
+            holders.setdefault(key, []).append(file)
+    return holders
+
+
+def _resolve(path: Path) -> _Files:
+    if path.is_file():
+        return _Files({k: path for k in _read_keys(path)}, searched=str(path), holders={})
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint path {path} does not exist; give a .safetensors file or a directory of them"
+        )
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, RecursionError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index with a 'weight_map': {exc!r}") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).is_absolute() or ".." in Path(n).parts]
+        if outside:
+            raise CheckpointError(
+                f"{index} names shards outside {path}: {outside}; list files of that folder"
+            )
+        listed = [path / n for n in names]
+        return _Files(
+            {k: path / v for k, v in weight_map.items()},
+            searched=f"index {index} ({len(names)} files: {', '.join(names)})",
+            holders=_holders([f for f in listed if f.is_file()]),
+            index=index,
+        )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} holds no *.safetensors file and no {INDEX_FILE}")
+    holders = _holders(files)
+    return _Files(
+        {k: where[0] for k, where in holders.items()},
+        searched=f"{len(files)} files in {path}: {', '.join(f.name for f in files)}",
+        holders=holders,
+    )
+
+
+def _check_sources(files: _Files, keys: list[str]) -> None:
+    """Each key of the layer is in exactly one file, and it is the file the index names (if any)."""
+    for key in keys:
+        where = files.holders.get(key, [])
+        if len(where) > 1:
+            said = f" (the index {files.index} names {files.key_to_file.get(key)})" if files.index else ""
+            raise CheckpointError(
+                f"tensor {key!r} is stored in {len(where)} files: {', '.join(map(str, where))}{said}; "
+                "which copy is the model's is ambiguous. Remove the stale copy, or keep the checkpoint's "
+                "shards in a folder of their own"
+            )
+        if files.index is None or not where:
+            continue  # a single file, or a key no shard holds (reported as missing)
+        named = files.key_to_file.get(key)
+        if named != where[0]:
+            listed = f"maps it to {named}" if named else "does not list it"
+            raise CheckpointError(
+                f"the index {files.index} {listed}, but tensor {key!r} is in {where[0]}; the index and the "
+                "shards disagree. Regenerate the index from the shards"
+            )
+
+
+def _unexpected(files: _Files, keys: dict[str, str], naming: CheckpointNaming, layer: int) -> list[str]:
+    """Tensors of this layer's MoE block that the loader would not read: another copy or format of
+    the experts (e.g. dequantized `gate_up_proj` beside `gate_up_proj_blocks`), or the same layer under
+    the other naming. Only the OpenAI block's own norm (`block.{l}.mlp.norm.scale`) is expected."""
+    expected = {*keys.values(), f"block.{layer}.mlp.norm.scale"}
+    return sorted(
+        k
+        for other in CheckpointNaming
+        for k in files.key_to_file
+        if k not in expected and (m := LAYER_PATTERNS[other].match(k)) and int(m.group(1)) == layer
+    )
+
+
+def _layers_of(keys: object, naming: CheckpointNaming) -> list[int]:
+    pattern = LAYER_PATTERNS[naming]
+    return sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
+
+
+def _detect_naming(files: _Files) -> CheckpointNaming:
+    present = [n for n in CheckpointNaming if _layers_of(files.key_to_file, n)]
+    if len(present) == 1:
+        return present[0]
+    if not present:
+        sample = sorted(files.key_to_file)[:5]
+        raise CheckpointError(
+            "no GPT-OSS MoE tensors ('block.{l}.mlp.*' or 'model.layers.{l}.mlp.*') in "
+            f"{files.searched}; first keys: {sample}"
+        )
+    raise CheckpointError(
+        f"{files.searched} holds tensors of both namings {[n.name for n in present]}; pass naming= explicitly"
+    )
+
+
+def _describe_layers(layers: list[int]) -> str:
+    if not layers:
+        return "none"
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 4:
+        return f"{layers[0]}..{layers[-1]} ({len(layers)} layers)"
+    return ", ".join(map(str, layers))
+
+
+# ----- header checks ------------------------------------------------------------------------------------
+def _majority(values: list[int | None]) -> int | None:
+    counts = Counter(v for v in values if v is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _expected_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Expected shape per role; E, 2I, H by majority vote so a single wrong tensor is the one reported."""
+
+    def dim(role: str, d: int) -> int | None:
+        s = shapes[role]
+        return s[d] if len(s) > d else None
+
+    e = _majority([dim(r, 0) for r in ROLES])
+    two_i = _majority([dim("w13", 1), dim("w13_scale", 1), dim("b13", 1)])
+    h = _majority([dim("w2", 1), dim("w2_scale", 1), dim("b2", 1), dim("router_weight", 1)])
+    if e is None or two_i is None or h is None or two_i % 2 or min(e, two_i, h) < 1:
+        raise CheckpointError(f"cannot infer E, 2I, H from the tensor shapes {shapes}; 2I must be even")
+    g_h, g_i = mxfp4_groups(h), mxfp4_groups(two_i // 2)
+    return {
+        "w13": (e, two_i, g_h, 16),
+        "w13_scale": (e, two_i, g_h),
+        "b13": (e, two_i),
+        "w2": (e, h, g_i, 16),
+        "w2_scale": (e, h, g_i),
+        "b2": (e, h),
+        "router_weight": (e, h),
+        "router_bias": (e,),
+    }
+
+
+def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """Check presence, dtype and shape of every key from the file headers; return the shapes."""
+    missing = [k for k in keys.values() if k not in files.key_to_file]
+    if missing:
+        hint = ""
+        if any(k.removesuffix("_blocks") in files.key_to_file for k in missing if k.endswith("_blocks")):
+            hint = (
+                " The checkpoint stores dequantized float experts instead; build the weights with "
+                "ExpertWeights.from_float or moekit.integrations.transformers.convert."
+            )
+        raise CheckpointError(f"missing tensor(s) {missing} in {files.searched}.{hint}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for role, key in keys.items():
+        by_file.setdefault(files.key_to_file[key], []).append(role)
+    for file, roles in by_file.items():
+        if not file.is_file():
+            listed = [keys[r] for r in roles]
+            raise CheckpointError(f"{file} (listed for {listed} in {files.searched}) does not exist")
+        with _open(file) as f:
+            present = set(f.keys())
+            for role in roles:
+                key = keys[role]
+                if key not in present:
+                    raise CheckpointError(
+                        f"missing tensor {key!r}: the index names {file} but the file lacks it"
+                    )
+                meta = f.get_slice(key)
+                _check_dtype(role, key, meta.get_dtype(), file)
+                shapes[role] = tuple(meta.get_shape())
+    expected = _expected_shapes(shapes)
+    e, two_i, h = expected["b13"] + expected["b2"][1:]
+    for role in ROLES:
+        if shapes[role] != expected[role]:
+            raise CheckpointError(
+                f"tensor {keys[role]!r} has shape {list(shapes[role])}, expected {list(expected[role])} "
+                f"(E={e}, 2I={two_i}, H={h} agreed by the other tensors of the layer; MXFP4 blocks are "
+                f"[E, N, ceil(in/32), 16], scales [E, N, ceil(in/32)]) in {files.searched}"
+            )
+    return shapes
+
+
+def _check_dtype(role: str, key: str, dtype: str, file: Path) -> None:
+    if role in _UINT8_ROLES:
+        if dtype != "U8":
+            why = "blocks hold two E2M1 codes per byte" if role in ("w13", "w2") else "scales are E8M0 bytes"
+            raise CheckpointError(
+                f"tensor {key!r} in {file} has dtype {dtype}, expected U8 (uint8): MXFP4 {why}"
+            )
+    elif dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(
+            f"tensor {key!r} in {file} has dtype {dtype}, expected a float: one of {sorted(_FLOAT_DTYPES)}"
+        )
+
+
+# ----- public entry points ------------------------------------------------------------------------------
+def load_gpt_oss_layer(
+    path: str | Path,
+    *,
+    layer: int,
+    naming: CheckpointNaming | None = None,
+    device: str | torch.device = "cpu",
+    allow_extra_tensors: bool = False,
+) -> GptOssLayer:
+    """Read the MoE tensors of one layer (and nothing else) of a GPT-OSS MXFP4 checkpoint.
+
+    Refused (CheckpointError): a tensor of the layer stored in two files, an index that disagrees
+    with its shards, and, unless `allow_extra_tensors`, MoE tensors of the layer that would not be
+    read (another copy or format of the experts, or the layer under the other naming)."""
+    files = _resolve(Path(path))
+    if naming is None:
+        naming = _detect_naming(files)
+    keys = gpt_oss_layer_keys(naming=naming, layer=layer)
+    layers = _layers_of(files.key_to_file, naming)
+    if layer not in layers:
+        raise CheckpointError(
+            f"layer {layer} not found in {files.searched}; {naming.name}-named MoE layers found: "
+            f"{_describe_layers(layers)}"
+        )
+    extra = _unexpected(files, keys, naming, layer)
+    _check_sources(files, [*keys.values(), *extra])
+    shapes = _check_headers(files, keys)  # missing tensors first: their message carries the hint
+    if extra and not allow_extra_tensors:
+        raise CheckpointError(
+            f"layer {layer} holds MoE tensors beyond the eight {naming.name}-named ones it reads: {extra} "
+            f"in {files.searched}; they would be silently ignored. Remove them, or pass "
+            "allow_extra_tensors=True to read only the eight"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for role, key in keys.items():
+        by_file.setdefault(files.key_to_file[key], []).append(role)
+    for file, roles in by_file.items():
+        with _open(file, device=device) as f:
+            for role in roles:
+                tensors[role] = f.get_tensor(keys[role])
+    for role in ("w13_scale", "w2_scale"):
+        try:
+            check_mxfp4_scales(tensors[role], name=keys[role])
+        except FormatError as exc:
+            raise CheckpointError(str(exc)) from exc
+    weights = ExpertWeights(
+        format=WeightFormat.MXFP4,
+        gate_layout=GateLayout.INTERLEAVED,
+        w13=tensors["w13"],
+        w13_scale=tensors["w13_scale"],
+        w2=tensors["w2"],
+        w2_scale=tensors["w2_scale"],
+        b13=tensors["b13"],
+        b2=tensors["b2"],
+        hidden_size=shapes["w2"][1],
+    )
+    return GptOssLayer(
+        weights=weights,
+        router_weight=tensors["router_weight"],
+        router_bias=tensors["router_bias"],
+        naming=naming,
+        layer=layer,
+    )
