@@ -204,6 +204,13 @@ class Kernel(abc.ABC):
             )
         return None
 
+    def batch_invariant_config(self, config: KernelConfig, spec: MoESpec) -> KernelConfig | None:
+        """`config` restricted so that, run with it at every T, a token's output is bitwise independent
+        of the other tokens and of T; None if this kernel cannot promise that. Default: None (a kernel
+        built on library GEMMs gets per-expert row counts that vary with the batch, and the library
+        picks its algorithm, and so its reduction order, by shape)."""
+        return None
+
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
         """One-time load-time repacking into a packing this kernel reads. Default: none needed."""
         return weights

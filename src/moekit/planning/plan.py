@@ -61,6 +61,13 @@ class Plan:
     refused: tuple[Refusal, ...]  # kernels that cannot compute the spec here, with reasons
     rejected_rows: tuple[RejectedRow, ...]  # bad or incapable rows relevant to this plan
     table_sources: tuple[str, ...]  # tables consulted, lowest precedence first
+    # Batch-invariant plans (`plan_batch_invariant`): the T every bucket's kernel and config were chosen
+    # at, so that all buckets share them; None for a plan of this bucket alone.
+    invariant_tokens: int | None = None
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.invariant_tokens is not None
 
     def explain(self) -> str:
         lines = [
@@ -70,6 +77,12 @@ class Plan:
             f"chosen:  {self.kernel}  config {self.config.as_dict()}",
             f"source:  {self.source.value}" + (f" [{self.row_origin}]" if self.row_origin else ""),
         ]
+        if self.batch_invariant:
+            lines.append(
+                f"batch-invariant: yes: this kernel and config serve every T (chosen at "
+                f"T={self.invariant_tokens}), no split-K, no tail blocks: a token's output is bitwise "
+                "independent of the other tokens and of T"
+            )
         lines.append("refused candidates:" if self.refused else "refused candidates: none")
         lines += [f"  - {r.kernel}: {r.reason}" for r in self.refused]
         if self.rejected_rows:
@@ -153,6 +166,85 @@ def plan(
         what = "rejected tuned rows" if source is ConfigSource.TUNED_ROW else source.value
         raise PlanFallbackError(f"strict planning refused a fallback ({what}):\n{result.explain()}")
     return result
+
+
+# Tokens per expert that the one batch-invariant config is chosen at: the default tiles' middle regime
+# (64-row M tiles for every format). Decode pads its few rows to 64 but is bound by weight bytes, not by
+# MMA rows; prefill re-reads each weight tile twice as often as with 128-row tiles. Neither end is far
+# from its own best, where a decode tile (16 rows) would cost prefill several times over.
+BATCH_INVARIANT_TOKENS_PER_EXPERT = 32
+
+
+def batch_invariant_tokens(spec: MoESpec) -> int:
+    """The T whose bucket's plan a batch-invariant layer uses for every T."""
+    return token_bucket(-(-BATCH_INVARIANT_TOKENS_PER_EXPERT * spec.E_local // spec.K))
+
+
+def plan_batch_invariant(
+    spec: MoESpec,
+    *,
+    num_tokens: int,
+    device: torch.device | str | DeviceInfo,
+    tuned: TunedTables | str | Path | None = None,
+    strict: bool = False,
+    registry: KernelRegistry | None = None,
+    allow_reference: bool = True,
+) -> Plan:
+    """A plan whose kernel and config are the same for every `num_tokens`: those `plan` chooses at
+    `batch_invariant_tokens(spec)` (a tuned row of that bucket, else the kernel's default there: a
+    nearest-bucket row was tuned for another T), restricted by the kernel's `batch_invariant_config`
+    (a row's reduction order fixed). When that kernel cannot promise batch invariance, the highest-priority
+    capable kernel that can, with its default config there; none: `UnsupportedSpecError`."""
+    registry = registry or default_registry()
+    if not allow_reference:
+        registry = registry.without("reference")
+    anchor = batch_invariant_tokens(spec)
+    base = plan(
+        spec,
+        num_tokens=anchor,
+        device=device,
+        tuned=tuned,
+        strict=strict,
+        registry=registry,
+        allow_reference=allow_reference,
+    )
+    problem = Problem(num_tokens=anchor, device=base.device)
+    chosen = registry.get(base.kernel)
+    source, origin, config = base.source, base.row_origin, base.config
+    if source is ConfigSource.NEAREST_BUCKET:  # a row tuned for another T: the anchor's own default instead
+        source, origin, config = ConfigSource.DEFAULT, None, chosen.default_config(spec, problem)
+    config = chosen.batch_invariant_config(config, spec)
+    if config is None:
+        refused = {r.kernel for r in base.refused}
+        for kernel in registry:
+            if kernel.name in refused:
+                continue
+            config = kernel.batch_invariant_config(kernel.default_config(spec, problem), spec)
+            if config is not None:
+                chosen, source, origin = kernel, ConfigSource.DEFAULT, None
+                break
+        else:
+            cannot = ", ".join(k.name for k in registry if k.name not in refused)
+            raise UnsupportedSpecError(
+                f"batch_invariant=True: no kernel that computes {spec.describe()} on "
+                f"{base.device.describe()} can make a token's output independent of the batch "
+                f"({cannot} choose their GEMM algorithm by the rows each expert gets); run on a device "
+                "where triton_fused supports the spec, or plan without batch_invariant"
+            )
+    if (reason := chosen.validate_config(config, spec)) is not None:
+        raise UnsupportedSpecError(
+            f"batch_invariant=True: {chosen.name}'s config {config.as_dict()} is unusable: {reason}"
+        )
+    return replace(
+        base,
+        num_tokens=num_tokens,
+        bucket=token_bucket(num_tokens),
+        kernel=chosen.name,
+        config=config,
+        source=source,
+        row_origin=origin,
+        invariant_tokens=anchor,
+    )
 
 
 # Spec changes a user can make at load time, tried in order to suggest the nearest supported spec.

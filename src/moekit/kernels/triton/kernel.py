@@ -77,6 +77,16 @@ class TritonFusedKernel(Kernel):
             **scales,
         )
 
+    def batch_invariant_config(self, config: KernelConfig, spec: MoESpec) -> KernelConfig | None:
+        """Split-K and tail blocks off. Every program reduces a row over H (GEMM1) and I (GEMM2) in
+        BLOCK_K steps in one order, a row's dot never reads another row, and the top-k sum adds a
+        token's K rows in a fixed order; with one config for every T only split-K (shares chosen per T)
+        and tail blocks (a second, smaller M tile for some rows) would make a row's arithmetic depend
+        on the batch."""
+        if not isinstance(config, TritonMoEConfig):
+            return None
+        return dataclasses.replace(config, split_k=1, tail_block_m=None)
+
     def validate_config(self, config: KernelConfig, spec: MoESpec) -> str | None:
         return super().validate_config(config, spec) or config.reason_unusable(spec)
 
