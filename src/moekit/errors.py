@@ -1,7 +1,8 @@
-"""moekit's exceptions.
+"""moekit's exceptions, and the field checks that raise them.
 
 Data flow: a spec, weights, inputs, a tuned table or a plan request that is wrong -> the module that
-finds it raises one of these -> the caller sees what was wrong and what to do.
+finds it raises one of these (a field of the wrong type through `check_int`, `check_real`,
+`check_bool`, `check_enum` or `check_type`) -> the caller sees what was wrong and what to do.
 
 Every error moekit raises on bad input derives from `MoekitError`, names the offending values and
 says what to do. Each subclass also derives from the built-in exception a Python user would expect
@@ -9,6 +10,9 @@ says what to do. Each subclass also derives from the built-in exception a Python
 """
 
 from __future__ import annotations
+
+import enum
+import math
 
 
 class MoekitError(Exception):
@@ -57,3 +61,108 @@ class TunedTableError(MoekitError, ValueError):
 
 class PlanFallbackError(MoekitError, RuntimeError):
     """`strict=True` planning met a fallback (missing, nearest or rejected tuned row)."""
+
+
+class ArgumentError(MoekitError, ValueError, TypeError):
+    """A public function's argument has the wrong type or range, and no narrower error class fits."""
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _field_error(error: type[MoekitError], where: str, value: object, need: str, fix: str) -> MoekitError:
+    return error(f"{where} must be {need}, got {_shown(value)}; {fix}")
+
+
+def check_int(
+    where: str,
+    value: object,
+    *,
+    minimum: int | None = None,
+    optional: bool = False,
+    error: type[MoekitError] = SpecError,
+) -> None:
+    """`value` is an int (not a bool, not a float however whole) >= `minimum`, or None if `optional`."""
+    if optional and value is None:
+        return
+    bound = {None: "an int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+    need = ("None or " if optional else "") + bound
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            fix = f"pass the int {int(value)}"
+        elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            fix = f"pass the number {int(value)}, not a string"
+        else:
+            fix = "pass a Python int"
+        raise _field_error(error, where, value, need, fix)
+    if minimum is not None and value < minimum:
+        raise _field_error(error, where, value, need, f"pass a value >= {minimum}")
+
+
+def check_real(
+    where: str,
+    value: object,
+    *,
+    positive: bool = False,
+    optional: bool = False,
+    error: type[MoekitError] = SpecError,
+) -> None:
+    """`value` is a finite real number (int or float, not a bool or a string), > 0 if `positive`."""
+    if optional and value is None:
+        return
+    need = ("None or " if optional else "") + "a finite number" + (" > 0" if positive else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _field_error(error, where, value, need, "pass a Python float or int")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        finite = False
+    if not finite or (positive and value <= 0):
+        raise _field_error(error, where, value, need, "pass a finite value" + (" > 0" if positive else ""))
+
+
+def check_bool(where: str, value: object, *, error: type[MoekitError] = SpecError) -> None:
+    """`value` is True or False; a string such as "no" would otherwise read as true."""
+    if not isinstance(value, bool):
+        # A string is truthy whatever it says, and 0/1 or a float hide a typo: only a bool is taken.
+        hint = f" (Python reads {value!r} as {bool(value)})" if isinstance(value, str) else ""
+        raise _field_error(error, where, value, "True or False", f"pass a Python bool{hint}")
+
+
+def check_enum(
+    where: str,
+    value: object,
+    enum_type: type[enum.Enum],
+    *,
+    optional: bool = False,
+    error: type[MoekitError] = SpecError,
+) -> None:
+    """`value` is a member of `enum_type` (or None if `optional`); a string names the member to pass."""
+    if (optional and value is None) or isinstance(value, enum_type):
+        return
+    members = ", ".join(f"{enum_type.__name__}.{m.name}" for m in enum_type)
+    need = ("None or " if optional else "") + f"a {enum_type.__name__}"
+    match = None
+    if isinstance(value, str):
+        match = next((m for m in enum_type if value.lower() in (m.name.lower(), str(m.value).lower())), None)
+    fix = f"pass {enum_type.__name__}.{match.name}" if match else f"pass one of {members}"
+    raise _field_error(error, where, value, need, fix)
+
+
+def check_type(
+    where: str,
+    value: object,
+    types: type | tuple[type, ...],
+    *,
+    fix: str,
+    optional: bool = False,
+    error: type[MoekitError] = ArgumentError,
+) -> None:
+    """`value` is an instance of `types` (or None if `optional`)."""
+    if (optional and value is None) or isinstance(value, types):
+        return
+    names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+    raise _field_error(error, where, value, ("None or " if optional else "") + f"a {names}", fix)

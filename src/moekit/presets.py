@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.errors import SpecError
+from moekit.errors import SpecError, check_int, check_type
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -83,6 +83,7 @@ DEFAULT_PRESET = "gpt-oss-20b"
 
 def preset(name: str, *, act_dtype: torch.dtype = torch.bfloat16) -> MoESpec:
     """The spec of a named model (case-insensitive)."""
+    check_type("preset(name)", name, str, fix=f"pass one of {sorted(PRESETS)}", error=SpecError)
     key = name.lower()
     if key not in PRESETS:
         raise SpecError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -98,6 +99,7 @@ def cap_experts(spec: MoESpec, max_experts: int | None) -> MoESpec:
     """The same layer with E (and K, if needed) capped, for machines that cannot hold every expert.
 
     Grouped routing keeps its groups only if the capped E still divides into them."""
+    check_int("cap_experts(max_experts)", max_experts, minimum=1, optional=True)
     if max_experts is None or spec.E <= max_experts:
         return spec
     from dataclasses import replace

@@ -11,12 +11,11 @@ Letters: T tokens, K experts per token, E experts (global), H hidden, I intermed
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from moekit.errors import SpecError
+from moekit.errors import SpecError, check_bool, check_enum, check_int, check_real
 
 
 class WeightFormat(enum.Enum):
@@ -91,6 +90,12 @@ class RoutingMethod(enum.Enum):
 
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ENUM_FIELDS = (
+    ("weight_format", WeightFormat),
+    ("act_quant", ActivationQuant),
+    ("gate_layout", GateLayout),
+    ("router_weight_placement", RouterWeightPlacement),
+)
 
 
 @dataclass(frozen=True)
@@ -108,19 +113,17 @@ class ActivationSpec:
     limit: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, Activation):
-            raise SpecError(f"ActivationSpec.kind must be an Activation, got {self.kind!r}")
-        if self.kind is Activation.SWIGLU_OAI:
-            if self.alpha is None or not math.isfinite(self.alpha) or self.alpha <= 0:
-                raise SpecError(
-                    f"SWIGLU_OAI needs a finite alpha > 0 (GPT-OSS uses 1.702), got alpha={self.alpha!r}"
-                )
-        elif self.alpha is not None:
+        check_enum("ActivationSpec.kind", self.kind, Activation)
+        check_real("ActivationSpec.alpha", self.alpha, positive=True, optional=True)
+        check_real(
+            "ActivationSpec.limit (the clamp limit; None: no clamp)", self.limit, positive=True, optional=True
+        )
+        if self.kind is Activation.SWIGLU_OAI and self.alpha is None:
+            raise SpecError("SWIGLU_OAI needs a finite alpha > 0 (GPT-OSS uses 1.702), got alpha=None")
+        if self.kind is not Activation.SWIGLU_OAI and self.alpha is not None:
             raise SpecError(
                 f"alpha={self.alpha!r} is only meaningful for SWIGLU_OAI, not {self.kind.name}; pass None"
             )
-        if self.limit is not None and (not math.isfinite(self.limit) or self.limit <= 0):
-            raise SpecError(f"clamp limit must be None (no clamp) or finite and > 0, got {self.limit!r}")
 
     @classmethod
     def gpt_oss(cls) -> ActivationSpec:
@@ -150,12 +153,12 @@ class RoutingSpec:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, RoutingMethod):
-            raise SpecError(f"RoutingSpec.method must be a RoutingMethod, got {self.method!r}")
-        if not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
-            raise SpecError(
-                f"routed_scaling_factor must be finite and > 0, got {self.routed_scaling_factor!r}"
-            )
+        check_enum("RoutingSpec.method", self.method, RoutingMethod)
+        check_bool("RoutingSpec.renormalize", self.renormalize)
+        check_int("RoutingSpec.n_group", self.n_group, minimum=1, optional=True)
+        check_int("RoutingSpec.topk_group", self.topk_group, minimum=1, optional=True)
+        check_bool("RoutingSpec.has_correction_bias", self.has_correction_bias)
+        check_real("RoutingSpec.routed_scaling_factor", self.routed_scaling_factor, positive=True)
         grouped = self.method is RoutingMethod.SIGMOID_GROUPED
         if not grouped and (
             self.n_group is not None or self.topk_group is not None or self.has_correction_bias
@@ -200,26 +203,28 @@ class MoESpec:
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(f"MoESpec.{name} must be a positive int, got {value!r}")
+            check_int(f"MoESpec.{name}", getattr(self, name), minimum=1)
         if self.top_k > self.num_experts:
             raise SpecError(f"top_k K={self.top_k} cannot exceed num_experts E={self.num_experts}")
-        self._check_enum("weight_format", WeightFormat)
-        self._check_enum("act_quant", ActivationQuant)
-        self._check_enum("gate_layout", GateLayout)
-        self._check_enum("router_weight_placement", RouterWeightPlacement)
-        if not isinstance(self.activation, ActivationSpec):
-            raise SpecError(f"MoESpec.activation must be an ActivationSpec, got {self.activation!r}")
-        if not isinstance(self.routing, RoutingSpec):
-            raise SpecError(f"MoESpec.routing must be a RoutingSpec, got {self.routing!r}")
-        if self.act_dtype not in _ACT_DTYPES:
-            raise SpecError(f"act_dtype must be one of {_ACT_DTYPES}, got {self.act_dtype!r}")
-        is_fp8 = self.weight_format is WeightFormat.FP8_E4M3
-        if is_fp8 and not isinstance(self.fp8_scale, Fp8Scale):
+        for name, enum_type in _ENUM_FIELDS:
+            check_enum(f"MoESpec.{name}", getattr(self, name), enum_type)
+        check_enum("MoESpec.fp8_scale", self.fp8_scale, Fp8Scale, optional=True)
+        check_bool("MoESpec.has_bias", self.has_bias)
+        check_int("MoESpec.num_local_experts", self.num_local_experts, minimum=1, optional=True)
+        for name, part in (("activation", ActivationSpec), ("routing", RoutingSpec)):
+            if not isinstance(getattr(self, name), part):
+                raise SpecError(
+                    f"MoESpec.{name} must be a {part.__name__}, got {getattr(self, name)!r}; "
+                    f"build one, e.g. {part.__name__}(...)"
+                )
+        if not isinstance(self.act_dtype, torch.dtype) or self.act_dtype not in _ACT_DTYPES:
             raise SpecError(
-                f"FP8_E4M3 weights need fp8_scale (one of {[s.name for s in Fp8Scale]}), "
-                f"got {self.fp8_scale!r}"
+                f"act_dtype must be one of {_ACT_DTYPES}, got {self.act_dtype!r}; pass a torch dtype"
+            )
+        is_fp8 = self.weight_format is WeightFormat.FP8_E4M3
+        if is_fp8 and self.fp8_scale is None:
+            raise SpecError(
+                f"FP8_E4M3 weights need fp8_scale (one of {[s.name for s in Fp8Scale]}), got None"
             )
         if not is_fp8 and self.fp8_scale is not None:
             raise SpecError(
@@ -242,9 +247,7 @@ class MoESpec:
                 "use OUTPUT placement"
             )
         e_local = self.num_local_experts
-        if e_local is not None and (
-            not isinstance(e_local, int) or isinstance(e_local, bool) or not 1 <= e_local <= self.num_experts
-        ):
+        if e_local is not None and e_local > self.num_experts:
             raise SpecError(
                 f"num_local_experts must be None or in [1, E={self.num_experts}], got {e_local!r}"
             )
@@ -257,11 +260,6 @@ class MoESpec:
                     f"K={self.top_k} exceeds the experts in the {self.routing.topk_group} groups kept "
                     f"({self.routing.topk_group} x {self.num_experts // n_group})"
                 )
-
-    def _check_enum(self, name: str, enum_type: type[enum.Enum]) -> None:
-        value = getattr(self, name)
-        if not isinstance(value, enum_type):
-            raise SpecError(f"MoESpec.{name} must be a {enum_type.__name__}, got {value!r}")
 
     # Short names used throughout the code base.
     @property

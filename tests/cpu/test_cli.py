@@ -69,12 +69,106 @@ def test_explain_spec_flags_override_the_preset(capsys):
     assert "SILU no clamp CONCAT" in json.loads(capsys.readouterr().out)["spec"]
 
 
-def test_errors_print_one_clear_line_and_exit_2(capsys):
+def test_errors_print_one_clear_line_on_stderr(capsys):
+    # A spec flag out of range is a usage error (2); a strict plan that falls back fails the job (1).
     assert main(["explain", "--preset", "gpt-oss-20b", "--top-k", "64"]) == 2
-    err = capsys.readouterr().out
-    assert "SpecError" in err and "top_k K=64 cannot exceed num_experts E=32" in err
-    assert main(["explain", "--preset", "gpt-oss-20b", "--device", "cpu", "--strict"]) == 2
-    assert "PlanFallbackError" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("moekit: SpecError: top_k K=64 cannot exceed num_experts E=32")
+    assert main(["explain", "--preset", "gpt-oss-20b", "--device", "cpu", "--strict"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("moekit: PlanFallbackError: strict planning")
+
+
+def _one_error_line(err: str) -> str:
+    assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, err
+    assert err.startswith("moekit: "), err
+    return err
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["run", "--tokens", "-1"], "--tokens must be >= 1, got -1"),
+        (["run", "--tokens", "0"], "--tokens must be >= 1, got 0"),  # was "self-check PASS on 0 tokens"
+        (["run", "--tokens", "abc"], "argument --tokens: invalid int value: 'abc'"),
+        (["run", "--device", "tpu"], "DeviceError: --device 'tpu' is not a device"),
+        (["run", "--device", "cuda:banana"], "--device 'cuda:banana' is not a device"),
+        (["run", "--device", "h200"], "only `moekit explain` can plan for"),
+        pytest.param(["run", "--device", "cuda"], "no CUDA device here", marks=NO_CUDA),
+        (["run", "--layer", "3"], "--layer 3 picks a layer of --checkpoint and would be ignored"),
+        (["run", "--bogus"], "unrecognized arguments: --bogus"),
+        (["explain", "--tokens", "-2"], "--tokens must be >= 0, got -2"),
+        (["explain", "--device", "tpu"], "or a simulated GPU"),
+        pytest.param(["explain", "--device", "cuda:0"], "plan for a simulated GPU", marks=NO_CUDA),
+        (["explain", "--experts", "2.5"], "argument --experts: invalid int value"),
+        (
+            ["explain", "--alpha", "nan"],
+            "SpecError: ActivationSpec.alpha must be None or a finite number > 0",
+        ),
+        (["explain", "--table", "/no/such/table.json"], "--table /no/such/table.json: no such file"),
+        (["check", "--tokens", "1,x"], "--tokens must be comma-separated counts >= 0"),
+        (["check", "--max-experts", "0"], "--max-experts must be >= 1, got 0"),
+        (["check", "--device", "tpu"], "is not a device"),
+        (["tune", "--tokens", "0"], "--tokens must be comma-separated counts >= 1"),
+        (["tune", "--max-experts", "-4"], "--max-experts must be >= 1"),
+        pytest.param(["bench"], "needs a CUDA device", marks=NO_CUDA),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_usage_errors_are_one_line_on_stderr_and_exit_2(capsys, argv, fragment):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and fragment in _one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "argv, kind",
+    [
+        (["run", "--tokens", "0", "--json"], "UsageError"),
+        (["run", "--tokens", "abc", "--json"], "UsageError"),
+        (["run", "--device", "tpu", "--json"], "DeviceError"),
+        (["explain", "--top-k", "64", "--json"], "SpecError"),
+        (["check", "--tokens", "-1", "--json"], "UsageError"),
+    ],
+)
+def test_json_usage_errors_are_json_on_stdout(capsys, argv, kind):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    error = json.loads(out)["error"]  # stdout holds JSON only
+    assert error["type"] == kind and error["usage"] and error["exit_status"] == 2
+    assert error["message"] in _one_error_line(err)
+
+
+def test_json_errors_while_running_are_json_and_exit_1(capsys):
+    assert main(["explain", "--device", "cpu", "--strict", "--json"]) == 1
+    out, err = capsys.readouterr()
+    error = json.loads(out)["error"]
+    assert error["type"] == "PlanFallbackError" and not error["usage"] and error["exit_status"] == 1
+    assert "\n" not in error["message"] and "torch_grouped" in error["message"]
+    _one_error_line(err)
+
+
+def test_a_usage_error_in_a_fresh_process_has_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moekit.app.cli", "run", "--tokens", "abc"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "invalid int value: 'abc'" in _one_error_line(proc.stderr)
+
+
+def test_run_job_refuses_zero_tokens():
+    from moekit.app.run import run_job
+    from moekit.errors import ShapeError
+
+    with pytest.raises(ShapeError, match=r"run_job\(num_tokens\) must be a positive int, got 0"):
+        run_job(num_tokens=0, device="cpu")
 
 
 def test_check_runs_every_capable_kernel_and_lists_refusals(capsys):
@@ -105,7 +199,7 @@ def test_check_runs_every_capable_kernel_and_lists_refusals(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA prints")
 def test_bench_needs_a_gpu_and_says_so(capsys):
     assert main(["bench", "--preset", "gpt-oss-20b", "--tokens", "1"]) == 2
-    assert "needs a CUDA device" in capsys.readouterr().out
+    assert "needs a CUDA device" in capsys.readouterr().err
 
 
 def test_bench_plot_writes_a_png(tmp_path):
@@ -159,8 +253,9 @@ def test_run_a_checkpoint_layer(tmp_path, capsys, naming):
     report = json.loads(capsys.readouterr().out)
     assert f"layer 3 ({naming} naming)" in report["source"]
     assert report["spec"].startswith("E=8 K=4 H=64 I=96 MXFP4") and report["check_passed"]
-    assert main(["run", "--checkpoint", str(tmp_path), "--layer", "4"]) == 2  # a clear error, not a trace
-    assert "CheckpointError" in capsys.readouterr().out
+    # A layer the checkpoint lacks is found while running: one clear line, exit 1, not a trace.
+    assert main(["run", "--checkpoint", str(tmp_path), "--layer", "4"]) == 1
+    assert "CheckpointError" in _one_error_line(capsys.readouterr().err)
 
 
 def test_bench_records_a_failing_kernel_instead_of_dying():

@@ -80,8 +80,8 @@ def test_spec_refuses(kwargs, fragment):
     [
         (dict(kind=Activation.SWIGLU_OAI), "needs a finite alpha > 0"),
         (dict(kind=Activation.SILU, alpha=1.0), "only meaningful for SWIGLU_OAI"),
-        (dict(kind=Activation.SILU, limit=0.0), "clamp limit must be None"),
-        (dict(kind=Activation.GELU, limit=float("inf")), "clamp limit must be None"),
+        (dict(kind=Activation.SILU, limit=0.0), r"None: no clamp\) must be None or a finite number > 0"),
+        (dict(kind=Activation.GELU, limit=float("inf")), "must be None or a finite number > 0, got inf"),
     ],
 )
 def test_activation_refuses(kwargs, fragment):
@@ -102,7 +102,7 @@ def test_missing_limit_stays_none():
         (dict(method=RoutingMethod.TOPK_SOFTMAX, renormalize=False), "renormalize=False is not defined"),
         (dict(method=RoutingMethod.SIGMOID_GROUPED, n_group=4), "give both n_group and topk_group"),
         (dict(method=RoutingMethod.SIGMOID_GROUPED, n_group=4, topk_group=5), "topk_group <= n_group"),
-        (dict(routed_scaling_factor=0.0), "routed_scaling_factor must be finite and > 0"),
+        (dict(routed_scaling_factor=0.0), "routed_scaling_factor must be a finite number > 0"),
     ],
 )
 def test_routing_spec_refuses(kwargs, fragment):

@@ -1,7 +1,9 @@
 """The `moekit` command line.
 
-Data flow: argv -> argparse subcommand -> a job function returning a typed report -> a rich table on
-screen, or JSON with `--json`. Errors raised by moekit print as one readable line and exit 2.
+Data flow: argv -> argparse subcommand -> the command's flag values checked (`_FLAG_CHECKS`) -> a job
+function returning a typed report -> a rich table on screen, or JSON with `--json`. Errors print as one
+line on stderr (`cli_errors`): exit status 2 for a flag the command refuses before any work, 1 for a job
+that failed or a `MoekitError` raised while it ran.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moekit.app.cli_errors import Parser, UsageError, flag_values, report, wants_json
 from moekit.app.cli_spec import (
     SIMULATED_DEVICES,
     add_spec_flags,
+    at_least,
     plan_as_dict,
+    real_device,
     resolve_device,
     spec_from_flags,
+    token_counts,
 )
-from moekit.errors import DeviceError, MoekitError, SpecError
+from moekit.errors import DeviceError, MoekitError
 from moekit.planning.tuned import ENV_VAR as TUNED_ENV_VAR
 from moekit.presets import DEFAULT_PRESET, PRESETS
 
@@ -39,11 +45,15 @@ against a pure-PyTorch reference.
                                   time whole layers on the GPU vs roofline and baseline
   moekit tune --preset gpt-oss-120b --table tuned.json
                                   autotune; then MOEKIT_TUNED_TABLE=tuned.json moekit explain ...
+
+Exit status: 0 passed; 1 the job failed or moekit refused something while running; 2 a usage error
+(a flag or flag value refused before any work). Errors are one line on stderr; with --json, stdout
+holds JSON only: the report, or {"error": {"type", "message", "usage", "exit_status"}}.
 """
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moekit", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -66,8 +76,10 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a GPT-OSS safetensors file or directory (OpenAI or Hugging Face naming)",
     )
-    run.add_argument("--layer", type=int, default=0, help="layer index in --checkpoint (default: 0)")
-    run.add_argument("--tokens", type=int, default=4, help="tokens in the batch, T (default: 4)")
+    run.add_argument(
+        "--layer", type=int, default=None, help="layer index in --checkpoint (default: 0); needs --checkpoint"
+    )
+    run.add_argument("--tokens", type=int, default=4, help="tokens in the batch, T >= 1 (default: 4)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     run.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present, else cpu)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -190,10 +202,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
 def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
     from moekit.planning.plan import plan
 
-    spec = spec_from_flags(args)
-    result = plan(
-        spec, num_tokens=args.tokens, device=resolve_device(args.device), tuned=args.table, strict=args.strict
-    )
+    result = plan(args.spec, num_tokens=args.tokens, device=args.device, tuned=args.table, strict=args.strict)
     if args.json:
         print(json.dumps(plan_as_dict(result), indent=2))
     else:
@@ -201,27 +210,15 @@ def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _tokens(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 0:
-        raise SpecError(f"--tokens must be comma-separated counts >= 0, got {text!r}")
-    return values
-
-
 def _cmd_check(args: argparse.Namespace, console: Console) -> int:
-    import torch
     from rich.progress import Progress
 
     from moekit.app.check import check_preset
     from moekit.kernels.registry import default_registry
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device, tokens = args.device, args.tokens
     cap = args.max_experts if args.max_experts is not None else (8 if device.type == "cpu" else None)
     names = sorted(PRESETS) if args.all else [args.preset]
-    tokens = _tokens(args.tokens)
     records = []
     with Progress(console=console, transient=True, disable=args.json) as progress:
         task = progress.add_task("checking", total=len(names) * len(default_registry()) * len(tokens))
@@ -259,8 +256,6 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     from moekit.app.bench import bench_preset, measure_ceilings, plot_records, records_as_json
 
-    if not torch.cuda.is_available():
-        raise DeviceError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     console.print(
@@ -268,7 +263,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         f"bf16 matmul {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s"
     )
     records = []
-    names, tokens = args.preset.split(","), _tokens(args.tokens)
+    names, tokens = args.preset.split(","), args.tokens
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(names) * len(tokens) * 2)  # planned + baseline
         for name in names:
@@ -303,15 +298,11 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
-    import torch
     from rich.progress import Progress
 
     from moekit.app.autotune import tune
-    from moekit.presets import cap_experts, preset
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    spec = cap_experts(preset(args.preset), args.max_experts)
-    tokens = _tokens(args.tokens)
+    device, spec, tokens = args.device, args.spec, args.tokens
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"tuning {args.preset}", total=len(tokens))
         outcomes = tune(
@@ -339,21 +330,80 @@ def _cmd_tune(args: argparse.Namespace, console: Console) -> int:
     return 0 if all(o.resumed or o.winner is not None for o in outcomes) else 1
 
 
+def _run_flags(args: argparse.Namespace) -> None:
+    at_least("--tokens", args.tokens, 1, "a run on 0 tokens computes and self-checks nothing")
+    if args.layer is not None and args.checkpoint is None:
+        raise UsageError(
+            f"--layer {args.layer} picks a layer of --checkpoint and would be ignored; add --checkpoint PATH"
+        )
+    args.layer = at_least("--layer", 0 if args.layer is None else args.layer, 0)
+    args.device = real_device(args.device)
+
+
+def _explain_flags(args: argparse.Namespace) -> None:
+    at_least("--tokens", args.tokens, 0)
+    if args.table is not None and not args.table.is_file():
+        raise UsageError(f"--table {args.table}: no such file; give a tuned table written by moekit tune")
+    args.spec = spec_from_flags(args)
+    args.device = resolve_device(args.device)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    args.device = real_device(args.device)
+    args.tokens = token_counts(args.tokens, minimum=0)
+    if args.max_experts is not None:
+        at_least("--max-experts", args.max_experts, 1)
+
+
+def _bench_flags(args: argparse.Namespace) -> None:
+    import torch
+
+    from moekit.presets import preset
+
+    if not torch.cuda.is_available():
+        raise DeviceError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
+    for name in args.preset.split(","):
+        preset(name)
+    args.tokens = token_counts(args.tokens, minimum=1)
+
+
+def _tune_flags(args: argparse.Namespace) -> None:
+    from moekit.presets import cap_experts, preset
+
+    args.device = real_device(args.device)
+    args.tokens = token_counts(args.tokens, minimum=1)
+    if args.max_experts is not None:
+        at_least("--max-experts", args.max_experts, 1)
+    args.spec = cap_experts(preset(args.preset), args.max_experts)
+
+
+_FLAG_CHECKS = {
+    "run": _run_flags,
+    "explain": _explain_flags,
+    "check": _check_flags,
+    "bench": _bench_flags,
+    "tune": _tune_flags,
+}
+_HANDLERS = {
+    "run": _cmd_run,
+    "explain": _cmd_explain,
+    "check": _cmd_check,
+    "bench": _cmd_bench,
+    "tune": _cmd_tune,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    console = Console()
-    handlers = {
-        "run": _cmd_run,
-        "explain": _cmd_explain,
-        "check": _cmd_check,
-        "bench": _cmd_bench,
-        "tune": _cmd_tune,
-    }
+    argv = sys.argv[1:] if argv is None else list(argv)
+    json_output = wants_json(argv)
     try:
-        return handlers[args.command](args, console)
+        args = _build_parser().parse_args(argv)
+        json_output = args.command in ("run", "explain", "check") and args.json
+        with flag_values():
+            _FLAG_CHECKS[args.command](args)
+        return _HANDLERS[args.command](args, Console())
     except MoekitError as err:
-        console.print(f"[red]moekit: {type(err).__name__}:[/red] {err}", highlight=False)
-        return 2
+        return report(err, json_output=json_output)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Command-line plumbing shared by subcommands: spec flags, device choice, JSON views of plans.
+"""Command-line plumbing shared by subcommands: spec flags, device and token flags, JSON views of plans.
 
-Data flow: argparse namespace -> preset spec with flag overrides -> `MoESpec` (validated as usual).
+Data flow: argparse namespace -> preset spec with flag overrides -> `MoESpec` (validated as usual);
+--device -> a device that exists here (or a simulated one, for explain); --tokens -> counts in range.
+A flag value out of range is a `UsageError` naming the flag, the value and the fix.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from moekit.app.cli_errors import UsageError
 from moekit.errors import DeviceError
 from moekit.kernels.base import DeviceInfo, DeviceKind
 from moekit.planning.plan import Plan
@@ -97,15 +100,69 @@ def spec_from_flags(args: argparse.Namespace):
 
 
 def resolve_device(name: str | None) -> DeviceInfo:
+    """--device of `moekit explain`: a device here, or a simulated GPU to plan for."""
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.lower() in SIMULATED_DEVICES:
         return SIMULATED_DEVICES[name.lower()]
-    if name == "cuda" and not torch.cuda.is_available():
+    simulated = f"--device {{{','.join(SIMULATED_DEVICES)}}}"
+    if (
+        _parsed(name, also=f", or a simulated GPU: {simulated}").type == "cuda"
+        and not torch.cuda.is_available()
+    ):
         raise DeviceError(
-            f"no CUDA device here; plan for a simulated one with --device {{{','.join(SIMULATED_DEVICES)}}}"
+            f"--device {name}: no CUDA device here; plan for a simulated GPU with {simulated}, or use cpu"
         )
-    return DeviceInfo.of(name)
+    return _device_info(name)
+
+
+def real_device(name: str | None) -> torch.device:
+    """--device of a command that runs kernels: a device that exists here (default: cuda if present)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.lower() in SIMULATED_DEVICES:
+        raise UsageError(
+            f"--device {name} is a simulated GPU, which only `moekit explain` can plan for; "
+            "this command runs kernels: use --device cpu or cuda",
+            kind="DeviceError",
+        )
+    device = _parsed(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"--device {name}: no CUDA device here (torch sees none); use --device cpu")
+    _device_info(name)
+    return device
+
+
+def _parsed(name: str, also: str = "") -> torch.device:
+    try:
+        return torch.device(name)
+    except RuntimeError as err:
+        raise DeviceError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N{also}") from err
+
+
+def _device_info(name: str) -> DeviceInfo:
+    try:
+        return DeviceInfo.of(name)
+    except DeviceError as err:
+        raise DeviceError(f"--device {name}: {err}") from err
+
+
+def at_least(flag: str, value: int, minimum: int, why: str = "") -> int:
+    """`value` of `flag` if it is >= `minimum`, else a `UsageError` that says why the bound exists."""
+    if value < minimum:
+        raise UsageError(f"{flag} must be >= {minimum}, got {value}" + (f": {why}" if why else ""))
+    return value
+
+
+def token_counts(text: str, *, minimum: int) -> tuple[int, ...]:
+    """--tokens as comma-separated counts, each >= `minimum`."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < minimum:
+        raise UsageError(f"--tokens must be comma-separated counts >= {minimum}, got {text!r}")
+    return values
 
 
 def plan_as_dict(p: Plan) -> dict:

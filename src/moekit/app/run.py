@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moekit.app.timing import median_seconds
+from moekit.errors import ShapeError, check_int
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights, route
 from moekit.planning.plan import Plan, plan
@@ -108,10 +109,11 @@ def run_job(
     layer: int = 0,
     num_tokens: int = 4,
     seed: int = 0,
-    device: str | None = None,
+    device: torch.device | str | None = None,
 ) -> RunReport:
     """Build the layer, plan it for `device`, run and time the chosen kernel, check it against the
     reference."""
+    check_int("run_job(num_tokens)", num_tokens, minimum=1, error=ShapeError)  # 0 tokens would check nothing
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loaded = _load_layer(preset_name=preset_name, checkpoint=checkpoint, layer=layer, seed=seed)
     spec = loaded.spec

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.errors import DeviceError, TunedTableError
+from moekit.errors import DeviceError, TunedTableError, check_enum, check_int
 from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
@@ -42,17 +42,46 @@ class DeviceInfo:
     name: str  # "cpu" or e.g. "NVIDIA H200"; tuned tables are keyed by it
     compute_capability: tuple[int, int] | None = None  # CUDA only
 
+    def __post_init__(self) -> None:
+        check_enum("DeviceInfo.kind", self.kind, DeviceKind, error=DeviceError)
+        if not isinstance(self.name, str) or not self.name:
+            raise DeviceError(
+                f"DeviceInfo.name must be a non-empty str (tuned tables are keyed by it), got {self.name!r}"
+            )
+        cc = self.compute_capability
+        if cc is not None:
+            if not isinstance(cc, tuple) or len(cc) != 2:
+                raise DeviceError(
+                    f"DeviceInfo.compute_capability must be None or a (major, minor) tuple, got {cc!r}; "
+                    "e.g. (9, 0) for an H200"
+                )
+            for part in cc:
+                check_int("DeviceInfo.compute_capability[i]", part, minimum=0, error=DeviceError)
+
     @classmethod
     def of(cls, device: torch.device | str) -> DeviceInfo:
-        device = torch.device(device)
+        """The device `device` names on this machine; anything else is a `DeviceError` that says why."""
+        device = _torch_device(device)
         if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise DeviceError(
+                    f"device {str(device)!r}: no CUDA device on this machine (torch.cuda.is_available() is "
+                    "False); use device='cpu', or plan for a GPU without one: "
+                    "DeviceInfo(DeviceKind.CUDA, 'NVIDIA H200', (9, 0))"
+                )
             index = device.index if device.index is not None else torch.cuda.current_device()
+            if index >= count:
+                raise DeviceError(
+                    f"device {str(device)!r}: this machine has {count} CUDA device(s), "
+                    f"cuda:0 to cuda:{count - 1}"
+                )
             return cls(
                 DeviceKind.CUDA, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
             )
         if device.type == "cpu":
             return cls(DeviceKind.CPU, "cpu")
-        raise DeviceError(f"moekit runs on cpu or cuda devices, got {device}")
+        raise DeviceError(f"moekit runs on cpu or cuda devices, got {device}; use 'cpu' or 'cuda'")
 
     def describe(self) -> str:
         cc = (
@@ -61,6 +90,22 @@ class DeviceInfo:
             else ""
         )
         return f"{self.name}{cc}"
+
+
+def _torch_device(device: object) -> torch.device:
+    """`device` (a torch.device or a device string) as a torch.device; anything else is a DeviceError."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise DeviceError(
+            f"device must be a torch.device or a string such as 'cpu', 'cuda' or 'cuda:1', "
+            f"got {device!r} ({type(device).__name__})"
+            + (f"; a bare index is ambiguous, pass 'cuda:{device}'" if type(device) is int else "")
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise DeviceError(f"device {device!r} is not a device string; use 'cpu', 'cuda' or 'cuda:N'") from err
 
 
 @dataclass(frozen=True)
@@ -147,7 +192,7 @@ def config_from_dict(config_type: type[KernelConfig], data: object, *, kernel: s
     if not isinstance(data, dict):
         raise TunedTableError(f"config for kernel {kernel!r} must be an object, got {data!r}")
     names = {f.name for f in dataclasses.fields(config_type)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
         raise TunedTableError(
             f"config for kernel {kernel!r} has unknown fields {unknown}; known: {sorted(names)}"

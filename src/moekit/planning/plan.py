@@ -18,7 +18,17 @@ from pathlib import Path
 
 import torch
 
-from moekit.errors import PlanFallbackError, UnsupportedSpecError
+from moekit.errors import (
+    ArgumentError,
+    PlanFallbackError,
+    ShapeError,
+    SpecError,
+    TunedTableError,
+    UnsupportedSpecError,
+    check_bool,
+    check_int,
+    check_type,
+)
 from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Problem
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.planning.tuned import (
@@ -114,6 +124,7 @@ def plan(
     allow_reference: bool = True,
 ) -> Plan:
     """Resolve the kernel and config for `spec` at `num_tokens` on `device`. See the module docstring."""
+    _check_plan_arguments(spec, num_tokens, tuned, strict, registry, allow_reference)
     registry = registry or default_registry()
     if not allow_reference:
         registry = registry.without("reference")
@@ -245,6 +256,28 @@ def plan_batch_invariant(
         row_origin=origin,
         invariant_tokens=anchor,
     )
+
+
+def _check_plan_arguments(
+    spec: object, num_tokens: object, tuned: object, strict: object, registry: object, allow_reference: object
+) -> None:
+    """Each of `plan`'s arguments has its type (and `num_tokens` its range) before anything reads it;
+    `device` is checked where it is resolved (`DeviceInfo.of`)."""
+    check_type(
+        "plan(spec=...)", spec, MoESpec, fix="build a MoESpec (or moekit.preset(name))", error=SpecError
+    )
+    check_int("plan(num_tokens=...)", num_tokens, minimum=0, error=ShapeError)
+    check_type(
+        "plan(tuned=...)",
+        tuned,
+        (TunedTables, str, Path),
+        optional=True,
+        fix="pass a table path or moekit's loaded TunedTables",
+        error=TunedTableError,
+    )
+    check_bool("plan(strict=...)", strict, error=ArgumentError)
+    check_bool("plan(allow_reference=...)", allow_reference, error=ArgumentError)
+    check_type("plan(registry=...)", registry, KernelRegistry, optional=True, fix="pass a KernelRegistry")
 
 
 # Spec changes a user can make at load time, tried in order to suggest the nearest supported spec.
