@@ -1,22 +1,56 @@
 """Every input rule of a forward, written once: what `moekit.fused_moe`, `fused_moe_reference`,
 `moekit.route` and `FusedMoE` check before anything runs.
 
-Data flow: a call's arguments -> the checks below, shape before dtype before device before values (the
-order a reader looks for the mistake in) -> nothing, or the first moekit error, naming the argument and
-what to do. Checks that read tensor values (expert ids, the expert map's entries) synchronize with the
-device: callers skip them while a CUDA graph is being captured, and where the values are valid by
-construction (ids from `moekit.route`, an expert map checked when the layer was built). Kernels keep
-asserts only for their own invariants; they rely on these checks having run.
+Data flow: a call's arguments -> the checks below, type before shape before dtype before device before
+values (the order a reader looks for the mistake in) -> nothing, or the first moekit error, naming the
+argument and what to do. Checks that read tensor values (expert ids, the expert map's entries, router
+logits being finite, MXFP4 scale bytes) synchronize with the device: callers skip them while a CUDA
+graph is being captured, and where the values are valid by construction (ids from `moekit.route`, an
+expert map checked when the layer was built). Scale bytes are scanned once per scale tensor (again
+only after it is modified in place), so a forward that repeats its weights pays a dictionary lookup.
+Kernels keep asserts only for their own invariants; they rely on these checks having run.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from moekit.errors import DeviceError, DTypeError, ExpertIdError, LayoutMismatchError, ShapeError, SpecError
+from moekit.errors import (
+    DeviceError,
+    DTypeError,
+    ExpertIdError,
+    LayoutMismatchError,
+    NonFiniteError,
+    ShapeError,
+    SpecError,
+)
+from moekit.formats import check_mxfp4_scales
 from moekit.routing import RoutingResult
-from moekit.spec import MoESpec, RoutingMethod, RoutingSpec
+from moekit.spec import MoESpec, RoutingMethod, RoutingSpec, WeightFormat
 from moekit.weights import ExpertWeights
+
+
+def described(value: object) -> str:
+    """What a caller passed, for an error message: a tensor's dtype and shape, else its type (and a short
+    repr), so that a list of a million floats does not become the message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"a {type(value).__name__} ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def check_tensor_arg(value: object, *, name: str, need: str) -> None:
+    """`value` is a torch.Tensor; anything else (a list, a NumPy array) is refused by name."""
+    if not isinstance(value, torch.Tensor):
+        raise ShapeError(f"{name} must be a torch.Tensor {need}, got {described(value)}; convert it first")
+
+
+def check_arg_type(value: object, cls: type, *, name: str, fix: str) -> None:
+    """`value` is a `cls` (the containers of the public API: ExpertWeights, RoutingResult, Plan)."""
+    if not isinstance(value, cls):
+        raise DTypeError(f"{name} must be a moekit {cls.__name__}, got {described(value)}; {fix}")
 
 
 # ----- moekit.fused_moe and fused_moe_reference -----------------------------------------------------------
@@ -28,13 +62,21 @@ def check_forward(
     spec: MoESpec,
     expert_map: torch.Tensor | None,
     check_values: bool = True,
+    planned_for: tuple[str, str] | None = None,
 ) -> None:
-    """Every check a forward needs before launching anything (shapes, dtypes, devices, ids).
+    """Every check a forward needs before launching anything (types, shapes, dtypes, devices, ids, scale
+    bytes).
 
-    `check_values=False` skips the checks that read tensor values (expert ids, expert map entries),
-    which synchronize with the device."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != spec.H:
-        raise ShapeError(f"x must be [T, H={spec.H}], got {getattr(x, 'shape', x)!r}")
+    `check_values=False` skips the checks that read tensor values (expert ids, expert map entries, MXFP4
+    scale bytes not scanned before), which synchronize with the device. `planned_for` is the plan's
+    (device type, description): x and the weights must be on that kind of device."""
+    check_tensor_arg(x, name="x", need=f"[T, H={spec.H}]")
+    check_arg_type(weights, ExpertWeights, name="weights", fix="build them with moekit.ExpertWeights")
+    check_arg_type(routing, RoutingResult, name="routing", fix="get it from moekit.route")
+    if planned_for is not None:
+        check_plan_device({"x": x, "weights": weights.w13}, *planned_for)
+    if x.dim() != 2 or x.shape[1] != spec.H:
+        raise ShapeError(f"x must be [T, H={spec.H}], got shape {tuple(x.shape)}")
     if x.dtype != spec.act_dtype:
         raise DTypeError(f"x has dtype {x.dtype} but spec.act_dtype is {spec.act_dtype}")
     weights.validate(spec)
@@ -48,6 +90,7 @@ def check_forward(
             raise DeviceError(f"x is on {x.device} but {name} is on {t.device}; move them to one device")
     if check_values:
         routing.check_ids(spec.E)
+        check_scale_values(weights)
     check_expert_map_given(spec, expert_map)
     if expert_map is not None:
         if expert_map.device != x.device:
@@ -55,6 +98,18 @@ def check_forward(
         check_expert_map_structure(expert_map, num_experts=spec.E)
         if check_values:
             check_expert_map_entries(expert_map, num_local_experts=spec.E_local)
+
+
+def check_plan_device(tensors: dict[str, torch.Tensor], plan_device: str, plan_describe: str) -> None:
+    """Each tensor on the kind of device the plan was made for (`plan_device`: "cpu" or "cuda"): a kernel
+    planned for one never launches on the other."""
+    for name, t in tensors.items():
+        if t.device.type != plan_device:
+            raise DeviceError(
+                f"the plan was made for {plan_describe} ({plan_device}) but {name} is on {t.device}; move "
+                f"x and the weights to {plan_device}, or plan for {t.device} "
+                f"(moekit.plan(spec, num_tokens=..., device={str(t.device)!r}))"
+            )
 
 
 def check_packing(reason: str | None) -> None:
@@ -101,20 +156,60 @@ def check_expert_map_entries(expert_map: torch.Tensor, *, num_local_experts: int
         raise ExpertIdError("expert_map maps two global experts to the same local expert")
 
 
+def capturing(t: object) -> bool:
+    """True while `t`'s CUDA stream is being captured into a graph: no check may sync then."""
+    return isinstance(t, torch.Tensor) and t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+# ----- values: MXFP4 scale bytes, router logits (each read syncs with the device) -------------------------
+# id(scale tensor) -> (a weak reference to it, its version counter when it was scanned)
+_SCANNED: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def check_scale_values(weights: ExpertWeights) -> None:
+    """No MXFP4 scale byte is 0xFF (E8M0 NaN). Each scale tensor is scanned once (a sync) and again only
+    after an in-place change (its version counter moves); later calls cost a dictionary lookup."""
+    if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
+        return
+    for name in ("w13_scale", "w2_scale"):
+        t = getattr(weights, name)
+        seen = _SCANNED.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            continue
+        check_mxfp4_scales(t, name=name)
+        key = id(t)
+        _SCANNED[key] = (weakref.ref(t, lambda _ref, key=key: _SCANNED.pop(key, None)), t._version)
+
+
+def check_finite_logits(logits: torch.Tensor) -> None:
+    """Router logits are finite (the routing contract, `moekit.routing`). Syncs with the device."""
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return
+    bad = (~finite).nonzero()
+    token, expert = (int(i) for i in bad[0])
+    raise NonFiniteError(
+        f"router logits hold {bad.shape[0]} non-finite values (NaN or +-inf) of {logits.numel()}, first "
+        f"{logits[token, expert].item()} at [token {token}, expert {expert}]; moekit routes finite logits "
+        "only: find where the NaN/inf comes from (the hidden states feeding the router), and mask an "
+        "expert with a large finite negative logit (torch.finfo(torch.float32).min), not -inf"
+    )
+
+
 # ----- moekit.route -------------------------------------------------------------------------------------
 def check_route(
     logits: torch.Tensor, *, top_k: int, spec: RoutingSpec, correction_bias: torch.Tensor | None
 ) -> None:
     """Router logits are a float `[T, E]`; `top_k` in `[1, E]`; the correction bias as `spec` says."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise ShapeError(
-            f"router logits must be a float [T, E] tensor, got {getattr(logits, 'shape', logits)!r}"
-        )
+    check_tensor_arg(logits, name="router logits", need="(float, [T, E])")
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ShapeError(f"router logits must be a float [T, E] tensor, got {described(logits)}")
     num_experts = logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise SpecError(f"top_k must be in [1, E={num_experts}], got {top_k}")
     check_correction_bias_given(spec, correction_bias)
     if correction_bias is not None:
+        check_tensor_arg(correction_bias, name="correction_bias", need=f"[E={num_experts}]")
         if correction_bias.shape != (num_experts,):
             raise ShapeError(f"correction_bias must be [E={num_experts}], got {tuple(correction_bias.shape)}")
         if correction_bias.device != logits.device:
@@ -144,9 +239,9 @@ def check_router_tensor(t: torch.Tensor, *, name: str, shape: tuple[int, ...], s
 
 def check_hidden_states(x: torch.Tensor, *, spec: MoESpec, device: torch.device) -> None:
     """A layer's input: `[..., H]` in the spec's act dtype, on the layer's device."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != spec.H:
-        got = getattr(x, "shape", type(x).__name__)
-        raise ShapeError(f"hidden_states must be [..., H={spec.H}], got {got}")
+    check_tensor_arg(x, name="hidden_states", need=f"[..., H={spec.H}]")
+    if x.dim() < 1 or x.shape[-1] != spec.H:
+        raise ShapeError(f"hidden_states must be [..., H={spec.H}], got shape {tuple(x.shape)}")
     if x.dtype != spec.act_dtype:
         raise DTypeError(f"hidden_states have dtype {x.dtype} but the layer's act_dtype is {spec.act_dtype}")
     if x.device != device:

@@ -47,6 +47,10 @@ class FormatError(MoekitError, ValueError):
     """Quantized data is invalid (NaN scale bytes, wrong container dtype, bad quantizer input)."""
 
 
+class NonFiniteError(MoekitError, ValueError):
+    """Values that must be finite are not: router logits holding NaN or +-inf."""
+
+
 class CheckpointError(MoekitError, ValueError):
     """A checkpoint is missing a tensor, or a tensor in it has the wrong shape or dtype."""
 

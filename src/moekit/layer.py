@@ -31,7 +31,11 @@ and the router tensors non-persistent buffers, so `state_dict()` is empty: rebui
 checkpoint rather than loading a state dict into it (a patched HF block saves and loads its own).
 
 Inference only: the custom op has no autograd formula. Value checks that would sync (expert-id ranges)
-are unnecessary here: `route` only produces ids in [0, E).
+are unnecessary here: `route` only produces ids in [0, E). One value check stays: router logits must be
+finite (the contract in `moekit.routing`). It runs inside the op, in eager and compiled forwards, and
+reads one bool from the device (a sync); it is skipped while a CUDA graph is being captured, and when
+`layer.check_values = False` (a server that wants no sync in eager forwards either), where a token with
+a NaN or +-inf logit gets a NaN output row instead of an error.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ from pathlib import Path
 import torch
 
 from moekit.checks import (
+    capturing,
     check_correction_bias_given,
     check_expert_map,
     check_expert_map_given,
+    check_finite_logits,
     check_hidden_states,
     check_router_logits,
     check_router_tensor,
@@ -155,6 +161,9 @@ def _normalize_device(device: torch.device | str) -> torch.device:
 
 class FusedMoE(torch.nn.Module):
     """One MoE layer: router + experts of `spec`, planned at construction. See the module docstring."""
+
+    # Refuse non-finite router logits with NonFiniteError (one sync per forward, never during capture).
+    check_values: bool = True
 
     def __init__(
         self,
@@ -344,7 +353,8 @@ class FusedMoE(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states `[..., H]` (act dtype, this layer's device) -> the MoE output, same shape and dtype.
 
-        `router_logits` `[..., E]` (or flat `[T, E]`), any float dtype, replaces this layer's router."""
+        `router_logits` `[..., E]` (or flat `[T, E]`), any float dtype, replaces this layer's router. Router
+        logits (given or computed) with a NaN or +-inf raise `NonFiniteError` (module docstring)."""
         spec = self.spec
         x = hidden_states
         check_hidden_states(x, spec=spec, device=self._device)
@@ -366,15 +376,18 @@ class FusedMoE(torch.nn.Module):
         return out.reshape(x.shape)
 
     def run_flat(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The op's body: x `[T, H]` and logits `[T, E]` (already checked) -> `[T, H]`. Host work only."""
+        """The op's body: x `[T, H]` and logits `[T, E]` (already checked) -> `[T, H]`. Host work only,
+        but for the finite-logits check (one sync; skipped while capturing or with `check_values` off)."""
         spec = self.spec
+        if self.check_values and not capturing(router_logits):
+            check_finite_logits(router_logits)
         plan = self.plan_for(x.shape[0])
         routing = route_checked(
             router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
         )
         # Every input was checked once, before this point: x and the logits by `forward`, the weights,
         # their packing, the correction bias and the expert map when the layer built and prepared them;
-        # ids from `route` are in range by construction. Nothing here reads device memory.
+        # ids from `route` are in range by construction. Nothing below reads device memory.
         return run_checked(
             self._kernels[plan.kernel],
             plan,

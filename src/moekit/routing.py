@@ -9,6 +9,18 @@ launch (`moekit.kernels.triton.route`) with the same ids and weights within a fe
 
 Ties: `torch.topk` does not promise an order among equal values, so selection is done on a key that
 breaks ties by index: a stable descending sort keeps the lower index first among equal scores.
+
+Non-finite logits, the contract of every method (TOPK_SOFTMAX, SOFTMAX_TOPK with or without
+renormalize, SIGMOID_GROUPED) and of every route (this twin, the Triton route, `FusedMoE`):
+- Router logits must be finite. NaN, +inf and -inf are all refused: `moekit.route` and `FusedMoE`
+  raise `NonFiniteError` (naming the count, the first [token, expert] and its value) before anything
+  runs, wherever they may read values: not while a CUDA graph is being captured (a captured forward
+  never synchronizes with the host), and not when the caller turned value checks off
+  (`route(..., check_values=False)`, `FusedMoE.check_values = False`). To mask an expert, give it a
+  large finite negative logit (`torch.finfo(torch.float32).min`), not -inf.
+- Where values are not read, the rule is computed on the device, without a sync: a token with any
+  non-finite logit gets NaN for all K weights (its ids stay in [0, E)), so its output row is NaN on
+  every rank that holds one of its experts, never a finite wrong answer. Other tokens are unaffected.
 """
 
 from __future__ import annotations
@@ -78,7 +90,7 @@ def route_torch(
     """Select `top_k` experts per token from router logits `[T, E]` as `spec` says, in torch ops.
 
     The arguments are not checked here: `moekit.route` checks them (`moekit.checks.check_route`) before
-    it picks this or a fast route."""
+    it picks this or a fast route. A token with a non-finite logit gets NaN weights (module docstring)."""
     scores = logits.float()
     if spec.method is RoutingMethod.TOPK_SOFTMAX:
         top_logits, ids = _stable_topk(scores, top_k)
@@ -91,6 +103,9 @@ def route_torch(
     else:
         weights, ids = _sigmoid_grouped(scores, top_k=top_k, spec=spec, correction_bias=correction_bias)
     weights = weights * spec.routed_scaling_factor
+    # The contract for unchecked non-finite logits (module docstring): the whole token's weights are NaN.
+    poisoned = ~torch.isfinite(scores).all(dim=-1, keepdim=True)
+    weights = weights.masked_fill(poisoned, float("nan"))
     return RoutingResult(weights=weights.contiguous(), ids=ids.to(torch.int32).contiguous())
 
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moekit import RoutingMethod, RoutingSpec, route  # noqa: E402
+from moekit import NonFiniteError, RoutingMethod, RoutingSpec, route  # noqa: E402
 from moekit.kernels.triton.route import MAX_EXPERTS, fast_route_supported, route_softmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,8 +24,9 @@ SPECS = [
 
 
 def _torch_route(logits, top_k, spec):
-    """The torch path whatever the device: route() on a CPU copy."""
-    r = route(logits.cpu(), top_k=top_k, spec=spec)
+    """The torch path whatever the device: route() on a CPU copy (values unchecked, so that non-finite
+    logits reach the twin's NaN rule instead of route's NonFiniteError)."""
+    r = route(logits.cpu(), top_k=top_k, spec=spec, check_values=False)
     return r.weights, r.ids
 
 
@@ -70,6 +71,26 @@ def test_nan_logits_are_selected_first_as_torch_sorts_them():
     logits = torch.tensor([[0.5, float("nan"), 2.0, float("nan"), -1.0]]).to(DEVICE)
     _, ids = route_softmax(logits, top_k=3, spec=spec)
     assert ids.cpu().tolist() == _torch_route(logits, 3, spec)[1].tolist() == [[1, 3, 2]]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["topk_softmax", "softmax_topk_renorm", "softmax_topk_scaled"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
+def test_non_finite_logits_poison_their_token_as_the_twin_does(spec, bad):
+    """Unchecked (as in a captured graph), a token with a non-finite logit gets NaN weights in the fast
+    route too; every other token keeps its ids and weights. Checked, `route` refuses it on any device."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(40, 24, generator=gen)
+    logits[7, 3] = bad
+    logits[30, :] = bad  # a token with nothing finite
+    logits = logits.to(DEVICE)
+    weights, ids = route_softmax(logits, top_k=4, spec=spec)
+    want_w, want_ids = _torch_route(logits, 4, spec)
+    assert weights[[7, 30]].isnan().all() and want_w[[7, 30]].isnan().all()
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want_w, rtol=2e-6, atol=1e-7, equal_nan=True)
+    assert torch.isfinite(weights[[i for i in range(40) if i not in (7, 30)]]).all()
+    with pytest.raises(NonFiniteError, match=r"25 non-finite .*\[token 7, expert 3\]"):
+        route(logits, top_k=4, spec=spec)
 
 
 def test_zero_tokens_and_strided_logits():

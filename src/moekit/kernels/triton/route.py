@@ -4,7 +4,8 @@
 Data flow: logits [T, E] -> (SOFTMAX_TOPK: softmax over E) -> the top K by `_order_key` -> weights
 (TOPK_SOFTMAX: softmax over the K; SOFTMAX_TOPK: optionally renormalized) * routed_scaling_factor.
 Ids are exactly those of the torch path. Weights agree with it to a few fp32 ulps (another exp), and
-so, for SOFTMAX_TOPK, can the order of two experts whose probabilities are within those ulps.
+so, for SOFTMAX_TOPK, can the order of two experts whose probabilities are within those ulps. A token
+with a non-finite logit gets NaN weights, as in the torch path (`moekit.routing`'s contract).
 """
 
 from __future__ import annotations

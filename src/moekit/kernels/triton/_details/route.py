@@ -5,7 +5,8 @@ Data flow: router logits [T, E] -> top-K ids and weights in one launch, where th
 
 Selection orders experts exactly as `moekit.routing` does (a stable descending sort): on an int32 key
 that is monotone in the fp32 score, with -0 equal to +0, every NaN above every number, and ties going to
-the lower expert index.
+the lower expert index. A token with a non-finite logit gets NaN weights, as in the torch twin (the
+contract for logits that were not checked, `moekit.routing`).
 """
 
 import triton
@@ -56,6 +57,8 @@ def _route_softmax(
     live = (rows < num_tokens)[:, None] & experts
     score = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + e[None, :], mask=live, other=0.0)
     score = score.to(tl.float32)
+    non_finite = (score != score) | (tl.abs(score) == float("inf"))
+    poisoned = tl.max(tl.where(live & non_finite, 1, 0), 1) > 0  # [BLOCK_T]
     if SOFTMAX_FIRST:
         score = _softmax_rows(score, experts)
     key = _order_key(score, experts)
@@ -77,6 +80,7 @@ def _route_softmax(
             chosen = chosen / tl.sum(tl.where(selected, chosen, 0.0), 1)[:, None]
     else:
         chosen = _softmax_rows(chosen, selected)
+    chosen = tl.where(poisoned[:, None], float("nan"), chosen)
     out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
     tl.store(weights_ptr + out, chosen * scaling, mask=used)
     tl.store(ids_ptr + out, chosen_ids, mask=used)
