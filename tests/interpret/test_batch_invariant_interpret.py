@@ -11,9 +11,10 @@ row of a tile alike. The test swaps in a product that, like the MMA, treats ever
 that it checks everything else: one config for every T, padding, routing, the router and the top-k sum.
 """
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+# TRITON_INTERPRET is decided once per process, by tests/conftest.py (set without CUDA). Never here: on a
+# CUDA machine, setting it while collecting this module would make every Triton module imported after it
+# interpreted in the process that runs the compiled GPU tests.
 
 from dataclasses import replace  # noqa: E402
 

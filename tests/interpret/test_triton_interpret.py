@@ -9,9 +9,10 @@ The interpreter's bf16 arithmetic is broken, so activations are fp32 (exact comp
 Shapes are tiny: the interpreter runs each program in numpy.
 """
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+# TRITON_INTERPRET is decided once per process, by tests/conftest.py (set without CUDA). Never here: on a
+# CUDA machine, setting it while collecting this module would make every Triton module imported after it
+# interpreted in the process that runs the compiled GPU tests.
 
 import contextlib  # noqa: E402
 import itertools  # noqa: E402
