@@ -25,6 +25,7 @@ from moekit.errors import (
     NonFiniteError,
     ShapeError,
     SpecError,
+    check_int,
 )
 from moekit.formats import check_mxfp4_scales
 from moekit.routing import RoutingResult
@@ -205,6 +206,7 @@ def check_route(
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ShapeError(f"router logits must be a float [T, E] tensor, got {described(logits)}")
     num_experts = logits.shape[1]
+    check_int("route(top_k=...)", top_k, minimum=1)
     if not 1 <= top_k <= num_experts:
         raise SpecError(f"top_k must be in [1, E={num_experts}], got {top_k}")
     check_correction_bias_given(spec, correction_bias)

@@ -185,3 +185,9 @@ def test_non_finite_logits_are_refused_or_poison_exactly_their_token(name, bad):
     others = [0, 1, 3, 4, 5]
     assert torch.equal(got.ids[others], clean.ids[others])
     assert torch.equal(got.weights[others], clean.weights[others])
+
+
+@pytest.mark.parametrize("top_k", [2.0, "2", True, 0, -1])
+def test_route_refuses_a_top_k_that_is_not_a_positive_int(top_k):
+    with pytest.raises(SpecError, match=r"route\(top_k=\.\.\.\)|top_k must be in"):
+        route(torch.randn(3, 8), top_k=top_k, spec=RoutingSpec(RoutingMethod.TOPK_SOFTMAX))
