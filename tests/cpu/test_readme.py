@@ -19,3 +19,19 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_job_command_runs_moekit_run():
     readme = (ROOT / "README.md").read_text()
     assert "python3 -m pip install torch==2.13.0 && python3 -m pip install -e . && moekit run" in readme
+
+
+def test_readme_first_python_example_runs_and_matches_its_reference():
+    import re
+
+    import torch
+
+    from moekit.reference import TOLERANCE, relative_l2_error
+
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
+    scope: dict = {}
+    exec(compile(example, "README.md", "exec"), scope)  # the example as a new user would paste it
+    out, ref, spec = scope["out"], scope["ref"], scope["spec"]
+    assert out.shape == ref.shape == (4, spec.H) and torch.isfinite(out).all()
+    assert relative_l2_error(out, ref) <= TOLERANCE[spec.act_dtype]
