@@ -22,6 +22,7 @@ from moekit.errors import (
 )
 from moekit.layer import FusedMoE, PlanOptions, WarmupReport
 from moekit.ops import fused_moe, prepare_weights, route
+from moekit.parallel import Parallel, ParallelMode
 from moekit.planning.plan import ConfigSource, Plan, plan
 from moekit.presets import PRESETS, preset
 from moekit.reference import fused_moe_reference
@@ -46,6 +47,8 @@ __all__ = [
     "PRESETS",
     "ConfigSource",
     "FusedMoE",
+    "Parallel",
+    "ParallelMode",
     "PlanOptions",
     "WarmupReport",
     "Plan",

@@ -14,6 +14,9 @@ Data flow:
     host-side shape -> that bucket's plan (planned and its kernel's weights prepared on first use) ->
     `moekit.ops.route_checked` (spec.routing, correction bias) -> `moekit.ops.run_checked` (one typed
     `Launch` -> `kernel.run`); no input is checked a second time.
+  parallel (`moekit.Parallel`): the layer is built from the global spec and weights and holds this rank's
+    share (`moekit.parallel.shard_for`; `spec` is then the local spec, I/N under tensor parallelism);
+    the op's output is summed over the group with one all-reduce (every rank passes the same tokens).
   warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
     token counts that reach every compiled variant of its kernel (`Kernel.warmup_token_counts`), so no
     planning, repacking or compilation is left for a forward that is being captured or served.
@@ -56,10 +59,18 @@ from moekit.checks import (
     check_router_tensor,
 )
 from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
-from moekit.errors import DTypeError, LayoutMismatchError, ShapeError, SpecError, UnsupportedSpecError
+from moekit.errors import (
+    DTypeError,
+    LayoutMismatchError,
+    ShapeError,
+    SpecError,
+    UnsupportedSpecError,
+    check_type,
+)
 from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import route_checked, run_checked
+from moekit.parallel import Parallel, shard_for
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
 from moekit.planning.tuned import TunedTables, token_bucket
@@ -176,6 +187,7 @@ class FusedMoE(torch.nn.Module):
         expert_map: torch.Tensor | None = None,
         device: torch.device | str | None = None,
         options: PlanOptions | None = None,
+        parallel: Parallel | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(spec, MoESpec):
@@ -185,6 +197,10 @@ class FusedMoE(torch.nn.Module):
         options = PlanOptions() if options is None else options
         if not isinstance(options, PlanOptions):
             raise SpecError(f"options must be PlanOptions, got {type(options).__name__}")
+        check_type("parallel", parallel, Parallel, optional=True, fix="pass moekit.Parallel.tensor(group)")
+        if parallel is not None:  # this rank's share, cut before the move so only the share is copied
+            spec, weights = shard_for(parallel, spec, weights)
+        self.parallel = parallel
         dev = _normalize_device(weights.device if device is None else device)
         # One-time load step: move, and make every tensor contiguous (the fused kernels read rows).
         weights = weights.to(dev) if weights.device != dev else weights
@@ -242,8 +258,10 @@ class FusedMoE(torch.nn.Module):
         top_k: int = 4,
         naming=None,  # moekit.checkpoint.CheckpointNaming | None: detected when None
         options: PlanOptions | None = None,
+        parallel: Parallel | None = None,
     ) -> FusedMoE:
-        """Layer `layer` of a GPT-OSS MXFP4 checkpoint (OpenAI or Hugging Face naming), read onto `device`."""
+        """Layer `layer` of a GPT-OSS MXFP4 checkpoint (OpenAI or Hugging Face naming), read onto `device`
+        (with `parallel`: the whole layer is read, then this rank's share kept)."""
         from moekit.checkpoint import load_gpt_oss_layer
 
         loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device)
@@ -254,6 +272,7 @@ class FusedMoE(torch.nn.Module):
             router_bias=loaded.router_bias,
             device=device,
             options=options,
+            parallel=parallel,
         )
 
     # ----- planning ----------------------------------------------------------------------------------
@@ -388,7 +407,7 @@ class FusedMoE(torch.nn.Module):
         # Every input was checked once, before this point: x and the logits by `forward`, the weights,
         # their packing, the correction bias and the expert map when the layer built and prepared them;
         # ids from `route` are in range by construction. Nothing below reads device memory.
-        return run_checked(
+        out = run_checked(
             self._kernels[plan.kernel],
             plan,
             x,
@@ -396,6 +415,9 @@ class FusedMoE(torch.nn.Module):
             routing,
             expert_map=self.expert_map,
         )
+        if self.parallel is not None:  # tensor parallel: each rank holds a partial sum over its I/N
+            torch.distributed.all_reduce(out, group=self.parallel.group)
+        return out
 
     # ----- module plumbing ---------------------------------------------------------------------------
     def check_conversion(self, fn) -> torch.device:  # noqa: ANN001 - an nn.Module._apply function

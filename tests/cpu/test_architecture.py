@@ -45,6 +45,8 @@ LAYERS: dict[str, int] = {
     "moekit.checks": 1,
     "moekit.routing": 1,
     "moekit.reference": 1,
+    # a layer's share on each rank of a torch.distributed group (parallel API, sharding)
+    "moekit.parallel": 1,
     # kernels: the interface, the registry and every implementation
     "moekit.kernels": 2,
     # planning: which capable kernel and config, from tuned tables

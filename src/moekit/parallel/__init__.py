@@ -1,0 +1,11 @@
+"""Parallel MoE layers on torch.distributed: the public `Parallel` description and weight sharding.
+
+Data flow: `Parallel.tensor(group)` / `Parallel.expert(group)` (validated: distributed initialized, a
+real group this rank belongs to) -> `FusedMoE(..., parallel=...)` -> `shard_for(parallel, spec,
+weights)` gives this rank's spec and weights -> the layer runs them and reduces across the group.
+"""
+
+from moekit.parallel.shard import shard_for, tensor_shard
+from moekit.parallel.spec import Parallel, ParallelMode
+
+__all__ = ["Parallel", "ParallelMode", "shard_for", "tensor_shard"]

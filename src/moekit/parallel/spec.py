@@ -1,0 +1,81 @@
+"""`Parallel`: how one `FusedMoE` is spread over the ranks of a torch.distributed process group.
+
+Data flow: a process group -> `Parallel.tensor(group)` or `Parallel.expert(group)` (checks that
+torch.distributed is initialized, that `group` is a process group and that this rank belongs to it) ->
+a frozen value the layer reads `mode`, `rank` and `world_size` from.
+
+TENSOR: every rank holds all experts with the intermediate size I sharded N ways; every rank passes the
+same tokens (activations are replicated across a tensor-parallel group, as in vLLM and SGLang) and gets
+the full output after one all-reduce. EXPERT: every rank holds E/N whole experts and its own tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from moekit.errors import ArgumentError, SpecError, check_enum
+
+
+class ParallelMode(enum.Enum):
+    EXPERT = "expert"  # E/N whole experts per rank; tokens dispatched to their owners and combined back
+    TENSOR = "tensor"  # all experts per rank, I/N of each; one all-reduce of the output
+
+
+def _check_group(group: object, mode: ParallelMode) -> None:
+    if not dist.is_available():
+        raise SpecError(
+            f"Parallel.{mode.value}: this torch build has no torch.distributed; install one with it"
+        )
+    if not dist.is_initialized():
+        raise SpecError(
+            f"Parallel.{mode.value}(group) needs torch.distributed initialized; call "
+            "torch.distributed.init_process_group(backend, ...) on every rank first"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise ArgumentError(
+            f"Parallel.{mode.value}(group): group must be a torch.distributed ProcessGroup, got "
+            f"{type(group).__name__}; pass torch.distributed.group.WORLD or torch.distributed.new_group(...)"
+        )
+    if dist.get_rank(group) < 0:
+        raise SpecError(
+            f"Parallel.{mode.value}(group): this process (global rank {dist.get_rank()}) is not a member of "
+            "group; build the layer only on the group's ranks"
+        )
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """A parallel mode over a process group. Build it with `Parallel.tensor` or `Parallel.expert`."""
+
+    mode: ParallelMode
+    group: dist.ProcessGroup
+
+    def __post_init__(self) -> None:
+        check_enum("Parallel.mode", self.mode, ParallelMode, error=ArgumentError)
+        _check_group(self.group, self.mode)
+
+    @classmethod
+    def tensor(cls, group: dist.ProcessGroup) -> Parallel:
+        """Tensor parallelism over `group`: I sharded, the same tokens on every rank, one all-reduce."""
+        return cls(ParallelMode.TENSOR, group)
+
+    @classmethod
+    def expert(cls, group: dist.ProcessGroup) -> Parallel:
+        """Expert parallelism over `group`: E/N whole experts per rank, each rank its own tokens."""
+        return cls(ParallelMode.EXPERT, group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within `group`."""
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        """N, the number of ranks in `group`."""
+        return dist.get_world_size(self.group)
+
+    def describe(self) -> str:
+        return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}"
