@@ -53,6 +53,8 @@ LAYERS: dict[str, int] = {
     "moekit.planning": 3,
     # ops: run a plan (and pick the fast routing path)
     "moekit.ops": 4,
+    # expert parallelism: ownership, the dispatch/combine engines (they run the caller's local experts)
+    "moekit.ep": 5,
     # the layer and what builds one
     "moekit.custom_op": 5,
     "moekit.layer": 5,

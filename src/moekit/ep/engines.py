@@ -1,0 +1,206 @@
+"""Expert-parallel engines: move each rank's tokens to the ranks owning their experts and the outputs back.
+
+Data flow, every engine: x_local [T_r, H] and its routing (GLOBAL expert ids, [T_r, K]) on each rank ->
+dispatch over `torch.distributed` -> `local_experts(x, routing)`, the caller's forward of this rank's
+experts only (a `fused_moe` with the rank's expert map: other ranks' experts contribute zero) ->
+combine -> out_local [T_r, H] in x's dtype, equal to the 1-rank layer on the concatenated batch.
+
+- `AllGatherReduceScatter`: every rank's tokens are padded to one row count and all-gathered, every rank
+  runs its experts on all of them, and a reduce-scatter sums the contributions back to each token's
+  rank. Static shapes when the caller passes `max_tokens` (no count exchange: graph-capturable); without
+  it the ranks agree on the largest T with one all-reduce read on the host.
+- `AllToAll`: each token goes once to each rank owning at least one of its K experts (not once per k),
+  with counts exchanged first (`all_to_all_single` with split sizes: data-dependent shapes, host sync);
+  the outputs come back the same way and are summed per token in rank order 0..N-1 in fp32, so the
+  result does not depend on arrival order.
+
+Routing weights and ids travel in one fp32 tensor per row: [weights | ids bit-cast to fp32], exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moekit.ep.ownership import owner_of
+from moekit.errors import ShapeError, UnsupportedSpecError
+from moekit.routing import RoutingResult
+
+LocalExperts = Callable[[torch.Tensor, RoutingResult], torch.Tensor]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, as data: the planner refuses an engine whose capabilities do not fit."""
+
+    graph_capturable: bool  # no host sync and no data-dependent shape inside `run`
+    static_shapes: bool  # every tensor's shape follows from (T_r, max_tokens), never from routing values
+    backends: frozenset[str]  # torch.distributed backends it runs on
+
+    def reason(self, backend: str, *, capturing: bool = False) -> str | None:
+        """Why this engine cannot run on `backend` (while capturing a CUDA graph), or None."""
+        if backend not in self.backends:
+            return f"backend {backend!r} is not one of {sorted(self.backends)}"
+        if capturing and not self.graph_capturable:
+            return "its shapes depend on routing values (host sync): not capturable in a CUDA graph"
+        return None
+
+
+_BOTH = frozenset({"gloo", "nccl"})
+
+
+def _pack_routing(routing: RoutingResult) -> torch.Tensor:
+    return torch.cat([routing.weights, routing.ids.view(torch.float32)], dim=1)
+
+
+def _unpack_routing(meta: torch.Tensor, top_k: int) -> RoutingResult:
+    return RoutingResult(
+        weights=meta[:, :top_k].contiguous(), ids=meta[:, top_k:].contiguous().view(torch.int32)
+    )
+
+
+def _check_inputs(x: torch.Tensor, routing: RoutingResult) -> None:
+    if x.dim() != 2 or routing.num_tokens != x.shape[0]:
+        raise ShapeError(
+            f"x must be [T_r, H] with routing [T_r, K]; got x {tuple(x.shape)} and routing "
+            f"[{routing.num_tokens}, {routing.top_k}]"
+        )
+
+
+def _check_output(y: torch.Tensor, rows: int, hidden: int) -> None:
+    if y.shape != (rows, hidden):
+        raise ShapeError(f"local_experts must return [{rows}, {hidden}], got {tuple(y.shape)}")
+
+
+@dataclass(frozen=True)
+class AllGatherReduceScatter:
+    """all_gather(x, routing) -> this rank's experts on every token -> reduce_scatter(sum) to the owners."""
+
+    name: str = "allgather_reducescatter"
+    capabilities: EngineCapabilities = EngineCapabilities(
+        graph_capturable=True, static_shapes=True, backends=_BOTH
+    )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        routing: RoutingResult,
+        *,
+        group: dist.ProcessGroup | None,
+        local_experts: LocalExperts,
+        num_experts: int,
+        max_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """out_local [T_r, H]. `max_tokens`: a bound on every rank's T_r known to all (the layer's
+        token bucket): shapes are then static and nothing syncs; without it the ranks agree on max T_r.
+        `num_experts` is unused here (every rank sees every token) and kept for one `run` signature."""
+        del num_experts
+        _check_inputs(x, routing)
+        world = dist.get_world_size(group)
+        rows, hidden = x.shape
+        if max_tokens is None:
+            count = torch.tensor([rows], dtype=torch.int64, device=x.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+            max_tokens = int(count.item())
+        elif rows > max_tokens:
+            raise ShapeError(f"this rank has T_r={rows} tokens, more than max_tokens={max_tokens}")
+        if max_tokens == 0:
+            return x.new_zeros(0, hidden)
+        pad = max_tokens - rows
+        # Padding rows get weight 0 and expert 0: their outputs are finite and land in padding rows of
+        # this rank's combine buffer, which it drops.
+        x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        meta_pad = torch.nn.functional.pad(_pack_routing(routing), (0, 0, 0, pad))
+        x_all = x.new_empty(world * max_tokens, hidden)
+        meta_all = meta_pad.new_empty(world * max_tokens, meta_pad.shape[1])
+        _all_gather(x_all, x_pad.contiguous(), group=group)
+        _all_gather(meta_all, meta_pad.contiguous(), group=group)
+        y_all = local_experts(x_all, _unpack_routing(meta_all, routing.top_k))
+        _check_output(y_all, world * max_tokens, hidden)
+        out = y_all.new_empty(max_tokens, hidden)
+        _reduce_scatter(out, y_all.contiguous(), group=group)
+        return out[:rows]
+
+
+def dispatch_mask(ids: torch.Tensor, *, num_experts: int, world_size: int) -> torch.Tensor:
+    """bool [T, N]: token t goes to rank d iff d owns at least one of its K experts (once, not per k)."""
+    owners = owner_of(ids, num_experts=num_experts, world_size=world_size)
+    mask = torch.zeros(ids.shape[0], world_size, dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, owners, True)
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """Sparse dispatch: each token once per owning rank (exchanged counts) -> experts -> back, summed."""
+
+    name: str = "all_to_all"
+    capabilities: EngineCapabilities = EngineCapabilities(
+        graph_capturable=False, static_shapes=False, backends=_BOTH
+    )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        routing: RoutingResult,
+        *,
+        group: dist.ProcessGroup | None,
+        local_experts: LocalExperts,
+        num_experts: int,
+        max_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """out_local [T_r, H]; `max_tokens` is unused (shapes follow the routing) and kept for one
+        `run` signature. Syncs once with the host (the split sizes)."""
+        del max_tokens
+        _check_inputs(x, routing)
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        rows, hidden = x.shape
+        mask = dispatch_mask(routing.ids, num_experts=num_experts, world_size=world)
+        dest, token = mask.t().nonzero(as_tuple=True)  # sorted by destination rank, then token
+        send_counts = mask.sum(dim=0)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+
+        x_recv = x.new_empty(sum(recv_splits), hidden)
+        dist.all_to_all_single(x_recv, x[token].contiguous(), recv_splits, send_splits, group=group)
+        meta = _pack_routing(routing)[token].contiguous()
+        meta_recv = meta.new_empty(sum(recv_splits), meta.shape[1])
+        dist.all_to_all_single(meta_recv, meta, recv_splits, send_splits, group=group)
+        routing_recv = _unpack_routing(meta_recv, routing.top_k)
+        # Only this rank's experts are computed here: other ranks' (k) slots get weight zero, so a
+        # local_experts that ignored the expert map would still add nothing for them.
+        mine = owner_of(routing_recv.ids, num_experts=num_experts, world_size=world) == rank
+        routing_recv = RoutingResult(
+            weights=routing_recv.weights * mine.to(routing_recv.weights.dtype), ids=routing_recv.ids
+        )
+        y_recv = local_experts(x_recv, routing_recv)
+        _check_output(y_recv, x_recv.shape[0], hidden)
+
+        y_back = y_recv.new_empty(token.shape[0], hidden)
+        dist.all_to_all_single(y_back, y_recv.contiguous(), send_splits, recv_splits, group=group)
+        out = torch.zeros(rows, hidden, dtype=torch.float32, device=x.device)
+        start = 0
+        for count in send_splits:  # rank order: each token at most once per rank, no race, same sum
+            part = slice(start, start + count)
+            out.index_add_(0, token[part], y_back[part].float())
+            start += count
+        return out.to(x.dtype)
+
+
+ENGINES: dict[str, AllGatherReduceScatter | AllToAll] = {
+    engine.name: engine for engine in (AllGatherReduceScatter(), AllToAll())
+}
+
+
+def engine_named(name: str) -> AllGatherReduceScatter | AllToAll:
+    """The engine called `name`, else `UnsupportedSpecError` listing the names."""
+    if name not in ENGINES:
+        raise UnsupportedSpecError(f"no expert-parallel engine named {name!r}; use one of {sorted(ENGINES)}")
+    return ENGINES[name]
