@@ -15,8 +15,10 @@ Data flow:
     `moekit.ops.route_checked` (spec.routing, correction bias) -> `moekit.ops.run_checked` (one typed
     `Launch` -> `kernel.run`); no input is checked a second time.
   parallel (`moekit.Parallel`): the layer is built from the global spec and weights and holds this rank's
-    share (`moekit.parallel.shard_for`; `spec` is then the local spec, I/N under tensor parallelism);
-    the op's output is summed over the group with one all-reduce (every rank passes the same tokens).
+    share (`moekit.parallel.shard_for`; `spec` is then the local spec). Tensor: I/N, the op's output
+    summed over the group by one all-reduce (every rank passes the same tokens). Expert: E_r experts and
+    the expert map; each rank routes its own tokens and `moekit.parallel.expert` moves them to their
+    experts' ranks and back, the experts run by this layer's plan for the received row count.
   warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
     token counts that reach every compiled variant of its kernel (`Kernel.warmup_token_counts`), so no
     planning, repacking or compilation is left for a forward that is being captured or served.
@@ -70,10 +72,12 @@ from moekit.errors import (
 from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import route_checked, run_checked
-from moekit.parallel import Parallel, shard_for
+from moekit.parallel import Parallel, ParallelMode, shard_for
+from moekit.parallel.expert import check_engine, expert_parallel_forward
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
 from moekit.planning.tuned import TunedTables, token_bucket
+from moekit.routing import RoutingResult
 from moekit.spec import MoESpec
 from moekit.weights import ExpertWeights
 
@@ -199,7 +203,9 @@ class FusedMoE(torch.nn.Module):
             raise SpecError(f"options must be PlanOptions, got {type(options).__name__}")
         check_type("parallel", parallel, Parallel, optional=True, fix="pass moekit.Parallel.tensor(group)")
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
-            spec, weights = shard_for(parallel, spec, weights)
+            spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map)
+            if parallel.mode is ParallelMode.EXPERT:
+                check_engine(parallel)
         self.parallel = parallel
         dev = _normalize_device(weights.device if device is None else device)
         # One-time load step: move, and make every tensor contiguous (the fused kernels read rows).
@@ -325,8 +331,9 @@ class FusedMoE(torch.nn.Module):
         self._prepared[plan.kernel] = prepared
 
     def explain(self) -> str:
-        """Every plan made so far, bucket by bucket."""
-        return "\n\n".join(f"[bucket {b}]\n{p.explain()}" for b, p in sorted(self._plans.items()))
+        """The parallel mode (and expert-parallel engine), then every plan made so far, bucket by bucket."""
+        head = [] if self.parallel is None else [f"[parallel] {self.parallel.describe()}"]
+        return "\n\n".join(head + [f"[bucket {b}]\n{p.explain()}" for b, p in sorted(self._plans.items())])
 
     def warmup(self, max_tokens: int, *, execute: bool = True) -> WarmupReport:
         """Plan every bucket up to `max_tokens`, prepare weights, and (if `execute`) run each bucket at
@@ -400,14 +407,23 @@ class FusedMoE(torch.nn.Module):
         spec = self.spec
         if self.check_values and not capturing(router_logits):
             check_finite_logits(router_logits)
-        plan = self.plan_for(x.shape[0])
         routing = route_checked(
             router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
         )
+        if self.parallel is not None and self.parallel.mode is ParallelMode.EXPERT:
+            return expert_parallel_forward(self.parallel, x, routing, self._experts, num_experts=spec.E)
+        out = self._experts(x, routing)
+        if self.parallel is not None:  # tensor parallel: each rank holds a partial sum over its I/N
+            torch.distributed.all_reduce(out, group=self.parallel.group)
+        return out
+
+    def _experts(self, x: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
+        """This layer's experts on x `[T, H]` routed to global ids, by the plan of T's bucket."""
+        plan = self.plan_for(x.shape[0])
         # Every input was checked once, before this point: x and the logits by `forward`, the weights,
         # their packing, the correction bias and the expert map when the layer built and prepared them;
         # ids from `route` are in range by construction. Nothing below reads device memory.
-        out = run_checked(
+        return run_checked(
             self._kernels[plan.kernel],
             plan,
             x,
@@ -415,9 +431,6 @@ class FusedMoE(torch.nn.Module):
             routing,
             expert_map=self.expert_map,
         )
-        if self.parallel is not None:  # tensor parallel: each rank holds a partial sum over its I/N
-            torch.distributed.all_reduce(out, group=self.parallel.group)
-        return out
 
     # ----- module plumbing ---------------------------------------------------------------------------
     def check_conversion(self, fn) -> torch.device:  # noqa: ANN001 - an nn.Module._apply function

@@ -45,8 +45,6 @@ LAYERS: dict[str, int] = {
     "moekit.checks": 1,
     "moekit.routing": 1,
     "moekit.reference": 1,
-    # a layer's share on each rank of a torch.distributed group (parallel API, sharding)
-    "moekit.parallel": 1,
     # kernels: the interface, the registry and every implementation
     "moekit.kernels": 2,
     # planning: which capable kernel and config, from tuned tables
@@ -55,6 +53,8 @@ LAYERS: dict[str, int] = {
     "moekit.ops": 4,
     # expert parallelism: ownership, the dispatch/combine engines (they run the caller's local experts)
     "moekit.ep": 5,
+    # a layer's share on each rank of a torch.distributed group (parallel API, sharding, the EP forward)
+    "moekit.parallel": 5,
     # the layer and what builds one
     "moekit.custom_op": 5,
     "moekit.layer": 5,

@@ -1,7 +1,12 @@
 """This rank's share of a layer: the spec and `ExpertWeights` a rank of a parallel group holds.
 
-Data flow: (`Parallel`, global `MoESpec`, global `ExpertWeights`) -> `shard_for` -> (local spec, local
-weights) for `FusedMoE` to check, plan and run like any other layer.
+Data flow: (`Parallel`, global `MoESpec`, global `ExpertWeights`, expert map) -> `shard_for` -> (local
+spec, local weights, expert map) for `FusedMoE` to check, plan and run like any other layer.
+
+Expert parallelism (`expert_shard`), rank r of N: the rank keeps the whole experts it owns
+(`moekit.ep.ownership.expert_ownership`, contiguous, E need not be divisible by N): rows
+`expert_ownership(E, N)[r]` of every weight tensor (w13, w2, their scales, b13, b2: all expert-major), a
+spec with `num_local_experts` E_r and the expert map global id -> local index (-1 elsewhere).
 
 Tensor parallelism (`tensor_shard`), rank r of N, Il = I/N: every expert keeps its gate rows
 [r*Il, (r+1)*Il) and the same up rows, in the stored gate layout (CONCAT: two row ranges; INTERLEAVED:
@@ -25,7 +30,8 @@ from dataclasses import replace
 
 import torch
 
-from moekit.errors import UnsupportedSpecError
+from moekit.ep.ownership import expert_ownership, local_expert_map
+from moekit.errors import ArgumentError, SpecError, UnsupportedSpecError
 from moekit.formats import MXFP4_BLOCK
 from moekit.parallel.spec import Parallel, ParallelMode
 from moekit.spec import Fp8Scale, GateLayout, MoESpec, WeightFormat
@@ -34,14 +40,35 @@ from moekit.weights import ExpertWeights
 FP8_BLOCK = 128  # the edge of an FP8 BLOCK_128 scale block
 
 
-def shard_for(parallel: Parallel, spec: MoESpec, weights: ExpertWeights) -> tuple[MoESpec, ExpertWeights]:
-    """This rank's (spec, weights) of the global layer (`spec`, `weights`) under `parallel`."""
+def shard_for(
+    parallel: Parallel, spec: MoESpec, weights: ExpertWeights, expert_map: torch.Tensor | None = None
+) -> tuple[MoESpec, ExpertWeights, torch.Tensor | None]:
+    """This rank's (spec, weights, expert map) of the global layer (`spec`, `weights`) under `parallel`."""
     if parallel.mode is ParallelMode.EXPERT:
-        raise UnsupportedSpecError(
-            "expert parallelism (Parallel.expert) is not wired into FusedMoE yet: no token dispatch or "
-            "combine exists; use Parallel.tensor(group) or build one FusedMoE per rank without parallel="
+        if expert_map is not None:
+            raise ArgumentError(
+                "expert_map: Parallel.expert builds this rank's expert map from the group; pass the global "
+                "layer (spec.num_local_experts=None) without expert_map"
+            )
+        return expert_shard(spec, weights, rank=parallel.rank, world_size=parallel.world_size)
+    return (*tensor_shard(spec, weights, rank=parallel.rank, world_size=parallel.world_size), expert_map)
+
+
+def expert_shard(
+    spec: MoESpec, weights: ExpertWeights, *, rank: int, world_size: int
+) -> tuple[MoESpec, ExpertWeights, torch.Tensor]:
+    """Rank `rank`'s expert-parallel (spec with E_r local experts, weights of its experts, expert map)."""
+    if spec.uses_expert_map:
+        raise SpecError(
+            f"Parallel.expert shards the global layer, but spec.num_local_experts={spec.num_local_experts}; "
+            "pass the spec and weights of all E experts (num_local_experts=None)"
         )
-    return tensor_shard(spec, weights, rank=parallel.rank, world_size=parallel.world_size)
+    weights.validate(spec)  # the global shapes, so an error names the tensor the caller passed
+    owned = expert_ownership(spec.E, world_size)[rank]
+    # Expert-major tensors in every packing: slicing dim 0 copies only this rank's experts.
+    fields = {n: t[owned.start : owned.stop].contiguous() for n, t in weights.tensors().items()}
+    local = replace(spec, num_local_experts=len(owned))
+    return local, replace(weights, **fields), local_expert_map(spec.E, rank, world_size)
 
 
 def _block_rule(spec: MoESpec, weights: ExpertWeights) -> tuple[int, str] | None:

@@ -6,7 +6,9 @@ a frozen value the layer reads `mode`, `rank` and `world_size` from.
 
 TENSOR: every rank holds all experts with the intermediate size I sharded N ways; every rank passes the
 same tokens (activations are replicated across a tensor-parallel group, as in vLLM and SGLang) and gets
-the full output after one all-reduce. EXPERT: every rank holds E/N whole experts and its own tokens.
+the full output after one all-reduce. EXPERT: every rank holds E/N whole experts and its own tokens,
+moved to their experts' ranks and back by an engine of `moekit.ep.engines`, named by `engine`
+(all-gather / reduce-scatter unless `Parallel.expert(group, engine="all_to_all")`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from moekit.ep.engines import engine_named
 from moekit.errors import ArgumentError, SpecError, check_enum
+
+DEFAULT_ENGINE = "allgather_reducescatter"
 
 
 class ParallelMode(enum.Enum):
@@ -52,9 +57,15 @@ class Parallel:
 
     mode: ParallelMode
     group: dist.ProcessGroup
+    engine: str = DEFAULT_ENGINE  # EXPERT: the `moekit.ep.engines` name that dispatches and combines
 
     def __post_init__(self) -> None:
         check_enum("Parallel.mode", self.mode, ParallelMode, error=ArgumentError)
+        engine_named(self.engine)  # an unknown name is refused with the list of engines
+        if self.mode is ParallelMode.TENSOR and self.engine != DEFAULT_ENGINE:
+            raise ArgumentError(
+                f"Parallel.engine={self.engine!r}: tensor parallelism moves no tokens; drop engine="
+            )
         _check_group(self.group, self.mode)
 
     @classmethod
@@ -63,9 +74,10 @@ class Parallel:
         return cls(ParallelMode.TENSOR, group)
 
     @classmethod
-    def expert(cls, group: dist.ProcessGroup) -> Parallel:
-        """Expert parallelism over `group`: E/N whole experts per rank, each rank its own tokens."""
-        return cls(ParallelMode.EXPERT, group)
+    def expert(cls, group: dist.ProcessGroup, *, engine: str = DEFAULT_ENGINE) -> Parallel:
+        """Expert parallelism over `group`: E/N whole experts per rank, each rank its own tokens, moved
+        by the engine called `engine` ("allgather_reducescatter" or "all_to_all")."""
+        return cls(ParallelMode.EXPERT, group, engine)
 
     @property
     def rank(self) -> int:
@@ -78,4 +90,5 @@ class Parallel:
         return dist.get_world_size(self.group)
 
     def describe(self) -> str:
-        return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}"
+        engine = f", engine {self.engine}" if self.mode is ParallelMode.EXPERT else ""
+        return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}{engine}"

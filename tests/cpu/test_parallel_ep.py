@@ -1,0 +1,123 @@
+"""Expert parallelism in FusedMoE on CPU: N gloo ranks, each with its own tokens, give the 1-rank layer.
+
+Data flow: pytest -> torch.multiprocessing.spawn(N ranks, a FileStore under tmp_path: no ports) -> every
+rank builds the same global random layer, its EP share through `FusedMoE(parallel=Parallel.expert(group,
+engine=...))` and the full 1-rank layer -> runs its own uneven token batch (one rank empty) through both
+and the reference -> compares within the reference tolerance, and checks the share holds only E_r
+experts. One spawn per group size: starting ranks costs more than the tiny layers.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moekit import FusedMoE, Parallel, fused_moe_reference, preset, route
+from moekit.ep.ownership import expert_ownership, local_expert_map
+from moekit.errors import ArgumentError, SpecError, UnsupportedSpecError
+from moekit.parallel import expert_shard
+from moekit.reference import TOLERANCE, relative_l2_error
+from moekit.synthetic import random_layer, random_tokens
+
+GPT_OSS_SMALL = replace(
+    preset("gpt-oss-20b", act_dtype=torch.float32), num_experts=8, hidden_size=64, intermediate_size=64
+)
+QWEN3_SMALL = replace(preset("qwen3-30b-a3b"), num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
+ENGINES = ("allgather_reducescatter", "all_to_all")
+
+
+def _specs(world: int) -> dict[str, object]:
+    odd = 7 if world == 2 else 6  # E not divisible by N
+    return {
+        "gpt-oss-mxfp4": GPT_OSS_SMALL,
+        "gpt-oss-mxfp4-uneven-E": replace(GPT_OSS_SMALL, num_experts=odd),
+        "qwen3-bf16-concat-uneven-E": replace(QWEN3_SMALL, num_experts=odd),
+    }
+
+
+def _check_case(spec, parallel: Parallel, counts: list[int], seed: int) -> None:
+    rank, world = parallel.rank, parallel.world_size
+    layer = random_layer(spec, seed=seed)
+    common = dict(weights=layer.weights, router_weight=layer.router_weight)
+    ep = FusedMoE(spec=spec, parallel=parallel, **common)
+    owned = expert_ownership(spec.E, world)[rank]
+    assert ep.spec.E_local == len(owned) and ep.spec.E == spec.E
+    assert all(t.shape[0] == len(owned) for t in ep.weights.tensors().values())
+    assert torch.equal(ep.weights.w13, layer.weights.w13[owned.start : owned.stop])
+    assert torch.equal(ep.expert_map, local_expert_map(spec.E, rank, world))
+    assert f"engine {parallel.engine}" in ep.explain()
+    x = random_tokens(spec, counts[rank], seed=seed * 10 + rank)  # this rank's own tokens
+    got = ep(x)
+    assert got.shape == x.shape and got.dtype == spec.act_dtype
+    if counts[rank] == 0:
+        return
+    one = FusedMoE(spec=spec, **common)(x)
+    logits = torch.nn.functional.linear(x.float(), layer.router_weight.float())
+    ref = fused_moe_reference(x, layer.weights, route(logits, top_k=spec.K, spec=spec.routing), spec=spec)
+    tol = TOLERANCE[spec.act_dtype]
+    assert relative_l2_error(got, one) < tol, relative_l2_error(got, one)
+    assert relative_l2_error(got, ref) < tol, relative_l2_error(got, ref)
+
+
+def _check_refusals(group, world: int) -> None:
+    spec = _specs(world)["qwen3-bf16-concat-uneven-E"]
+    layer = random_layer(spec, seed=1)
+    common = dict(spec=spec, weights=layer.weights, router_weight=layer.router_weight)
+    with pytest.raises(ArgumentError, match="expert_map"):
+        FusedMoE(
+            **common, expert_map=torch.arange(spec.E, dtype=torch.int32), parallel=Parallel.expert(group)
+        )
+    with pytest.raises(UnsupportedSpecError, match="all_to_all"):
+        Parallel.expert(group, engine="deepep")
+    with pytest.raises(ArgumentError, match="tensor parallelism moves no tokens"):
+        Parallel(Parallel.tensor(group).mode, group, "all_to_all")
+
+
+def _rank_main(rank: int, world: int, store_path: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        for engine in ENGINES:
+            parallel = Parallel.expert(dist.group.WORLD, engine=engine)
+            for n, (name, spec) in enumerate(_specs(world).items()):
+                counts = [(5 * r + 3 * n) % 11 + 1 for r in range(world)]  # uneven
+                counts[n % world] = 0  # one rank without tokens
+                try:
+                    _check_case(spec, parallel, counts, seed=n + 1)
+                except AssertionError as e:
+                    raise AssertionError(f"rank {rank} of {world}, {engine}, {name}, {counts}: {e}") from e
+            empty = FusedMoE(
+                spec=GPT_OSS_SMALL,
+                weights=random_layer(GPT_OSS_SMALL).weights,
+                router_weight=None,
+                parallel=parallel,
+            )
+            x = random_tokens(GPT_OSS_SMALL, 0)
+            assert empty(x, router_logits=torch.zeros(0, GPT_OSS_SMALL.E)).shape == (0, GPT_OSS_SMALL.H)
+        _check_refusals(dist.group.WORLD, world)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_one_rank(world: int, tmp_path) -> None:
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+def test_expert_shard_keeps_only_owned_experts_and_refuses_a_local_spec() -> None:
+    spec = replace(QWEN3_SMALL, num_experts=7, has_bias=True)
+    w = random_layer(spec, seed=2).weights
+    shards = [expert_shard(spec, w, rank=r, world_size=3) for r in range(3)]
+    assert [s.E_local for s, _, _ in shards] == [3, 2, 2]
+    for name, t in w.tensors().items():
+        assert torch.equal(torch.cat([getattr(sw, name) for _, sw, _ in shards]), t), name
+    assert shards[1][2].tolist() == [-1, -1, -1, 0, 1, -1, -1]
+    local = replace(spec, num_local_experts=7)
+    with pytest.raises(SpecError, match="num_local_experts"):
+        expert_shard(local, w, rank=0, world_size=2)
+    with pytest.raises(SpecError, match="at least one expert per rank"):
+        expert_shard(spec, w, rank=0, world_size=8)
