@@ -22,7 +22,7 @@ from moekit.errors import (
 )
 from moekit.layer import FusedMoE, PlanOptions, WarmupReport
 from moekit.ops import fused_moe, prepare_weights, route
-from moekit.parallel import Parallel, ParallelMode
+from moekit.parallel import EpEngine, Parallel, ParallelMode
 from moekit.planning.plan import ConfigSource, Plan, plan
 from moekit.presets import PRESETS, preset
 from moekit.reference import fused_moe_reference
@@ -47,6 +47,7 @@ __all__ = [
     "PRESETS",
     "ConfigSource",
     "FusedMoE",
+    "EpEngine",
     "Parallel",
     "ParallelMode",
     "PlanOptions",

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekit.ep.cost import bytes_moved, expected_remote_destinations, predict_us
-from moekit.ep.engines import AllGatherReduceScatter, AllToAll, dispatch_mask, engine_named
+from moekit.ep.engines import AllGatherReduceScatter, AllToAll, EpEngine, dispatch_mask, engine_for
 from moekit.ep.ownership import expert_ownership, local_expert_map, num_local_experts, owner_of
-from moekit.errors import SpecError, UnsupportedSpecError
+from moekit.errors import ArgumentError, SpecError
 from moekit.reference import fused_moe_reference, relative_l2_error
 from moekit.routing import RoutingResult, route_torch
 from moekit.spec import Activation, ActivationSpec, GateLayout, MoESpec
@@ -100,7 +100,8 @@ def _worker(rank: int, world: int, store_path: str) -> None:
                         num_experts=spec.E,
                         max_tokens=max_tokens,
                     )
-                    where = f"{engine.name} {spec.describe()} counts={counts} one_rank={one_rank} rank={rank}"
+                    where = f"{engine.kind.value} {spec.describe()} counts={counts} one_rank={one_rank}"
+                    where += f" rank={rank}"
                     assert out.shape == (hi - lo, spec.H) and out.dtype == torch.float32, where
                     if hi > lo:
                         err = relative_l2_error(out, expected[lo:hi])
@@ -130,12 +131,12 @@ def test_ownership_contiguous_uneven_and_refused():
         expert_ownership(3, 4)
     with pytest.raises(SpecError, match="rank"):
         local_expert_map(8, 2, 2)
-    with pytest.raises(UnsupportedSpecError, match="all_to_all"):
-        engine_named("deepep")
+    with pytest.raises(ArgumentError, match="EpEngine"):
+        engine_for("all_to_all")  # a string, not the enum
 
 
 def test_capabilities_declared():
-    agrs, a2a = engine_named("allgather_reducescatter"), engine_named("all_to_all")
+    agrs, a2a = engine_for(EpEngine.ALLGATHER_REDUCESCATTER), engine_for(EpEngine.ALL_TO_ALL)
     assert agrs.capabilities.graph_capturable and agrs.capabilities.static_shapes
     assert not a2a.capabilities.graph_capturable and not a2a.capabilities.static_shapes
     assert a2a.capabilities.reason("gloo") is None and "mpi" in a2a.capabilities.reason("mpi")

@@ -19,6 +19,7 @@ Routing weights and ids travel in one fp32 tensor per row: [weights | ids bit-ca
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.ownership import owner_of
-from moekit.errors import ShapeError, UnsupportedSpecError
+from moekit.errors import ArgumentError, ShapeError, check_enum
 from moekit.routing import RoutingResult
 
 LocalExperts = Callable[[torch.Tensor, RoutingResult], torch.Tensor]
@@ -78,11 +79,18 @@ def _check_output(y: torch.Tensor, rows: int, hidden: int) -> None:
         raise ShapeError(f"local_experts must return [{rows}, {hidden}], got {tuple(y.shape)}")
 
 
+class EpEngine(enum.Enum):
+    """The expert-parallel dispatch/combine engines (values: their names in `explain`)."""
+
+    ALLGATHER_REDUCESCATTER = "allgather_reducescatter"
+    ALL_TO_ALL = "all_to_all"
+
+
 @dataclass(frozen=True)
 class AllGatherReduceScatter:
     """all_gather(x, routing) -> this rank's experts on every token -> reduce_scatter(sum) to the owners."""
 
-    name: str = "allgather_reducescatter"
+    kind: EpEngine = EpEngine.ALLGATHER_REDUCESCATTER
     capabilities: EngineCapabilities = EngineCapabilities(
         graph_capturable=True, static_shapes=True, backends=_BOTH
     )
@@ -139,7 +147,7 @@ def dispatch_mask(ids: torch.Tensor, *, num_experts: int, world_size: int) -> to
 class AllToAll:
     """Sparse dispatch: each token once per owning rank (exchanged counts) -> experts -> back, summed."""
 
-    name: str = "all_to_all"
+    kind: EpEngine = EpEngine.ALL_TO_ALL
     capabilities: EngineCapabilities = EngineCapabilities(
         graph_capturable=False, static_shapes=False, backends=_BOTH
     )
@@ -194,13 +202,12 @@ class AllToAll:
         return out.to(x.dtype)
 
 
-ENGINES: dict[str, AllGatherReduceScatter | AllToAll] = {
-    engine.name: engine for engine in (AllGatherReduceScatter(), AllToAll())
+ENGINES: dict[EpEngine, AllGatherReduceScatter | AllToAll] = {
+    engine.kind: engine for engine in (AllGatherReduceScatter(), AllToAll())
 }
 
 
-def engine_named(name: str) -> AllGatherReduceScatter | AllToAll:
-    """The engine called `name`, else `UnsupportedSpecError` listing the names."""
-    if name not in ENGINES:
-        raise UnsupportedSpecError(f"no expert-parallel engine named {name!r}; use one of {sorted(ENGINES)}")
-    return ENGINES[name]
+def engine_for(kind: EpEngine) -> AllGatherReduceScatter | AllToAll:
+    """The engine of `kind`; anything but an `EpEngine` is an `ArgumentError` naming the choices."""
+    check_enum("expert-parallel engine", kind, EpEngine, error=ArgumentError)
+    return ENGINES[kind]

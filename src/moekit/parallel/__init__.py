@@ -5,7 +5,8 @@ real group this rank belongs to) -> `FusedMoE(..., parallel=...)` -> `shard_for(
 weights)` gives this rank's spec and weights -> the layer runs them and reduces across the group.
 """
 
+from moekit.ep.engines import EpEngine
 from moekit.parallel.shard import expert_shard, shard_for, tensor_shard
 from moekit.parallel.spec import Parallel, ParallelMode
 
-__all__ = ["Parallel", "ParallelMode", "expert_shard", "shard_for", "tensor_shard"]
+__all__ = ["EpEngine", "Parallel", "ParallelMode", "expert_shard", "shard_for", "tensor_shard"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moekit.ep.engines import LocalExperts, engine_named
+from moekit.ep.engines import LocalExperts, engine_for
 from moekit.errors import UnsupportedSpecError
 from moekit.parallel.spec import Parallel
 from moekit.routing import RoutingResult
@@ -26,7 +26,7 @@ from moekit.routing import RoutingResult
 
 def check_engine(parallel: Parallel) -> None:
     """Refuse, when the layer is built, an engine that cannot run on the group's backend."""
-    engine = engine_named(parallel.engine)
+    engine = engine_for(parallel.engine)
     backend = str(dist.get_backend(parallel.group))
     if (why := engine.capabilities.reason(backend)) is not None:
         raise UnsupportedSpecError(
@@ -43,6 +43,6 @@ def expert_parallel_forward(
     num_experts: int,
 ) -> torch.Tensor:
     """out_local [T_r, H] for this rank's tokens `x` routed to global experts (module docstring)."""
-    return engine_named(parallel.engine).run(
+    return engine_for(parallel.engine).run(
         x, routing, group=parallel.group, local_experts=local_experts, num_experts=num_experts
     )

@@ -8,7 +8,7 @@ TENSOR: every rank holds all experts with the intermediate size I sharded N ways
 same tokens (activations are replicated across a tensor-parallel group, as in vLLM and SGLang) and gets
 the full output after one all-reduce. EXPERT: every rank holds E/N whole experts and its own tokens,
 moved to their experts' ranks and back by an engine of `moekit.ep.engines`, named by `engine`
-(all-gather / reduce-scatter unless `Parallel.expert(group, engine="all_to_all")`).
+(all-gather / reduce-scatter unless `Parallel.expert(group, engine=EpEngine.ALL_TO_ALL)`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from moekit.ep.engines import engine_named
+from moekit.ep.engines import EpEngine, engine_for
 from moekit.errors import ArgumentError, SpecError, check_enum
 
-DEFAULT_ENGINE = "allgather_reducescatter"
+DEFAULT_ENGINE = EpEngine.ALLGATHER_REDUCESCATTER
 
 
 class ParallelMode(enum.Enum):
@@ -57,11 +57,11 @@ class Parallel:
 
     mode: ParallelMode
     group: dist.ProcessGroup
-    engine: str = DEFAULT_ENGINE  # EXPERT: the `moekit.ep.engines` name that dispatches and combines
+    engine: EpEngine = DEFAULT_ENGINE  # EXPERT: the `moekit.ep.engines` engine that dispatches and combines
 
     def __post_init__(self) -> None:
         check_enum("Parallel.mode", self.mode, ParallelMode, error=ArgumentError)
-        engine_named(self.engine)  # an unknown name is refused with the list of engines
+        engine_for(self.engine)  # anything but an EpEngine is refused with the choices
         if self.mode is ParallelMode.TENSOR and self.engine != DEFAULT_ENGINE:
             raise ArgumentError(
                 f"Parallel.engine={self.engine!r}: tensor parallelism moves no tokens; drop engine="
@@ -74,9 +74,9 @@ class Parallel:
         return cls(ParallelMode.TENSOR, group)
 
     @classmethod
-    def expert(cls, group: dist.ProcessGroup, *, engine: str = DEFAULT_ENGINE) -> Parallel:
+    def expert(cls, group: dist.ProcessGroup, *, engine: EpEngine = DEFAULT_ENGINE) -> Parallel:
         """Expert parallelism over `group`: E/N whole experts per rank, each rank its own tokens, moved
-        by the engine called `engine` ("allgather_reducescatter" or "all_to_all")."""
+        by `engine` (`EpEngine.ALLGATHER_REDUCESCATTER`, the default, or `EpEngine.ALL_TO_ALL`)."""
         return cls(ParallelMode.EXPERT, group, engine)
 
     @property
@@ -90,5 +90,5 @@ class Parallel:
         return dist.get_world_size(self.group)
 
     def describe(self) -> str:
-        engine = f", engine {self.engine}" if self.mode is ParallelMode.EXPERT else ""
+        engine = f", engine {self.engine.value}" if self.mode is ParallelMode.EXPERT else ""
         return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}{engine}"
