@@ -13,9 +13,8 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_on_ranks
 from moekit.ep.cost import bytes_moved, expected_remote_destinations, predict_us
 from moekit.ep.engines import AllGatherReduceScatter, AllToAll, EpEngine, dispatch_mask, engine_for
 from moekit.ep.ownership import expert_ownership, local_expert_map, num_local_experts, owner_of
@@ -79,41 +78,36 @@ def _cases(world: int):
     yield _specs(8)[1], [0] * world, None  # no tokens anywhere
 
 
-def _worker(rank: int, world: int, store_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        for n, (spec, counts, one_rank) in enumerate(_cases(world)):
-            layer = random_layer(spec, seed=n)
-            x, routing = _batch(spec, counts, seed=n, one_rank=one_rank, world=world)
-            expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
-            lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
-            mine = RoutingResult(weights=routing.weights[lo:hi], ids=routing.ids[lo:hi])
-            local = _local(layer, spec, rank, world)
-            for engine in ENGINES:
-                for max_tokens in (None, 9) if isinstance(engine, AllGatherReduceScatter) else (None,):
-                    out = engine.run(
-                        x[lo:hi],
-                        mine,
-                        group=None,
-                        local_experts=local,
-                        num_experts=spec.E,
-                        max_tokens=max_tokens,
-                    )
-                    where = f"{engine.kind.value} {spec.describe()} counts={counts} one_rank={one_rank}"
-                    where += f" rank={rank}"
-                    assert out.shape == (hi - lo, spec.H) and out.dtype == torch.float32, where
-                    if hi > lo:
-                        err = relative_l2_error(out, expected[lo:hi])
-                        assert err < 1e-5, f"{where}: rel err {err}"
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> None:
+    for n, (spec, counts, one_rank) in enumerate(_cases(world)):
+        layer = random_layer(spec, seed=n)
+        x, routing = _batch(spec, counts, seed=n, one_rank=one_rank, world=world)
+        expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
+        lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
+        mine = RoutingResult(weights=routing.weights[lo:hi], ids=routing.ids[lo:hi])
+        local = _local(layer, spec, rank, world)
+        for engine in ENGINES:
+            for max_tokens in (None, 9) if isinstance(engine, AllGatherReduceScatter) else (None,):
+                out = engine.run(
+                    x[lo:hi],
+                    mine,
+                    group=None,
+                    local_experts=local,
+                    num_experts=spec.E,
+                    max_tokens=max_tokens,
+                )
+                where = f"{engine.kind.value} {spec.describe()} counts={counts} one_rank={one_rank}"
+                where += f" rank={rank}"
+                assert out.shape == (hi - lo, spec.H) and out.dtype == torch.float32, where
+                if hi > lo:
+                    err = relative_l2_error(out, expected[lo:hi])
+                    assert err < 1e-5, f"{where}: rel err {err}"
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_engines_match_one_rank(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+    run_on_ranks(_worker, world, tmp_path)
 
 
 def test_ownership_contiguous_uneven_and_refused():

@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_on_ranks
 from moekit import EpEngine, FusedMoE, Parallel, fused_moe_reference, preset, route
 from moekit.ep.ownership import expert_ownership, local_expert_map
 from moekit.errors import ArgumentError, SpecError
@@ -75,37 +75,31 @@ def _check_refusals(group, world: int) -> None:
         Parallel(Parallel.tensor(group).mode, group, EpEngine.ALL_TO_ALL)
 
 
-def _rank_main(rank: int, world: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        for engine in ENGINES:
-            parallel = Parallel.expert(dist.group.WORLD, engine=engine)
-            for n, (name, spec) in enumerate(_specs(world).items()):
-                counts = [(5 * r + 3 * n) % 11 + 1 for r in range(world)]  # uneven
-                counts[n % world] = 0  # one rank without tokens
-                try:
-                    _check_case(spec, parallel, counts, seed=n + 1)
-                except AssertionError as e:
-                    raise AssertionError(f"rank {rank} of {world}, {engine}, {name}, {counts}: {e}") from e
-            empty = FusedMoE(
-                spec=GPT_OSS_SMALL,
-                weights=random_layer(GPT_OSS_SMALL).weights,
-                router_weight=None,
-                parallel=parallel,
-            )
-            x = random_tokens(GPT_OSS_SMALL, 0)
-            assert empty(x, router_logits=torch.zeros(0, GPT_OSS_SMALL.E)).shape == (0, GPT_OSS_SMALL.H)
-        _check_refusals(dist.group.WORLD, world)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, world: int) -> None:
+    for engine in ENGINES:
+        parallel = Parallel.expert(dist.group.WORLD, engine=engine)
+        for n, (name, spec) in enumerate(_specs(world).items()):
+            counts = [(5 * r + 3 * n) % 11 + 1 for r in range(world)]  # uneven
+            counts[n % world] = 0  # one rank without tokens
+            try:
+                _check_case(spec, parallel, counts, seed=n + 1)
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank} of {world}, {engine}, {name}, {counts}: {e}") from e
+        empty = FusedMoE(
+            spec=GPT_OSS_SMALL,
+            weights=random_layer(GPT_OSS_SMALL).weights,
+            router_weight=None,
+            parallel=parallel,
+        )
+        x = random_tokens(GPT_OSS_SMALL, 0)
+        assert empty(x, router_logits=torch.zeros(0, GPT_OSS_SMALL.E)).shape == (0, GPT_OSS_SMALL.H)
+    _check_refusals(dist.group.WORLD, world)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_one_rank(world: int, tmp_path) -> None:
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+    run_on_ranks(_rank_main, world, tmp_path)
 
 
 def test_expert_shard_keeps_only_owned_experts_and_refuses_a_local_spec() -> None:

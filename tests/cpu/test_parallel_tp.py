@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import run_on_ranks
 from moekit import (
     Activation,
     ActivationSpec,
@@ -99,27 +99,21 @@ def _check_refusals(parallel: Parallel, world: int) -> None:
     assert expert.mode is ParallelMode.EXPERT and expert.world_size == world
 
 
-def _rank_main(rank: int, world: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        parallel = Parallel.tensor(dist.group.WORLD)
-        assert (parallel.rank, parallel.world_size, parallel.mode) == (rank, world, ParallelMode.TENSOR)
-        for name, (spec, tol) in _cases(world).items():
-            try:
-                _check_case(spec, tol, parallel)
-            except AssertionError as e:
-                raise AssertionError(f"rank {rank} of {world}, case {name}: {e}") from e
-        _check_refusals(parallel, world)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, world: int) -> None:
+    parallel = Parallel.tensor(dist.group.WORLD)
+    assert (parallel.rank, parallel.world_size, parallel.mode) == (rank, world, ParallelMode.TENSOR)
+    for name, (spec, tol) in _cases(world).items():
+        try:
+            _check_case(spec, tol, parallel)
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank} of {world}, case {name}: {e}") from e
+    _check_refusals(parallel, world)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_one_rank(world: int, tmp_path) -> None:
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+    run_on_ranks(_rank_main, world, tmp_path)
 
 
 def test_parallel_needs_initialized_distributed_and_a_group() -> None:
