@@ -21,7 +21,7 @@ from moekit.kernels.base import DeviceInfo
 from moekit.kernels.triton.launch import triton_fused_moe
 from moekit.planning.plan import plan
 from moekit.presets import cap_experts, preset
-from moekit.reference import TOLERANCE, relative_l2_error
+from moekit.reference import relative_l2_error, tolerance
 from moekit.synthetic import random_batch, random_layer
 
 
@@ -53,7 +53,7 @@ def main() -> int:
                 out = torch.full((t, spec.H), math.nan, dtype=spec.act_dtype, device=device)
                 triton_fused_moe(x, weights, routing, spec=spec, config=chosen.config, out=out)
                 errors.append(relative_l2_error(out, expected))
-            bad = [e for e in errors if not e <= TOLERANCE[spec.act_dtype]]
+            bad = [e for e in errors if not e <= tolerance(spec)]
             failures += len(bad)
             print(
                 f"{name} T={t} {chosen.kernel} {chosen.config.as_dict()}: worst of {args.repeats} "

@@ -9,7 +9,7 @@ Data flow of one case (`FuzzCase`: spec seed, T, data seed):
   -> `moekit.plan(spec, T, device)` -> a `MoekitError` counts as refused (at plan); nothing may refuse later
   -> random layer (cached per spec seed) and batch (data seed) -> `prepare_weights` -> the allocator's next
   blocks NaN-poisoned (`moekit.app.check.poison_allocator`) -> `fused_moe` -> relative L2 error against
-  `fused_moe_reference` within `moekit.reference.TOLERANCE[act dtype]`: passed, else a mismatch
+  `fused_moe_reference` within `moekit.reference.tolerance(spec)`: passed, else a mismatch
   -> any exception after planning (a `MoekitError` included: refusals belong at plan time) is a crash.
 Cases draw their spec from a pool of `pool` spec seeds (bounding the compiles; every weight format with
 bf16 activations first, then other (format, act dtype) pairs); T is log-uniform in
@@ -51,7 +51,7 @@ from moekit import (
     prepare_weights,
 )
 from moekit.app.check import poison_allocator
-from moekit.reference import TOLERANCE, relative_l2_error
+from moekit.reference import relative_l2_error, tolerance
 from moekit.synthetic import SyntheticLayer, random_batch, random_layer
 
 
@@ -232,7 +232,7 @@ def run_case(case: FuzzCase, device: torch.device) -> CaseResult:
         return CaseResult(case, "refused", spec.describe(), detail=f"at plan: {type(err).__name__}: {first}")
     except Exception:  # noqa: BLE001 - the harness reports every failure as a crash
         return CaseResult(case, "crash", spec.describe(), detail=traceback.format_exc())
-    tolerance = TOLERANCE[spec.act_dtype]
+    allowed = tolerance(spec)
     try:
         layer = _layer(FuzzCase(case.spec_seed, 0, 0, case.shapes), str(device))
         x, _, routing = random_batch(
@@ -249,12 +249,12 @@ def run_case(case: FuzzCase, device: torch.device) -> CaseResult:
             detail = (
                 f"output {out.dtype} {tuple(out.shape)}, expected {spec.act_dtype} {tuple(expected.shape)}"
             )
-            return CaseResult(case, "mismatch", spec.describe(), chosen.kernel, None, tolerance, detail)
+            return CaseResult(case, "mismatch", spec.describe(), chosen.kernel, None, allowed, detail)
         err = relative_l2_error(out, expected)
     except Exception:  # noqa: BLE001 - a refusal after planning is a crash too
         return CaseResult(case, "crash", spec.describe(), chosen.kernel, detail=traceback.format_exc())
-    outcome = "passed" if err <= tolerance else "mismatch"
-    return CaseResult(case, outcome, spec.describe(), chosen.kernel, err, tolerance)
+    outcome = "passed" if err <= allowed else "mismatch"
+    return CaseResult(case, outcome, spec.describe(), chosen.kernel, err, allowed)
 
 
 def run_fuzz(cases: list[FuzzCase], device: torch.device, *, progress=None) -> FuzzSummary:

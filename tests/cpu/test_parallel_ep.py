@@ -18,7 +18,7 @@ from moekit import EpEngine, FusedMoE, Parallel, fused_moe_reference, preset, ro
 from moekit.ep.ownership import expert_ownership, local_expert_map
 from moekit.errors import ArgumentError, SpecError
 from moekit.parallel import expert_shard
-from moekit.reference import TOLERANCE, relative_l2_error
+from moekit.reference import relative_l2_error, tolerance
 from moekit.synthetic import random_layer, random_tokens
 
 GPT_OSS_SMALL = replace(
@@ -56,7 +56,7 @@ def _check_case(spec, parallel: Parallel, counts: list[int], seed: int) -> None:
     one = FusedMoE(spec=spec, **common)(x)
     logits = torch.nn.functional.linear(x.float(), layer.router_weight.float())
     ref = fused_moe_reference(x, layer.weights, route(logits, top_k=spec.K, spec=spec.routing), spec=spec)
-    tol = TOLERANCE[spec.act_dtype]
+    tol = tolerance(spec)
     assert relative_l2_error(got, one) < tol, relative_l2_error(got, one)
     assert relative_l2_error(got, ref) < tol, relative_l2_error(got, ref)
 

@@ -26,7 +26,7 @@ def test_readme_first_python_example_runs_and_matches_its_reference():
 
     import torch
 
-    from moekit.reference import TOLERANCE, relative_l2_error
+    from moekit.reference import relative_l2_error, tolerance
 
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"```python\n(.*?)```", readme, flags=re.S).group(1)
@@ -34,4 +34,4 @@ def test_readme_first_python_example_runs_and_matches_its_reference():
     exec(compile(example, "README.md", "exec"), scope)  # the example as a new user would paste it
     out, ref, spec = scope["out"], scope["ref"], scope["spec"]
     assert out.shape == ref.shape == (4, spec.H) and torch.isfinite(out).all()
-    assert relative_l2_error(out, ref) <= TOLERANCE[spec.act_dtype]
+    assert relative_l2_error(out, ref) <= tolerance(spec)

@@ -27,7 +27,7 @@ from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
 from moekit.planning.tuned import row_to_json, spec_fields, token_bucket, triton_version, write_rows
-from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
+from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
 from moekit.spec import MoESpec
 from moekit.synthetic import random_batch, random_layer
 
@@ -157,7 +157,7 @@ def _tune_one(spec, t, layer, info, device, registry, prepared, timer, seed) -> 
         (i for i, c in enumerate(candidates) if c.seconds is not None), key=lambda i: candidates[i].seconds
     )
     rejected: list[str] = []
-    tolerance = TOLERANCE[spec.act_dtype]
+    allowed = tolerance(spec)
     for i in ranked:
         poison_allocator(device, num_bytes=4 * t * spec.K * (2 * spec.I + spec.H) + (1 << 20))
         try:
@@ -167,10 +167,10 @@ def _tune_one(spec, t, layer, info, device, registry, prepared, timer, seed) -> 
                 f"{candidates[i].kernel} {candidates[i].config.as_dict()}: {type(err).__name__}: {err}"
             )
             continue
-        if rel <= tolerance:
+        if rel <= allowed:
             return TuneOutcome(t, candidates[i], rel, tuple(candidates), tuple(rejected))
         rejected.append(
-            f"{candidates[i].kernel} {candidates[i].config.as_dict()}: rel L2 {rel:.2e} > {tolerance}"
+            f"{candidates[i].kernel} {candidates[i].config.as_dict()}: rel L2 {rel:.2e} > {allowed}"
         )
     return TuneOutcome(t, None, None, tuple(candidates), tuple(rejected))
 

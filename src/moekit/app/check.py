@@ -18,7 +18,7 @@ from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
 from moekit.presets import cap_experts, preset
-from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
+from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
 from moekit.synthetic import random_batch, random_layer
 
 
@@ -49,13 +49,11 @@ def check_preset(
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     records: list[CheckRecord] = []
-    tolerance = TOLERANCE[spec.act_dtype]
+    allowed = tolerance(spec)
     for kernel in default_registry():
         reason = kernel.supports(spec, Problem(num_tokens=max(tokens), device=info))
         if reason is not None:
-            records.append(
-                CheckRecord(name, spec.describe(), kernel.name, 0, None, tolerance, refused=reason)
-            )
+            records.append(CheckRecord(name, spec.describe(), kernel.name, 0, None, allowed, refused=reason))
             if progress:
                 progress(len(tokens))
             continue
@@ -73,9 +71,7 @@ def check_preset(
             poison_allocator(device, num_bytes=4 * t * spec.K * (2 * spec.I + spec.H) + (1 << 20))
             out = fused_moe(x, weights, routing, plan=per_t)
             records.append(
-                CheckRecord(
-                    name, spec.describe(), kernel.name, t, relative_l2_error(out, expected), tolerance
-                )
+                CheckRecord(name, spec.describe(), kernel.name, t, relative_l2_error(out, expected), allowed)
             )
             if progress:
                 progress(1)

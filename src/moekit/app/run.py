@@ -20,7 +20,7 @@ from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights, route
 from moekit.planning.plan import Plan, plan
 from moekit.presets import DEFAULT_PRESET, preset
-from moekit.reference import TOLERANCE, fused_moe_reference, relative_l2_error
+from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
 from moekit.spec import MoESpec
 from moekit.synthetic import random_layer, random_tokens
 from moekit.weights import ExpertWeights
@@ -157,5 +157,5 @@ def run_job(
         check_against=against,
         check_tokens=n_check,
         check_rel_l2=rel,
-        check_tolerance=TOLERANCE[spec.act_dtype],
+        check_tolerance=tolerance(spec),
     )
