@@ -51,6 +51,8 @@ LAYERS: dict[str, int] = {
     "moekit.planning": 3,
     # ops: run a plan (and pick the fast routing path)
     "moekit.ops": 4,
+    # a layer's router: logits, and whether routing is per token on a device
+    "moekit.router": 4,
     # expert parallelism: ownership, the dispatch/combine engines (they run the caller's local experts)
     "moekit.ep": 5,
     # a layer's share on each rank of a torch.distributed group (parallel API, sharding, the EP forward)

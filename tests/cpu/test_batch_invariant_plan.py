@@ -13,8 +13,9 @@ import torch
 
 from moekit import MoESpec, SpecError, UnsupportedSpecError, preset
 from moekit.kernels.base import DeviceInfo, DeviceKind
-from moekit.layer import FusedMoE, PlanOptions, _batch_invariant_routing_reason, compute_router_logits
+from moekit.layer import FusedMoE, PlanOptions
 from moekit.planning.plan import batch_invariant_tokens, plan, plan_batch_invariant
+from moekit.router import batch_invariant_routing_reason, compute_router_logits
 from moekit.synthetic import random_layer
 
 pytest.importorskip("triton")
@@ -67,9 +68,9 @@ def test_option_must_be_a_bool() -> None:
 def test_torch_routing_on_cuda_is_refused_for_batch_invariance() -> None:
     cuda = torch.device("cuda", 0)
     grouped = preset("deepseek-v3")
-    assert "SIGMOID_GROUPED" in _batch_invariant_routing_reason(grouped, cuda)
-    assert _batch_invariant_routing_reason(preset("gpt-oss-20b"), cuda) is None
-    assert _batch_invariant_routing_reason(grouped, torch.device("cpu")) is None
+    assert "SIGMOID_GROUPED" in batch_invariant_routing_reason(grouped, cuda)
+    assert batch_invariant_routing_reason(preset("gpt-oss-20b"), cuda) is None
+    assert batch_invariant_routing_reason(grouped, torch.device("cpu")) is None
 
 
 def test_batch_invariant_router_rows_do_not_depend_on_t() -> None:

@@ -18,8 +18,9 @@ from gpu_only import skip_unless_compiled_gpu
 skip_unless_compiled_gpu()
 
 from moekit import fused_moe_reference, preset, route  # noqa: E402
-from moekit.layer import FusedMoE, PlanOptions, compute_router_logits  # noqa: E402
+from moekit.layer import FusedMoE, PlanOptions  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
+from moekit.router import compute_router_logits  # noqa: E402
 from moekit.synthetic import random_layer  # noqa: E402
 
 pytestmark = pytest.mark.gpu

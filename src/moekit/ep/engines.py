@@ -14,7 +14,9 @@ combine -> out_local [T_r, H] in x's dtype, equal to the 1-rank layer on the con
   the outputs come back the same way and are summed per token in rank order 0..N-1 in fp32, so the
   result does not depend on arrival order.
 
-Routing weights and ids travel in one fp32 tensor per row: [weights | ids bit-cast to fp32], exact.
+A token's row travels as bytes with its routing: [x | weights | ids], the ids bit-cast (exact), so one
+collective moves both while the payload is small (latency-bound: each NCCL collective costs tens of µs);
+past `PACK_LIMIT_BYTES` x and the routing go in two collectives, which saves the unpacking copy.
 """
 
 from __future__ import annotations
@@ -66,6 +68,35 @@ def _unpack_routing(meta: torch.Tensor, top_k: int) -> RoutingResult:
     )
 
 
+# Largest packed send buffer per rank (bytes) moved as one collective; above it the unpacking copy costs
+# more than the latency of a second collective.
+PACK_LIMIT_BYTES = 8 << 20
+
+
+def _one_collective(rows: int, x: torch.Tensor, meta_columns: int) -> bool:
+    """Whether `rows` rows of x and their routing move packed, as one collective."""
+    return rows * (x.shape[1] * x.element_size() + meta_columns * 4) <= PACK_LIMIT_BYTES
+
+
+def _packed(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, H * itemsize + 8K]: each row's activations, then its routing, as bytes."""
+    return torch.cat([x.contiguous().view(torch.uint8), meta.contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpacked(rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    width = hidden * torch.empty(0, dtype=dtype).element_size()
+    return rows[:, :width].contiguous().view(dtype), rows[:, width:].contiguous().view(torch.float32)
+
+
+def _pad_routing(meta: torch.Tensor, rows: int, pad: int, *, num_experts: int, top_k: int) -> torch.Tensor:
+    """`meta` [rows, 2K] grown by `pad` rows of weight 0 whose K ids cycle through all experts: padding
+    costs every rank the same few pairs instead of piling them on expert 0's owner."""
+    ids = torch.arange(pad * top_k, dtype=torch.int32, device=meta.device).remainder_(num_experts)
+    weights = torch.zeros(pad, top_k, dtype=torch.float32, device=meta.device)
+    tail = torch.cat([weights, ids.view(pad, top_k).view(torch.float32)], dim=1)
+    return torch.cat([meta, tail]) if rows else tail
+
+
 def _check_inputs(x: torch.Tensor, routing: RoutingResult) -> None:
     if x.dim() != 2 or routing.num_tokens != x.shape[0]:
         raise ShapeError(
@@ -105,10 +136,9 @@ class AllGatherReduceScatter:
         num_experts: int,
         max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """out_local [T_r, H]. `max_tokens`: a bound on every rank's T_r known to all (the layer's
-        token bucket): shapes are then static and nothing syncs; without it the ranks agree on max T_r.
-        `num_experts` is unused here (every rank sees every token) and kept for one `run` signature."""
-        del num_experts
+        """out_local [T_r, H]. `max_tokens`: a bound on every rank's T_r known to all (the same on every
+        rank): shapes are then static and nothing syncs; without it the ranks agree on max T_r with one
+        all-reduce read on the host. Padding rows carry weight 0 (`_pad_routing`)."""
         _check_inputs(x, routing)
         world = dist.get_world_size(group)
         rows, hidden = x.shape
@@ -120,16 +150,20 @@ class AllGatherReduceScatter:
             raise ShapeError(f"this rank has T_r={rows} tokens, more than max_tokens={max_tokens}")
         if max_tokens == 0:
             return x.new_zeros(0, hidden)
-        pad = max_tokens - rows
-        # Padding rows get weight 0 and expert 0: their outputs are finite and land in padding rows of
-        # this rank's combine buffer, which it drops.
+        pad, top_k = max_tokens - rows, routing.top_k
         x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        meta_pad = torch.nn.functional.pad(_pack_routing(routing), (0, 0, 0, pad))
-        x_all = x.new_empty(world * max_tokens, hidden)
-        meta_all = meta_pad.new_empty(world * max_tokens, meta_pad.shape[1])
-        _all_gather(x_all, x_pad.contiguous(), group=group)
-        _all_gather(meta_all, meta_pad.contiguous(), group=group)
-        y_all = local_experts(x_all, _unpack_routing(meta_all, routing.top_k))
+        meta_pad = _pad_routing(_pack_routing(routing), rows, pad, num_experts=num_experts, top_k=top_k)
+        if _one_collective(max_tokens, x, meta_pad.shape[1]):
+            send = _packed(x_pad, meta_pad)
+            gathered = send.new_empty(world * max_tokens, send.shape[1])
+            _all_gather(gathered, send, group=group)
+            x_all, meta_all = _unpacked(gathered, hidden, x.dtype)
+        else:
+            x_all = x.new_empty(world * max_tokens, hidden)
+            meta_all = meta_pad.new_empty(world * max_tokens, meta_pad.shape[1])
+            _all_gather(x_all, x_pad.contiguous(), group=group)
+            _all_gather(meta_all, meta_pad.contiguous(), group=group)
+        y_all = local_experts(x_all, _unpack_routing(meta_all, top_k))
         _check_output(y_all, world * max_tokens, hidden)
         out = y_all.new_empty(max_tokens, hidden)
         _reduce_scatter(out, y_all.contiguous(), group=group)
@@ -171,16 +205,28 @@ class AllToAll:
         rows, hidden = x.shape
         mask = dispatch_mask(routing.ids, num_experts=num_experts, world_size=world)
         dest, token = mask.t().nonzero(as_tuple=True)  # sorted by destination rank, then token
+        # Row d of `counts`: how many rows this rank sends to d, and how many it sends in all. After the
+        # exchange every rank knows what it receives and every rank's total, so all ranks take the same
+        # packing decision (a mismatched pair of collectives would deadlock).
         send_counts = mask.sum(dim=0)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-
-        x_recv = x.new_empty(sum(recv_splits), hidden)
-        dist.all_to_all_single(x_recv, x[token].contiguous(), recv_splits, send_splits, group=group)
-        meta = _pack_routing(routing)[token].contiguous()
-        meta_recv = meta.new_empty(sum(recv_splits), meta.shape[1])
-        dist.all_to_all_single(meta_recv, meta, recv_splits, send_splits, group=group)
+        counts = torch.stack([send_counts, send_counts.sum().expand(world)], dim=1)
+        exchanged = torch.empty_like(counts)
+        dist.all_to_all_single(exchanged, counts, group=group)
+        exchanged = exchanged.tolist()
+        send_splits, recv_splits = send_counts.tolist(), [c for c, _ in exchanged]
+        largest_send = max(total for _, total in exchanged)
+        received = sum(recv_splits)
+        meta = _pack_routing(routing)[token]
+        if _one_collective(largest_send, x, meta.shape[1]):
+            send = _packed(x[token], meta)
+            rows_recv = send.new_empty(received, send.shape[1])
+            dist.all_to_all_single(rows_recv, send, recv_splits, send_splits, group=group)
+            x_recv, meta_recv = _unpacked(rows_recv, hidden, x.dtype)
+        else:
+            x_recv = x.new_empty(received, hidden)
+            dist.all_to_all_single(x_recv, x[token].contiguous(), recv_splits, send_splits, group=group)
+            meta_recv = meta.new_empty(received, meta.shape[1])
+            dist.all_to_all_single(meta_recv, meta.contiguous(), recv_splits, send_splits, group=group)
         routing_recv = _unpack_routing(meta_recv, routing.top_k)
         # Only this rank's experts are computed here: other ranks' (k) slots get weight zero, so a
         # local_experts that ignored the expert map would still add nothing for them.
