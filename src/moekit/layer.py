@@ -73,7 +73,7 @@ from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import route_checked, run_checked
 from moekit.parallel import Parallel, ParallelMode, shard_for
-from moekit.parallel.expert import check_engine, expert_parallel_forward
+from moekit.parallel.expert import ExpertParallel
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
 from moekit.planning.tuned import TunedTables, token_bucket
@@ -157,10 +157,11 @@ class FusedMoE(torch.nn.Module):
         if not isinstance(options, PlanOptions):
             raise SpecError(f"options must be PlanOptions, got {type(options).__name__}")
         check_type("parallel", parallel, Parallel, optional=True, fix="pass moekit.Parallel.tensor(group)")
+        self._ep: ExpertParallel | None = None
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
             spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map)
             if parallel.mode is ParallelMode.EXPERT:
-                check_engine(parallel)
+                self._ep = ExpertParallel(parallel, spec)
         self.parallel = parallel
         dev = _normalize_device(weights.device if device is None else device)
         # One-time load step: move, and make every tensor contiguous (the fused kernels read rows).
@@ -288,6 +289,8 @@ class FusedMoE(torch.nn.Module):
     def explain(self) -> str:
         """The parallel mode (and expert-parallel engine), then every plan made so far, bucket by bucket."""
         head = [] if self.parallel is None else [f"[parallel] {self.parallel.describe()}"]
+        if self._ep is not None:
+            head = [self._ep.explain()]
         return "\n\n".join(head + [f"[bucket {b}]\n{p.explain()}" for b, p in sorted(self._plans.items())])
 
     def warmup(self, max_tokens: int, *, execute: bool = True) -> WarmupReport:
@@ -299,23 +302,42 @@ class FusedMoE(torch.nn.Module):
         plans: list[Plan] = []
         counts: list[int] = []
         bucket = 1
+        # Expert parallel: the experts see up to N x max_tokens rows, and every rank must run the same
+        # sequence of collectives, so each bucket gets one forward through the group (the same on every
+        # rank) and the kernels' variants are compiled by local expert runs (`_warmup_local_experts`).
+        last = token_bucket(max_tokens * (1 if self._ep is None else self._ep.parallel.world_size))
         with torch.no_grad():
             while True:
                 p = self.plan_for(bucket)
                 plans.append(p)
-                if execute:
+                if execute and self._ep is not None:
+                    self._warmup_local_experts(p)
+                    if bucket <= max_tokens:
+                        counts.append(bucket)
+                        self.forward(self._zeros(bucket, self.spec.H, self.spec.act_dtype))
+                elif execute:
                     kernel = self._kernels[p.kernel]
                     for t in kernel.warmup_token_counts(bucket, self.spec, p.config):
-                        x = torch.zeros(t, self.spec.H, dtype=self.spec.act_dtype, device=self._device)
-                        logits = torch.zeros(t, self.spec.E, dtype=torch.float32, device=self._device)
-                        self.forward(x, router_logits=logits)
+                        logits = self._zeros(t, self.spec.E, torch.float32)
+                        self.forward(self._zeros(t, self.spec.H, self.spec.act_dtype), router_logits=logits)
                         counts.append(t)
-                if bucket >= token_bucket(max_tokens):
+                if bucket >= last:
                     break
                 bucket *= 2
         if execute and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # warmup is off the hot path: surface launch errors here
         return WarmupReport(plans=tuple(plans), token_counts=tuple(counts))
+
+    def _zeros(self, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(rows, columns, dtype=dtype, device=self._device)
+
+    def _warmup_local_experts(self, plan: Plan) -> None:
+        """Run this rank's experts alone (no collective) at every warmup count of `plan`'s bucket, each
+        token routed to this rank's own experts so the kernels really run."""
+        kernel = self._kernels[plan.kernel]
+        for t in kernel.warmup_token_counts(plan.bucket, self.spec, plan.config):
+            routing = self._ep.routing_to_own_experts(t, self.expert_map)
+            self._experts(self._zeros(t, self.spec.H, self.spec.act_dtype), routing)
 
     def workspace_bytes(self, num_tokens: int) -> int:
         """Device memory one forward of `num_tokens` allocates beyond the weights (output included).
@@ -365,8 +387,8 @@ class FusedMoE(torch.nn.Module):
         routing = route_checked(
             router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
         )
-        if self.parallel is not None and self.parallel.mode is ParallelMode.EXPERT:
-            return expert_parallel_forward(self.parallel, x, routing, self._experts, num_experts=spec.E)
+        if self._ep is not None:
+            return self._ep.forward(x, routing, self._experts)
         out = self._experts(x, routing)
         if self.parallel is not None:  # tensor parallel: each rank holds a partial sum over its I/N
             torch.distributed.all_reduce(out, group=self.parallel.group)

@@ -18,6 +18,8 @@ from moekit import EpEngine, FusedMoE, Parallel, fused_moe_reference, preset, ro
 from moekit.ep.ownership import expert_ownership, local_expert_map
 from moekit.errors import ArgumentError, SpecError
 from moekit.parallel import expert_shard
+from moekit.parallel.expert import ExpertParallel
+from moekit.planning.tuned import token_bucket
 from moekit.reference import relative_l2_error, tolerance
 from moekit.synthetic import random_layer, random_tokens
 
@@ -25,7 +27,7 @@ GPT_OSS_SMALL = replace(
     preset("gpt-oss-20b", act_dtype=torch.float32), num_experts=8, hidden_size=64, intermediate_size=64
 )
 QWEN3_SMALL = replace(preset("qwen3-30b-a3b"), num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
-ENGINES = tuple(EpEngine)
+ENGINES = (*EpEngine, None)  # None: chosen per bucket
 
 
 def _specs(world: int) -> dict[str, object]:
@@ -47,10 +49,14 @@ def _check_case(spec, parallel: Parallel, counts: list[int], seed: int) -> None:
     assert all(t.shape[0] == len(owned) for t in ep.weights.tensors().values())
     assert torch.equal(ep.weights.w13, layer.weights.w13[owned.start : owned.stop])
     assert torch.equal(ep.expert_map, local_expert_map(spec.E, rank, world))
-    assert f"engine {parallel.engine.value}" in ep.explain()
+    named = "chosen per bucket" if parallel.engine is None else parallel.engine.value
+    assert f"engine {named}" in ep.explain()
+    assert ep.warmup(4).plans  # one forward per bucket on every rank, local runs for the kernels
     x = random_tokens(spec, counts[rank], seed=seed * 10 + rank)  # this rank's own tokens
     got = ep(x)
     assert got.shape == x.shape and got.dtype == spec.act_dtype
+    if parallel.engine is None:  # the choice for this forward's bucket of max T_r is shown
+        assert f"M bucket {token_bucket(max(counts))}: " in ep.explain(), ep.explain()
     if counts[rank] == 0:
         return
     one = FusedMoE(spec=spec, **common)(x)
@@ -115,3 +121,19 @@ def test_expert_shard_keeps_only_owned_experts_and_refuses_a_local_spec() -> Non
         expert_shard(local, w, rank=0, world_size=2)
     with pytest.raises(SpecError, match="at least one expert per rank"):
         expert_shard(spec, w, rank=0, world_size=8)
+
+
+def _check_choice(rank: int, world: int) -> None:
+    """The model picks all-gather/reduce-scatter where latency rules and all-to-all where bytes do (many
+    ranks, few of them per token), the same on every rank; a named engine is kept."""
+    spec = replace(QWEN3_SMALL, top_k=1, hidden_size=4096)
+    auto = ExpertParallel(Parallel.expert(dist.group.WORLD), spec)
+    small, large = auto.choice_for(1), auto.choice_for(1 << 16)
+    assert small.engine is EpEngine.ALLGATHER_REDUCESCATTER and not small.forced, small.describe()
+    assert large.engine is EpEngine.ALL_TO_ALL, large.describe()
+    named = ExpertParallel(Parallel.expert(dist.group.WORLD, engine=EpEngine.ALL_TO_ALL), spec)
+    assert named.choice_for(1).engine is EpEngine.ALL_TO_ALL and named.choice_for(1).forced
+
+
+def test_engine_choice_follows_the_cost_model(tmp_path) -> None:
+    run_on_ranks(_check_choice, 4, tmp_path)

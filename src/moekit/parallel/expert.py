@@ -1,48 +1,152 @@
 """The expert-parallel forward of a `FusedMoE`: this rank's tokens to their experts' ranks and back.
 
 Data flow: x_local [T_r, H] (any T_r, zero included) and its routing on GLOBAL expert ids (each rank
-routes its own tokens on the full router) -> the group's engine (`Parallel.engine`,
-`moekit.ep.engines`) -> dispatch -> `local_experts(x, routing)`: the layer's own plan and kernel for
-the received row count, with its expert map, so other ranks' experts add nothing -> combine -> out_local.
+routes its own tokens on the full router) -> the group's token count M (below) -> the engine for M's
+bucket (`EpChoice`: `Parallel.engine` when given, else the capable engine the cost model of
+`moekit.ep.cost` predicts fastest, chosen once per bucket and shown by `explain`) -> dispatch ->
+`local_experts(x, routing)`: the layer's own plan and kernel for the received row count, with its expert
+map, so other ranks' experts add nothing -> combine -> out_local.
 
-All-gather / reduce-scatter pads every rank to one row count that all ranks must agree on. The ranks
-agree on it here by one all-reduce of T_r (MAX), read on the host: the simplest design that is correct
-for uneven and empty batches without the caller passing anything, at the price of one sync per forward,
-so this wiring is not captured in a CUDA graph even though the engine alone is capturable. The experts
-then run on N * max T_r rows, planned in that count's token bucket. Every rank of the group must call
-the layer for every forward (an empty batch included): the collectives are matched by order.
+M, the largest T_r of the group, must be the same on every rank (the engines' collectives are matched by
+shape and order). Eager forwards agree on it with one all-reduce read on the host (a sync). While a CUDA
+graph is being captured nothing may be read back, so M is this rank's T_r, and every rank must capture
+at the same token count (pad to it, as serving engines pad data-parallel batches to one graph size); the
+engine is then the capturable all-gather / reduce-scatter with static shapes. Every rank of the group must
+call the layer for every forward (an empty batch included).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from moekit.ep.engines import LocalExperts, engine_for
+from moekit.checks import capturing
+from moekit.ep.cost import predict_us
+from moekit.ep.engines import ENGINES, EpEngine, LocalExperts, engine_for
 from moekit.errors import UnsupportedSpecError
 from moekit.parallel.spec import Parallel
+from moekit.planning.tuned import token_bucket
 from moekit.routing import RoutingResult
+from moekit.spec import MoESpec
+
+# The cost model's constants until measured ones are loaded: a per-collective latency and a bus
+# bandwidth of 2x H200 over NVLink (NCCL through torch 2.11: 60 - 80 us per collective, 230 - 270 GB/s).
+MODEL_LATENCY_US = 70.0
+MODEL_BANDWIDTH_GBPS = 250.0
+
+
+@dataclass(frozen=True)
+class EpChoice:
+    """The engine that moves one bucket's tokens, and why."""
+
+    bucket: int  # of M, the group's largest per-rank token count
+    engine: EpEngine
+    forced: bool  # Parallel.engine named it
+    predicted_us: tuple[tuple[EpEngine, float], ...]  # the model's communication time per capable engine
+    refused: tuple[tuple[EpEngine, str], ...]  # engines that cannot run here, with the reason
+
+    def describe(self) -> str:
+        how = "named by Parallel.engine" if self.forced else "fastest by the cost model"
+        model = ", ".join(f"{e.value} {us:.0f} us" for e, us in self.predicted_us)
+        refused = "".join(f"; refused {e.value}: {why}" for e, why in self.refused)
+        return f"M bucket {self.bucket}: {self.engine.value} ({how}; model: {model}){refused}"
 
 
 def check_engine(parallel: Parallel) -> None:
-    """Refuse, when the layer is built, an engine that cannot run on the group's backend."""
-    engine = engine_for(parallel.engine)
+    """Refuse, when the layer is built, an engine (or a group) no engine can serve."""
     backend = str(dist.get_backend(parallel.group))
-    if (why := engine.capabilities.reason(backend)) is not None:
-        raise UnsupportedSpecError(
-            f"Parallel.engine={parallel.engine!r} cannot run here: {why}; pick another engine or backend"
+    if parallel.engine is not None:
+        if (why := engine_for(parallel.engine).capabilities.reason(backend)) is not None:
+            raise UnsupportedSpecError(
+                f"Parallel.engine={parallel.engine!r} cannot run here: {why}; pick another engine or backend"
+            )
+    elif all(e.capabilities.reason(backend) is not None for e in ENGINES.values()):
+        raise UnsupportedSpecError(f"no expert-parallel engine runs on backend {backend!r}; use gloo or nccl")
+
+
+class ExpertParallel:
+    """One layer's expert-parallel state: the group, the global dims the cost model needs, the choices."""
+
+    def __init__(self, parallel: Parallel, spec: MoESpec) -> None:
+        check_engine(parallel)
+        self.parallel = parallel
+        self._spec = spec
+        self._backend = str(dist.get_backend(parallel.group))
+        self._choices: dict[int, EpChoice] = {}
+
+    def choice_for(self, max_tokens: int) -> EpChoice:
+        """The engine for a forward whose group-wide largest per-rank token count is `max_tokens`."""
+        bucket = token_bucket(max_tokens)
+        if (found := self._choices.get(bucket)) is not None:
+            return found
+        spec, world = self._spec, self.parallel.world_size
+        predicted, refused = [], []
+        for kind, engine in ENGINES.items():
+            if (why := engine.capabilities.reason(self._backend)) is not None:
+                refused.append((kind, why))
+                continue
+            us = predict_us(
+                engine,
+                tokens_per_rank=bucket,
+                H=spec.H,
+                K=spec.K,
+                E=spec.E,
+                world=world,
+                act_bytes=spec.act_dtype.itemsize,
+                bandwidth_GBps=MODEL_BANDWIDTH_GBPS,
+                latency_us=MODEL_LATENCY_US,
+            )
+            predicted.append((kind, us))
+        forced = self.parallel.engine is not None
+        engine = self.parallel.engine if forced else min(predicted, key=lambda p: p[1])[0]
+        choice = EpChoice(bucket, engine, forced, tuple(predicted), tuple(refused))
+        self._choices[bucket] = choice
+        return choice
+
+    def forward(self, x: torch.Tensor, routing: RoutingResult, local_experts: LocalExperts) -> torch.Tensor:
+        """out_local [T_r, H] for this rank's tokens `x` routed to global experts (module docstring)."""
+        group = self.parallel.group
+        if capturing(x):
+            if self.parallel.engine not in (None, EpEngine.ALLGATHER_REDUCESCATTER):
+                raise UnsupportedSpecError(
+                    f"Parallel.engine={self.parallel.engine!r} reads split sizes on the host and cannot be "
+                    "captured in a CUDA graph; capture with EpEngine.ALLGATHER_REDUCESCATTER or engine=None"
+                )
+            engine, max_tokens = EpEngine.ALLGATHER_REDUCESCATTER, x.shape[0]
+        elif self.parallel.engine is EpEngine.ALL_TO_ALL:
+            engine, max_tokens = EpEngine.ALL_TO_ALL, None  # its count exchange is all it needs
+        else:
+            max_tokens = agree_max_tokens(x.shape[0], group=group, device=x.device)
+            engine = self.choice_for(max_tokens).engine
+        return engine_for(engine).run(
+            x,
+            routing,
+            group=group,
+            local_experts=local_experts,
+            num_experts=self._spec.E,
+            max_tokens=max_tokens,
         )
 
+    def routing_to_own_experts(self, rows: int, expert_map: torch.Tensor) -> RoutingResult:
+        """`rows` tokens whose K experts cycle through this rank's own (for warming up its kernels)."""
+        own = (expert_map >= 0).nonzero().flatten().to(torch.int32)
+        k = self._spec.K
+        ids = own[torch.arange(rows * k, device=own.device).remainder_(own.numel())].view(rows, k)
+        return RoutingResult(weights=torch.full((rows, k), 1.0 / k, device=own.device), ids=ids)
 
-def expert_parallel_forward(
-    parallel: Parallel,
-    x: torch.Tensor,
-    routing: RoutingResult,
-    local_experts: LocalExperts,
-    *,
-    num_experts: int,
-) -> torch.Tensor:
-    """out_local [T_r, H] for this rank's tokens `x` routed to global experts (module docstring)."""
-    return engine_for(parallel.engine).run(
-        x, routing, group=parallel.group, local_experts=local_experts, num_experts=num_experts
-    )
+    def explain(self) -> str:
+        lines = [f"[parallel] {self.parallel.describe()}"]
+        lines += [f"  {c.describe()}" for _, c in sorted(self._choices.items())]
+        lines.append(
+            "  captured in a CUDA graph: allgather_reducescatter at the captured T (the same on every rank)"
+        )
+        return "\n".join(lines)
+
+
+def agree_max_tokens(rows: int, *, group: dist.ProcessGroup, device: torch.device) -> int:
+    """The largest per-rank token count of the group: one all-reduce, read on the host."""
+    count = torch.tensor([rows], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count.item())

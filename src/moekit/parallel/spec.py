@@ -7,8 +7,8 @@ a frozen value the layer reads `mode`, `rank` and `world_size` from.
 TENSOR: every rank holds all experts with the intermediate size I sharded N ways; every rank passes the
 same tokens (activations are replicated across a tensor-parallel group, as in vLLM and SGLang) and gets
 the full output after one all-reduce. EXPERT: every rank holds E/N whole experts and its own tokens,
-moved to their experts' ranks and back by an engine of `moekit.ep.engines`, named by `engine`
-(all-gather / reduce-scatter unless `Parallel.expert(group, engine=EpEngine.ALL_TO_ALL)`).
+moved to their experts' ranks and back by an engine of `moekit.ep.engines`: the one `engine` names, or
+(engine=None, the default) the one `moekit.parallel.expert` chooses per token bucket.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import torch.distributed as dist
 
 from moekit.ep.engines import EpEngine, engine_for
 from moekit.errors import ArgumentError, SpecError, check_enum
-
-DEFAULT_ENGINE = EpEngine.ALLGATHER_REDUCESCATTER
 
 
 class ParallelMode(enum.Enum):
@@ -57,12 +55,14 @@ class Parallel:
 
     mode: ParallelMode
     group: dist.ProcessGroup
-    engine: EpEngine = DEFAULT_ENGINE  # EXPERT: the `moekit.ep.engines` engine that dispatches and combines
+    # EXPERT: the `moekit.ep.engines` engine that dispatches and combines; None: chosen per token bucket
+    engine: EpEngine | None = None
 
     def __post_init__(self) -> None:
         check_enum("Parallel.mode", self.mode, ParallelMode, error=ArgumentError)
-        engine_for(self.engine)  # anything but an EpEngine is refused with the choices
-        if self.mode is ParallelMode.TENSOR and self.engine != DEFAULT_ENGINE:
+        if self.engine is not None:
+            engine_for(self.engine)  # anything but an EpEngine is refused with the choices
+        if self.mode is ParallelMode.TENSOR and self.engine is not None:
             raise ArgumentError(
                 f"Parallel.engine={self.engine!r}: tensor parallelism moves no tokens; drop engine="
             )
@@ -74,9 +74,10 @@ class Parallel:
         return cls(ParallelMode.TENSOR, group)
 
     @classmethod
-    def expert(cls, group: dist.ProcessGroup, *, engine: EpEngine = DEFAULT_ENGINE) -> Parallel:
+    def expert(cls, group: dist.ProcessGroup, *, engine: EpEngine | None = None) -> Parallel:
         """Expert parallelism over `group`: E/N whole experts per rank, each rank its own tokens, moved
-        by `engine` (`EpEngine.ALLGATHER_REDUCESCATTER`, the default, or `EpEngine.ALL_TO_ALL`)."""
+        by `engine` (`EpEngine.ALLGATHER_REDUCESCATTER` or `EpEngine.ALL_TO_ALL`); None, the default,
+        lets the layer choose per token bucket (`moekit.parallel.expert.ExpertParallel.choice_for`)."""
         return cls(ParallelMode.EXPERT, group, engine)
 
     @property
@@ -90,5 +91,7 @@ class Parallel:
         return dist.get_world_size(self.group)
 
     def describe(self) -> str:
-        engine = f", engine {self.engine.value}" if self.mode is ParallelMode.EXPERT else ""
+        engine = ""
+        if self.mode is ParallelMode.EXPERT:
+            engine = f", engine {'chosen per bucket' if self.engine is None else self.engine.value}"
         return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}{engine}"
