@@ -62,6 +62,7 @@ from moekit.checks import (
 )
 from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
 from moekit.errors import (
+    ArgumentError,
     DTypeError,
     LayoutMismatchError,
     ShapeError,
@@ -72,7 +73,7 @@ from moekit.errors import (
 from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import route_checked, run_checked
-from moekit.parallel import Parallel, ParallelMode, shard_for
+from moekit.parallel import Parallel, ParallelMode, RankShare, shard_for
 from moekit.parallel.expert import ExpertParallel
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
@@ -147,6 +148,7 @@ class FusedMoE(torch.nn.Module):
         device: torch.device | str | None = None,
         options: PlanOptions | None = None,
         parallel: Parallel | None = None,
+        presharded: bool = False,  # weights are `parallel`'s share already (a checkpoint read it): no cut
     ) -> None:
         super().__init__()
         if not isinstance(spec, MoESpec):
@@ -157,9 +159,11 @@ class FusedMoE(torch.nn.Module):
         if not isinstance(options, PlanOptions):
             raise SpecError(f"options must be PlanOptions, got {type(options).__name__}")
         check_type("parallel", parallel, Parallel, optional=True, fix="pass moekit.Parallel.tensor(group)")
+        if presharded and parallel is None:
+            raise ArgumentError("presharded=True: the weights are a share of which group? pass parallel= too")
         self._ep: ExpertParallel | None = None
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
-            spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map)
+            spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map, presharded=presharded)
             if parallel.mode is ParallelMode.EXPERT:
                 self._ep = ExpertParallel(parallel, spec)
         self.parallel = parallel
@@ -223,10 +227,11 @@ class FusedMoE(torch.nn.Module):
         parallel: Parallel | None = None,
     ) -> FusedMoE:
         """Layer `layer` of a GPT-OSS MXFP4 checkpoint (OpenAI or Hugging Face naming), read onto `device`
-        (with `parallel`: the whole layer is read, then this rank's share kept)."""
+        (with `parallel`: only this rank's share of the experts is read, `moekit.parallel.RankShare`)."""
         from moekit.checkpoint import load_gpt_oss_layer
 
-        loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device)
+        share = None if parallel is None else RankShare.of(parallel)
+        loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device, share=share)
         return cls(
             spec=loaded.spec_for(top_k=top_k, act_dtype=act_dtype),
             weights=loaded.weights,
@@ -235,6 +240,7 @@ class FusedMoE(torch.nn.Module):
             device=device,
             options=options,
             parallel=parallel,
+            presharded=parallel is not None,
         )
 
     # ----- planning ----------------------------------------------------------------------------------

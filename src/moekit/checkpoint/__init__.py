@@ -1,7 +1,8 @@
 """GPT-OSS MXFP4 checkpoints, one MoE layer at a time.
 
 Data flow: a .safetensors file, a folder of them, or a folder with an index -> `loader.load_gpt_oss_layer`
-(locate, check headers, read eight tensors) -> `layer.GptOssLayer`; and back: `layer.save_gpt_oss_layer`.
+(locate, check headers, read eight tensors, or a rank's share of them) -> `layer.GptOssLayer`; and back:
+`layer.save_gpt_oss_layer`.
 """
 
 from moekit.checkpoint.layer import (
@@ -10,6 +11,7 @@ from moekit.checkpoint.layer import (
     GptOssLayer,
     gpt_oss_layer_keys,
     gpt_oss_layer_tensors,
+    gpt_oss_spec,
     save_gpt_oss_layer,
 )
 from moekit.checkpoint.loader import INDEX_FILE, load_gpt_oss_layer
@@ -21,6 +23,7 @@ __all__ = [
     "GptOssLayer",
     "gpt_oss_layer_keys",
     "gpt_oss_layer_tensors",
+    "gpt_oss_spec",
     "load_gpt_oss_layer",
     "save_gpt_oss_layer",
 ]

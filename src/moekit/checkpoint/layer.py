@@ -3,7 +3,8 @@
 Data flow: `GptOssLayer` (MXFP4 + INTERLEAVED `ExpertWeights`, router weight and bias, checked when
 built) -> `gpt_oss_layer_tensors` names its eight tensors as a `CheckpointNaming` does (one key per
 role in `ROLES`) -> `save_gpt_oss_layer` writes them to a .safetensors file; `loader.py` reads them
-back. `GptOssLayer.spec_for(...)` gives the matching `MoESpec`.
+back (the whole layer, or with `share` one rank's share of its experts). `GptOssLayer.spec_for(...)`
+gives the whole layer's `MoESpec` (`gpt_oss_spec`).
 
 Checkpoint facts, verified against public code (facts only, no code copied):
 - openai/gpt-oss `gpt_oss/torch/weights.py`: keys `block.{l}.mlp.mlp1_weight.blocks` / `.scales`,
@@ -42,6 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from moekit.errors import CheckpointError, DTypeError, LayoutMismatchError, ShapeError
+from moekit.parallel import ParallelMode, RankShare, plan_shard
 from moekit.spec import (
     ActivationSpec,
     GateLayout,
@@ -102,15 +104,44 @@ def gpt_oss_layer_keys(*, naming: CheckpointNaming, layer: int) -> dict[str, str
     return {role: template.format(l=layer) for role, template in _TEMPLATES[naming].items()}
 
 
+def gpt_oss_spec(
+    *,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int = 4,
+    act_dtype: torch.dtype = torch.bfloat16,
+    activation: ActivationSpec | None = None,
+) -> MoESpec:
+    """The `MoESpec` of a GPT-OSS MoE layer of these sizes: MXFP4, INTERLEAVED, biases, TOPK_SOFTMAX;
+    K=4 and SWIGLU_OAI alpha 1.702 limit 7.0 as both gpt-oss-20b and gpt-oss-120b use."""
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        weight_format=WeightFormat.MXFP4,
+        act_dtype=act_dtype,
+        activation=ActivationSpec.gpt_oss() if activation is None else activation,
+        gate_layout=GateLayout.INTERLEAVED,
+        has_bias=True,
+        routing=RoutingSpec(RoutingMethod.TOPK_SOFTMAX),
+    )
+
+
 @dataclass(frozen=True)
 class GptOssLayer:
-    """One GPT-OSS MoE layer: MXFP4 experts (INTERLEAVED gate/up, with biases) and the router."""
+    """One GPT-OSS MoE layer: MXFP4 experts (INTERLEAVED gate/up, with biases) and the router.
+
+    With `share`, `weights` are one rank's share of the experts (`moekit.parallel.plan_shard`'s cut of
+    the global layer); the router is always the whole layer's."""
 
     weights: ExpertWeights
     router_weight: torch.Tensor  # [E, H]
     router_bias: torch.Tensor  # [E]
     naming: CheckpointNaming
     layer: int
+    share: RankShare | None = None
 
     def __post_init__(self) -> None:
         w = self.weights
@@ -132,7 +163,7 @@ class GptOssLayer:
             )
         if not w.has_bias:
             raise ShapeError("GPT-OSS experts carry biases b13 [E, 2I] and b2 [E, H]; the weights have none")
-        e, h = w.num_experts, w.H
+        e, h = self.num_experts, w.H
         if tuple(self.router_weight.shape) != (e, h) or tuple(self.router_bias.shape) != (e,):
             raise ShapeError(
                 f"router weight/bias have shapes {tuple(self.router_weight.shape)} / "
@@ -142,6 +173,27 @@ class GptOssLayer:
             raise CheckpointError(f"GptOssLayer.naming must be a CheckpointNaming, got {self.naming!r}")
         if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
             raise CheckpointError(f"GptOssLayer.layer must be an int >= 0, got {self.layer!r}")
+        if self.share is not None:
+            if not isinstance(self.share, RankShare):
+                raise CheckpointError(f"GptOssLayer.share must be a RankShare or None, got {self.share!r}")
+            local = plan_shard(self.share, self.spec_for(top_k=1), stores_floats=False).spec
+            if (w.num_experts, w.I) != (local.E_local, local.I):
+                raise ShapeError(
+                    f"GptOssLayer weights hold E={w.num_experts} experts of I={w.I}, but {self.share} of "
+                    f"the E={e} layer holds E={local.E_local} of I={local.I}; read the share with "
+                    "load_gpt_oss_layer(..., share=share)"
+                )
+
+    @property
+    def num_experts(self) -> int:
+        """E of the whole layer (the router's rows), whatever share of the experts `weights` hold."""
+        return self.router_weight.shape[0] if self.share is not None else self.weights.num_experts
+
+    @property
+    def intermediate_size(self) -> int:
+        """I of the whole layer (a tensor-parallel share holds I/N of it)."""
+        tensor = self.share is not None and self.share.mode is ParallelMode.TENSOR
+        return self.weights.I * (self.share.world_size if tensor else 1)
 
     def spec_for(
         self,
@@ -150,19 +202,14 @@ class GptOssLayer:
         act_dtype: torch.dtype = torch.bfloat16,
         activation: ActivationSpec | None = None,
     ) -> MoESpec:
-        """The `MoESpec` of this layer: E, H, I from the tensors; K=4 and SWIGLU_OAI alpha 1.702 limit 7.0
-        as both gpt-oss-20b and gpt-oss-120b use (pass `top_k` / `activation` for other configs)."""
-        return MoESpec(
-            num_experts=self.weights.num_experts,
-            top_k=top_k,
+        """The `MoESpec` of the whole layer (`gpt_oss_spec`): E, H, I from the tensors (and the share)."""
+        return gpt_oss_spec(
+            num_experts=self.num_experts,
             hidden_size=self.weights.H,
-            intermediate_size=self.weights.I,
-            weight_format=WeightFormat.MXFP4,
+            intermediate_size=self.intermediate_size,
+            top_k=top_k,
             act_dtype=act_dtype,
-            activation=ActivationSpec.gpt_oss() if activation is None else activation,
-            gate_layout=GateLayout.INTERLEAVED,
-            has_bias=True,
-            routing=RoutingSpec(RoutingMethod.TOPK_SOFTMAX),
+            activation=activation,
         )
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +217,12 @@ class GptOssLayer:
         return torch.nn.functional.linear(x.float(), self.router_weight.float(), self.router_bias.float())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Role -> tensor, as `save_gpt_oss_layer` writes them."""
+        """Role -> tensor, as `save_gpt_oss_layer` writes them (the whole layer: a share is refused)."""
+        if self.share is not None:
+            raise CheckpointError(
+                f"this GptOssLayer holds the share {self.share} of layer {self.layer}, not the layer; "
+                "load it without share= to write it"
+            )
         router = {"router_weight": self.router_weight, "router_bias": self.router_bias}
         return {**self.weights.tensors(), **router}
 

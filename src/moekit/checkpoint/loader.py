@@ -8,9 +8,17 @@ Data flow:
      `_unexpected`: no other MoE tensor of the layer (unless allowed)
   -> header pass: every key of the layer present, dtype and shape checked with `get_slice` metadata,
      sizes E, H, I taken by majority over the eight tensors so the one wrong tensor is the one named
-  -> data pass: `safe_open(...).get_tensor` for exactly these eight keys, nothing else
+  -> [share (`moekit.parallel.RankShare`): `plan_shard` cuts the global spec (refusals here, before any
+     data is read)]
+  -> data pass: `safe_open(...).get_tensor` for exactly these eight keys, nothing else; with a share,
+     `get_slice(key)[cut]` for the expert tensors, so only this rank's bytes are read and held (1/N:
+     its experts, or its I/N rows and columns), a zero b2 off rank 0 made without reading, the router
+     whole. From a memory-mapped file the OS reads whole pages: an expert cut and w13's row cut are
+     contiguous runs, but w2's column cut (tensor parallelism) takes part of every row, so where a row
+     is shorter than a page every page of w2 is touched; the rank still holds only its 1/N.
   -> E8M0 scale bytes checked for 0xFF (NaN) -> `GptOssLayer` (MXFP4 + INTERLEAVED `ExpertWeights`,
      router weight and bias) -> `GptOssLayer.spec_for(...)` gives the matching `MoESpec`.
+With a share, the scale bytes checked are the share's: each rank checks what it reads.
 
 Nothing is chosen silently: a tensor of the layer stored in two files, an index that disagrees with
 its shards, or MoE tensors of the layer that would not be read (another copy or format of the
@@ -34,9 +42,11 @@ from moekit.checkpoint.layer import (
     CheckpointNaming,
     GptOssLayer,
     gpt_oss_layer_keys,
+    gpt_oss_spec,
 )
-from moekit.errors import CheckpointError, FormatError
+from moekit.errors import CheckpointError, FormatError, check_type
 from moekit.formats import check_mxfp4_scales, mxfp4_groups
+from moekit.parallel import Cut, RankShare, ShardPlan, plan_shard
 from moekit.spec import GateLayout, WeightFormat
 from moekit.weights import ExpertWeights
 
@@ -210,8 +220,10 @@ def _expected_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int,
     }
 
 
-def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    """Check presence, dtype and shape of every key from the file headers; return the shapes."""
+def _check_headers(
+    files: _Files, keys: dict[str, str]
+) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+    """Check presence, dtype and shape of every key from the file headers; return shapes and dtypes."""
     missing = [k for k in keys.values() if k not in files.key_to_file]
     if missing:
         hint = ""
@@ -222,6 +234,7 @@ def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, 
             )
         raise CheckpointError(f"missing tensor(s) {missing} in {files.searched}.{hint}")
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
     by_file: dict[Path, list[str]] = {}
     for role, key in keys.items():
         by_file.setdefault(files.key_to_file[key], []).append(role)
@@ -238,7 +251,7 @@ def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, 
                         f"missing tensor {key!r}: the index names {file} but the file lacks it"
                     )
                 meta = f.get_slice(key)
-                _check_dtype(role, key, meta.get_dtype(), file)
+                dtypes[role] = _check_dtype(role, key, meta.get_dtype(), file)
                 shapes[role] = tuple(meta.get_shape())
     expected = _expected_shapes(shapes)
     e, two_i, h = expected["b13"] + expected["b2"][1:]
@@ -249,20 +262,46 @@ def _check_headers(files: _Files, keys: dict[str, str]) -> dict[str, tuple[int, 
                 f"(E={e}, 2I={two_i}, H={h} agreed by the other tensors of the layer; MXFP4 blocks are "
                 f"[E, N, ceil(in/32), 16], scales [E, N, ceil(in/32)]) in {files.searched}"
             )
-    return shapes
+    return shapes, dtypes
 
 
-def _check_dtype(role: str, key: str, dtype: str, file: Path) -> None:
+def _check_dtype(role: str, key: str, dtype: str, file: Path) -> torch.dtype:
     if role in _UINT8_ROLES:
-        if dtype != "U8":
-            why = "blocks hold two E2M1 codes per byte" if role in ("w13", "w2") else "scales are E8M0 bytes"
-            raise CheckpointError(
-                f"tensor {key!r} in {file} has dtype {dtype}, expected U8 (uint8): MXFP4 {why}"
-            )
-    elif dtype not in _FLOAT_DTYPES:
+        if dtype == "U8":
+            return torch.uint8
+        why = "blocks hold two E2M1 codes per byte" if role in ("w13", "w2") else "scales are E8M0 bytes"
+        raise CheckpointError(f"tensor {key!r} in {file} has dtype {dtype}, expected U8 (uint8): MXFP4 {why}")
+    if dtype not in _FLOAT_DTYPES:
         raise CheckpointError(
             f"tensor {key!r} in {file} has dtype {dtype}, expected a float: one of {sorted(_FLOAT_DTYPES)}"
         )
+    return _FLOAT_DTYPES[dtype]
+
+
+def _share_plan(share: RankShare, shapes: dict[str, tuple[int, ...]]) -> ShardPlan:
+    """The share's cuts of the layer whose (checked) shapes these are: `moekit.parallel.plan_shard`'s,
+    so a rank reads exactly what `shard_for` would keep of the whole layer."""
+    e, two_i = shapes["b13"]
+    spec = gpt_oss_spec(num_experts=e, hidden_size=shapes["b2"][1], intermediate_size=two_i // 2, top_k=1)
+    return plan_shard(share, spec, stores_floats=False)
+
+
+def _read(  # noqa: ANN001 - a safetensors handle and a device
+    f, key: str, cut: Cut | None, shape: tuple[int, ...], dtype: torch.dtype, device
+) -> torch.Tensor:
+    """The tensor `key`, or only its `cut` (`get_slice`: the other bytes are not read)."""
+    if cut is None:
+        return f.get_tensor(key)
+    if cut.zeros:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    view = f.get_slice(key)
+    parts = [view[index] for index in cut.indices()]
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim)
+    # On the CPU a slice may be a view into the whole tensor's memory map (safetensors 0.8 does this):
+    # a compact copy, so that the rank holds only its share and the map can be dropped.
+    if t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 # ----- public entry points ------------------------------------------------------------------------------
@@ -273,12 +312,16 @@ def load_gpt_oss_layer(
     naming: CheckpointNaming | None = None,
     device: str | torch.device = "cpu",
     allow_extra_tensors: bool = False,
+    share: RankShare | None = None,
 ) -> GptOssLayer:
     """Read the MoE tensors of one layer (and nothing else) of a GPT-OSS MXFP4 checkpoint.
 
     Refused (CheckpointError): a tensor of the layer stored in two files, an index that disagrees
     with its shards, and, unless `allow_extra_tensors`, MoE tensors of the layer that would not be
-    read (another copy or format of the experts, or the layer under the other naming)."""
+    read (another copy or format of the experts, or the layer under the other naming).
+    `share`: read only that rank's share of the experts (`moekit.parallel.RankShare`; the bytes
+    `shard_for` would keep of the whole layer, bit for bit) and the whole router."""
+    check_type("share", share, RankShare, optional=True, fix="pass moekit.parallel.RankShare(mode, rank, N)")
     files = _resolve(Path(path))
     if naming is None:
         naming = _detect_naming(files)
@@ -291,13 +334,14 @@ def load_gpt_oss_layer(
         )
     extra = _unexpected(files, keys, naming, layer)
     _check_sources(files, [*keys.values(), *extra])
-    shapes = _check_headers(files, keys)  # missing tensors first: their message carries the hint
+    shapes, dtypes = _check_headers(files, keys)  # missing tensors first: their message carries the hint
     if extra and not allow_extra_tensors:
         raise CheckpointError(
             f"layer {layer} holds MoE tensors beyond the eight {naming.name}-named ones it reads: {extra} "
             f"in {files.searched}; they would be silently ignored. Remove them, or pass "
             "allow_extra_tensors=True to read only the eight"
         )
+    cuts = {} if share is None else _share_plan(share, shapes).cuts  # refusals before any data is read
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for role, key in keys.items():
@@ -305,7 +349,7 @@ def load_gpt_oss_layer(
     for file, roles in by_file.items():
         with _open(file, device=device) as f:
             for role in roles:
-                tensors[role] = f.get_tensor(keys[role])
+                tensors[role] = _read(f, keys[role], cuts.get(role), shapes[role], dtypes[role], device)
     for role in ("w13_scale", "w2_scale"):
         try:
             check_mxfp4_scales(tensors[role], name=keys[role])
@@ -328,4 +372,5 @@ def load_gpt_oss_layer(
         router_bias=tensors["router_bias"],
         naming=naming,
         layer=layer,
+        share=share,
     )

@@ -30,6 +30,7 @@ import torch
 from moekit.integrations.transformers.convert import from_hf_experts, hf_expert_tensors
 from moekit.integrations.transformers.families import Family
 from moekit.layer import FusedMoE
+from moekit.spec import MoESpec
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,13 @@ class MoekitMoEBlock(torch.nn.Module):
     and a cast that would change the act dtype is refused before any tensor changes (the dtypes belong
     to the spec: unpatch, cast, and patch again)."""
 
-    def __init__(self, *, original: torch.nn.Module, family: Family, moe: FusedMoE) -> None:
+    def __init__(
+        self, *, original: torch.nn.Module, family: Family, moe: FusedMoE, spec: MoESpec | None = None
+    ) -> None:
         super().__init__()
         self.family = family
         self.moe = moe
+        self.spec = moe.spec if spec is None else spec  # the whole layer's (a parallel `moe` holds a share)
         self.add_module(family.router_name, getattr(original, family.router_name))
         self.__dict__["_original"] = original  # kept out of the module tree: no double state_dict entries
         self._released: tuple[_ReleasedParam, ...] = ()
@@ -137,6 +141,8 @@ class MoekitMoEBlock(torch.nn.Module):
 
     def release_original(self) -> bool:
         """Empty the original experts' parameters if moekit's weights rebuild them bit-exactly."""
+        if self.moe.parallel is not None:
+            return False  # one rank's share cannot rebuild the whole experts
         params = dict(self.original.experts.named_parameters())
         rebuilt = hf_expert_tensors(self.family, self.moe.weights)
         if set(params) != set(rebuilt) or list(self.original.experts.buffers()):
@@ -226,12 +232,13 @@ class MoekitMoEBlock(torch.nn.Module):
             )
             router = getattr(self, self.family.router_name)
             moe = FusedMoE(
-                spec=self.moe.spec,
+                spec=self.spec,
                 weights=weights,
                 router_weight=router.weight,
                 router_bias=getattr(router, "bias", None),
                 device=self.moe.device,
                 options=self.moe.options,
+                parallel=self.moe.parallel,
             )
         except BaseException:
             with torch.no_grad():

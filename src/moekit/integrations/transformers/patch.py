@@ -9,6 +9,8 @@ Data flow (which classes are blocks, where their router sits and what they retur
     its original name and takes the block's place in its parent.
   `MoekitMoEBlock` (`block`): forward through the HF router and `FusedMoE`; the original experts' storage
     released once a bit-exact inverse is checked; saved, loaded and cast as the original block would be.
+  patch_model(model, parallel=...) / fused_moe_from_hf(block, parallel=...): each layer this rank's share
+    of a tensor- or expert-parallel group (`moekit.Parallel`); the original experts are then kept.
   patch_model also guards casts on every module above a patched block (`block.guard_casts`): a refused
     `.half()` / `.to(dtype)` raises before any tensor of the model changes.
   unpatch(model): every `MoekitMoEBlock` is replaced by its original block, experts restored, guards removed.
@@ -36,6 +38,7 @@ from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, 
 from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
 from moekit.integrations.transformers.families import HF_ACTIVATIONS, Family, block_class_names, family_of
 from moekit.layer import FusedMoE, PlanOptions
+from moekit.parallel import Parallel
 from moekit.spec import Activation, MoESpec
 
 # HF activations by the moekit activation they compute, to recognize an experts module's `act_fn`.
@@ -126,11 +129,13 @@ def fused_moe_from_hf(
     config: object | None = None,
     device: torch.device | str | None = None,
     options: PlanOptions | None = None,
+    parallel: Parallel | None = None,
 ) -> FusedMoE:
     """A `FusedMoE` from a Hugging Face GptOssMLP / MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock.
 
     `config` (the model's config) may be omitted: sizes, top-k and activation are read off the module.
-    The experts are copied once into moekit's layout; the module itself is left untouched.
+    The experts are copied once into moekit's layout; the module itself is left untouched. `parallel`
+    (`moekit.Parallel.tensor` / `.expert`): the layer holds this rank's share (`FusedMoE(parallel=)`).
     """
     hf = hf_layer_of(module, config=config)
     return FusedMoE(
@@ -140,6 +145,7 @@ def fused_moe_from_hf(
         router_bias=hf.router_bias,
         device=device,
         options=options,
+        parallel=parallel,
     )
 
 
@@ -177,12 +183,19 @@ def patch_model(
     *,
     options: PlanOptions | None = None,
     release_originals: bool = True,
+    parallel: Parallel | None = None,
 ) -> PatchReport:
     """Replace every GPT-OSS / Mixtral / Qwen3-MoE MoE block of `model` with a moekit-backed block.
 
     Each layer is built on its experts' device with their dtype. `release_originals=False` keeps the
     original experts' storage too (twice the expert memory). If any block fails to plan, the blocks
     already patched are restored before the error propagates.
+
+    `parallel` (`moekit.Parallel.tensor(group)` / `.expert(group)`, called on every rank of the group):
+    each moekit layer holds this rank's share and every rank's block gives its own tokens' full output
+    (tensor: the same tokens on every rank, one all-reduce inside the layer; expert: each rank its own
+    tokens, every rank calling every block each forward). The original experts are kept (a share cannot
+    rebuild them), so `state_dict` and `unpatch` give the whole model back.
     """
     if any(isinstance(m, MoekitMoEBlock) for m in model.modules()):
         raise SpecError(f"{type(model).__name__} is already patched by moekit; call unpatch(model) first")
@@ -209,8 +222,9 @@ def patch_model(
                 router_bias=getattr(router, "bias", None),
                 device=hf.weights.device,
                 options=options,
+                parallel=parallel,
             )
-            wrapper = MoekitMoEBlock(original=block, family=family, moe=moe)
+            wrapper = MoekitMoEBlock(original=block, family=family, moe=moe, spec=hf.spec)
             released = release_originals and wrapper.release_original()
             _set_submodule(model, name, wrapper)
             guard_casts(model, [name])

@@ -1,0 +1,117 @@
+"""Hugging Face blocks on a parallel group: `fused_moe_from_hf` and `patch_model` with `parallel=`.
+
+Data flow: pytest -> 2 gloo ranks (`gloo_ranks.run_on_ranks`) -> on each rank, the same tiny random
+GPT-OSS and Qwen3-MoE causal LMs (fp32) -> for tensor parallelism (the same tokens on every rank) and
+expert parallelism (each rank its own tokens, of its own count): the HF block's output on this rank's
+tokens against `fused_moe_from_hf(block, parallel=...)`'s, then `patch_model(model, parallel=...)`: the
+patched block and the whole model's logits against the unpatched ones, a state_dict round trip, and
+`unpatch` giving the model back. Held to `moekit.reference.tolerance(spec)`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from gloo_ranks import run_on_ranks  # noqa: E402
+from moekit import Parallel, ParallelMode  # noqa: E402
+from moekit.integrations.transformers import (  # noqa: E402
+    Family,
+    MoekitMoEBlock,
+    fused_moe_from_hf,
+    patch_model,
+    unpatch,
+)
+from moekit.reference import relative_l2_error, tolerance  # noqa: E402
+
+H, I, E, VOCAB = 32, 48, 6, 40  # I/2 = 24 per tensor-parallel rank, E/2 = 3 experts per expert-parallel rank
+_COMMON = dict(
+    hidden_size=H,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=VOCAB,
+)
+
+
+def _model(family: Family):
+    if family is Family.GPT_OSS:
+        config = transformers.GptOssConfig(
+            intermediate_size=I, num_local_experts=E, num_experts_per_tok=2, **_COMMON
+        )
+    else:
+        config = transformers.Qwen3MoeConfig(
+            moe_intermediate_size=I, intermediate_size=2 * I, num_experts=E, num_experts_per_tok=2, **_COMMON
+        )
+    torch.manual_seed(0)  # the same model on every rank
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # the default init (std 0.02) barely routes
+        for name, p in model.named_parameters():
+            if ".mlp." in name:
+                p.normal_(0.0, 0.2 if name.endswith("bias") else 0.4)
+    return model
+
+
+def _hidden(result) -> torch.Tensor:  # noqa: ANN001 - a block's output: a tensor or (tensor, scores)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    err = relative_l2_error(got, want)
+    assert err <= tol, f"{what}: rel L2 {err:.2e} > {tol:.0e}"
+
+
+def _check(family: Family, parallel: Parallel) -> None:
+    rank, tensor = parallel.rank, parallel.mode is ParallelMode.TENSOR
+    seed = 11 if tensor else 20 + rank  # tensor parallel: the same tokens on every rank
+    gen = torch.Generator().manual_seed(seed)
+    tokens = 7 if tensor else 3 + 4 * rank  # expert parallel: each rank its own count
+    x = torch.randn(1, tokens, H, generator=gen)
+    ids = torch.randint(0, VOCAB, (1, tokens), generator=gen)
+    model = _model(family)
+    block = model.model.layers[0].mlp
+    with torch.no_grad():
+        want_block = _hidden(block(x))
+        want_logits = model(ids).logits
+
+        moe = fused_moe_from_hf(block, parallel=parallel)
+        tol = tolerance(moe.spec)
+        assert moe.parallel is parallel
+        if tensor:
+            assert moe.spec.I == I // 2 and moe.spec.E == E
+        else:
+            assert moe.spec.E_local == E // 2 and moe.spec.E == E
+        _close(moe(x.reshape(-1, H)).reshape(x.shape), want_block, tol, "fused_moe_from_hf")
+
+        report = patch_model(model, parallel=parallel)
+        assert not any(b.released_original for b in report.blocks)  # a share cannot rebuild the experts
+        patched = model.model.layers[0].mlp
+        assert isinstance(patched, MoekitMoEBlock) and patched.moe.parallel is parallel
+        _close(_hidden(patched(x)), want_block, tol, "patched block")
+        _close(model(ids).logits, want_logits, tol, "patched model")
+        model.load_state_dict(model.state_dict())  # rebuilds each share from the whole experts
+        assert model.model.layers[0].mlp.moe.spec == moe.spec
+        _close(model(ids).logits, want_logits, tol, "patched model after load_state_dict")
+        assert unpatch(model) == 2
+        assert torch.equal(model(ids).logits, want_logits)
+
+
+def _rank_main(rank: int, world: int) -> None:
+    group = dist.group.WORLD
+    for family in (Family.GPT_OSS, Family.QWEN3_MOE):
+        for parallel in (Parallel.tensor(group), Parallel.expert(group)):
+            try:
+                _check(family, parallel)
+            except AssertionError as e:
+                raise AssertionError(
+                    f"rank {rank} of {world}, {family.value}, {parallel.describe()}: {e}"
+                ) from e
+
+
+@pytest.mark.timeout(120)
+def test_hf_blocks_on_two_ranks_give_the_unpatched_output(tmp_path) -> None:
+    run_on_ranks(_rank_main, 2, tmp_path)
