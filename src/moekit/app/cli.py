@@ -17,7 +17,14 @@ from rich.console import Console
 from rich.table import Table
 
 from moekit.app.cli_errors import Parser, UsageError, flag_values, report, wants_json
-from moekit.app.cli_parallel import add_parallel_flags, parallel_flags, print_parallel_explanation
+from moekit.app.cli_parallel import (
+    add_bench_parallel_flags,
+    add_parallel_flags,
+    bench_parallel_flags,
+    parallel_flags,
+    print_parallel_explanation,
+    run_bench_parallel,
+)
 from moekit.app.cli_spec import (
     SIMULATED_DEVICES,
     add_spec_flags,
@@ -148,6 +155,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", default=",".join(str(t) for t in (1, 8, 64, 512, 4096)))
     bench.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG of µs and %% roofline vs T")
+    add_bench_parallel_flags(bench)
 
     tune = sub.add_parser(
         "tune",
@@ -260,6 +268,9 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     import torch
+
+    if args.parallel is not None:
+        return run_bench_parallel(args, console)
     from rich.progress import Progress
 
     from moekit.app.bench import bench_preset, measure_ceilings, plot_records, records_as_json
@@ -369,6 +380,8 @@ def _bench_flags(args: argparse.Namespace) -> None:
 
     from moekit.presets import preset
 
+    if bench_parallel_flags(args):
+        return
     if not torch.cuda.is_available():
         raise DeviceError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
     for name in args.preset.split(","):
