@@ -73,8 +73,8 @@ FACADE = PACKAGE
 
 MAX_LINES = 500
 HISTORY = re.compile(r"(session|call) [0-9]+|RESULTS\.md|guide §", re.IGNORECASE)
-# Where JSON may be tracked: shipped tuned tables and test fixtures.
-JSON_HOMES = ("src/moekit/planning/tables/", "tests/")
+# Where JSON may be tracked: shipped tuned tables, collective constants and test fixtures.
+JSON_HOMES = ("src/moekit/planning/tables/", "src/moekit/ep/tables/", "tests/")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,14 @@ from rich.console import Console
 from rich.table import Table
 
 from moekit.app.cli_errors import Parser, UsageError, flag_values, report, wants_json
+from moekit.app.cli_parallel import (
+    add_bench_parallel_flags,
+    add_parallel_flags,
+    bench_parallel_flags,
+    parallel_flags,
+    print_parallel_explanation,
+    run_bench_parallel,
+)
 from moekit.app.cli_spec import (
     SIMULATED_DEVICES,
     add_spec_flags,
@@ -40,6 +48,9 @@ against a pure-PyTorch reference.
   moekit run --checkpoint DIR --layer 3    run one layer of a GPT-OSS safetensors checkpoint
   moekit explain --preset gpt-oss-120b --tokens 1 --device h200
                                   which kernel and config the planner picks, and why
+  moekit explain --preset deepseek-v3 --ep 64
+                                  the layer on 64 ranks on paper: per-rank weights, bytes moved,
+                                  modeled communication time
   moekit check --all              every capable kernel here against the reference, all presets
   moekit bench --preset gpt-oss-120b --plot bench.png
                                   time whole layers on the GPU vs roofline and baseline
@@ -111,6 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--strict", action="store_true", help="fail instead of falling back")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
+    add_parallel_flags(explain)
     add_spec_flags(explain)
 
     check = sub.add_parser(
@@ -143,6 +155,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", default=",".join(str(t) for t in (1, 8, 64, 512, 4096)))
     bench.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG of µs and %% roofline vs T")
+    add_bench_parallel_flags(bench)
 
     tune = sub.add_parser(
         "tune",
@@ -202,6 +215,9 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
 def _cmd_explain(args: argparse.Namespace, console: Console) -> int:
     from moekit.planning.plan import plan
 
+    if args.parallel_mode is not None:
+        return print_parallel_explanation(args, console)
+
     result = plan(args.spec, num_tokens=args.tokens, device=args.device, tuned=args.table, strict=args.strict)
     if args.json:
         print(json.dumps(plan_as_dict(result), indent=2))
@@ -252,6 +268,9 @@ def _cmd_check(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     import torch
+
+    if args.parallel is not None:
+        return run_bench_parallel(args, console)
     from rich.progress import Progress
 
     from moekit.app.bench import bench_preset, measure_ceilings, plot_records, records_as_json
@@ -346,6 +365,7 @@ def _explain_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--table {args.table}: no such file; give a tuned table written by moekit tune")
     args.spec = spec_from_flags(args)
     args.device = resolve_device(args.device)
+    parallel_flags(args)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -360,6 +380,8 @@ def _bench_flags(args: argparse.Namespace) -> None:
 
     from moekit.presets import preset
 
+    if bench_parallel_flags(args):
+        return
     if not torch.cuda.is_available():
         raise DeviceError("moekit bench times GPU kernels and needs a CUDA device; on a CPU use moekit check")
     for name in args.preset.split(","):

@@ -2,5 +2,6 @@
 
 Data flow: `ownership` (contiguous expert ranges, the per-rank expert map, owner of each id) ->
 `engines` (dispatch -> this rank's experts -> combine, on `torch.distributed`) -> `cost` (bytes each
-engine moves and a latency + bandwidth model of its time).
+engine moves and a latency + bandwidth model of its time, whose per-collective constants `constants`
+loads from measured tables under `tables/`).
 """

@@ -1,19 +1,37 @@
-"""Bytes each expert-parallel engine moves per layer, and a latency + bandwidth model of its time.
+"""Bytes each parallel engine moves per layer, and a latency + bandwidth model of its time.
 
-Data flow: (engine, tokens per rank T, H, K, E, N, activation bytes) -> bytes one rank sends to the
-others per forward (`bytes_moved`; the all-to-all figure is its expectation under uniform routing) ->
-`predict_us` = collectives x latency + bytes / bandwidth. A model, never a measurement: the latency and
-bandwidth are parameters, to be fitted from collectives measured on the target machine.
+Data flow: (engine, tokens per rank T, H, K, E, N, activation bytes) -> the collective calls of one
+forward (`engine_calls`; `tensor_parallel_calls` for tensor parallelism), each with the bytes this rank
+sends to the others (the all-to-all figure is its expectation under uniform routing) -> `bytes_moved`
+(their sum) -> `predict_us` = sum over calls of that collective's latency + bytes / bus bandwidth, the
+constants from a `moekit.ep.constants.CollectiveTable` (or one latency and bandwidth for all). A model,
+never a measurement: the constants are fitted from collectives measured on the target machine
+(`benchmarks/fit_collectives.py`), and N past the measured group is an extrapolation.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from moekit.ep.engines import AllGatherReduceScatter, AllToAll
+from moekit.ep.constants import Collective, CollectiveTable
+from moekit.ep.engines import AllGatherReduceScatter, AllToAll, EpEngine, engine_for
 from moekit.ep.ownership import expert_ownership
+from moekit.errors import ArgumentError
 
 _ROUTING_BYTES_PER_K = 8  # fp32 weight + int32 id per (token, k)
+_COUNT_BYTES = 8  # one int64 count
+
+Engine = AllGatherReduceScatter | AllToAll | EpEngine
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective of a forward: its kind, the bytes this rank sends to the others, what it carries."""
+
+    kind: Collective
+    bytes_sent: float
+    what: str
 
 
 def expected_remote_destinations(*, K: int, E: int, world: int, rank: int = 0) -> float:  # noqa: N803
@@ -26,16 +44,63 @@ def expected_remote_destinations(*, K: int, E: int, world: int, rank: int = 0) -
     return total
 
 
-def collectives(engine: AllGatherReduceScatter | AllToAll, *, static: bool = True) -> int:
-    """Collective calls per forward: AG/RS gathers x and routing and reduce-scatters (+1 all-reduce of
-    the count without `max_tokens`); all-to-all exchanges counts, x, routing and outputs."""
+def _engine(engine: Engine) -> AllGatherReduceScatter | AllToAll:
+    return engine_for(engine) if isinstance(engine, EpEngine) else engine
+
+
+def engine_calls(
+    engine: Engine,
+    *,
+    tokens_per_rank: int,
+    H: int,  # noqa: N803
+    K: int,  # noqa: N803
+    E: int,  # noqa: N803
+    world: int,
+    act_bytes: int,
+    static: bool = True,
+) -> tuple[CollectiveCall, ...]:
+    """The collectives of one expert-parallel forward, every rank at T tokens. All-gather/reduce-scatter
+    gathers x and routing and reduce-scatters the outputs, plus (not `static`: no `max_tokens` bound)
+    one all-reduce of T; all-to-all exchanges counts, then x, routing and outputs."""
+    engine = _engine(engine)
+    t, others = tokens_per_rank, world - 1
+    row = H * act_bytes
+    meta = K * _ROUTING_BYTES_PER_K
+    if isinstance(engine, AllGatherReduceScatter):
+        calls = (
+            CollectiveCall(Collective.ALL_GATHER, others * t * row, "x"),
+            CollectiveCall(Collective.ALL_GATHER, others * t * meta, "routing"),
+            CollectiveCall(Collective.REDUCE_SCATTER, others * t * row, "outputs"),
+        )
+        if static:
+            return calls
+        count = CollectiveCall(Collective.ALL_REDUCE, 2 * others / world * _COUNT_BYTES, "max T (host sync)")
+        return (count, *calls)
+    sends = t * expected_remote_destinations(K=K, E=E, world=world)
+    return (
+        CollectiveCall(Collective.ALL_TO_ALL, others * _COUNT_BYTES, "counts (host sync)"),
+        CollectiveCall(Collective.ALL_TO_ALL, sends * row, "x"),
+        CollectiveCall(Collective.ALL_TO_ALL, sends * meta, "routing"),
+        CollectiveCall(Collective.ALL_TO_ALL, sends * row, "outputs"),
+    )
+
+
+def tensor_parallel_calls(*, tokens: int, H: int, world: int, act_bytes: int) -> tuple[CollectiveCall, ...]:  # noqa: N803
+    """Tensor parallelism's one all-reduce of the [T, H] output (ring: 2 (N-1)/N of it sent per rank)."""
+    return (CollectiveCall(Collective.ALL_REDUCE, 2 * (world - 1) / world * tokens * H * act_bytes, "out"),)
+
+
+def collectives(engine: Engine, *, static: bool = True) -> int:
+    """Collective calls per forward (`engine_calls`): 3 for all-gather/reduce-scatter (4 without
+    `max_tokens`), 4 for all-to-all."""
+    engine = _engine(engine)
     if isinstance(engine, AllGatherReduceScatter):
         return 3 if static else 4
     return 4
 
 
 def bytes_moved(
-    engine: AllGatherReduceScatter | AllToAll,
+    engine: Engine,
     *,
     tokens_per_rank: int,
     H: int,  # noqa: N803
@@ -43,19 +108,51 @@ def bytes_moved(
     E: int,  # noqa: N803
     world: int,
     act_bytes: int,
+    static: bool = True,
 ) -> float:
     """Bytes one rank sends to other ranks per forward (dispatch + combine), every rank at T tokens."""
-    row = H * act_bytes
-    meta = K * _ROUTING_BYTES_PER_K
-    if isinstance(engine, AllGatherReduceScatter):
-        # all-gather: its T rows go to N-1 ranks; reduce-scatter: N-1 blocks of T output rows go out.
-        return float((world - 1) * tokens_per_rank * (row + meta) + (world - 1) * tokens_per_rank * row)
-    sends = tokens_per_rank * expected_remote_destinations(K=K, E=E, world=world)
-    return sends * (row + meta) + sends * row + (world - 1) * 8  # + the int64 count to each rank
+    calls = engine_calls(
+        engine,
+        tokens_per_rank=tokens_per_rank,
+        H=H,
+        K=K,
+        E=E,
+        world=world,
+        act_bytes=act_bytes,
+        static=static,
+    )
+    return float(sum(c.bytes_sent for c in calls))
+
+
+def _table(
+    constants: CollectiveTable | None,
+    bandwidth_GBps: float | None,
+    latency_us: float | None,  # noqa: N803
+) -> CollectiveTable:
+    given = (bandwidth_GBps is not None, latency_us is not None)
+    if constants is not None and not any(given):
+        if not isinstance(constants, CollectiveTable):
+            raise ArgumentError(
+                f"constants must be a moekit.ep.constants.CollectiveTable, got {type(constants).__name__}; "
+                "load one with moekit.ep.constants.load_collectives(path)"
+            )
+        return constants
+    if constants is None and all(given):
+        return CollectiveTable.uniform(latency_us=latency_us, bandwidth_GBps=bandwidth_GBps)
+    raise ArgumentError(
+        "predict_us needs either constants=CollectiveTable (load_collectives()) or both bandwidth_GBps= "
+        f"and latency_us=, not a mix; got constants={'set' if constants is not None else None}, "
+        f"bandwidth_GBps={bandwidth_GBps}, latency_us={latency_us}"
+    )
+
+
+def calls_us(calls: tuple[CollectiveCall, ...], constants: CollectiveTable) -> float:
+    """Modeled µs of `calls` run one after another, each kind with its own latency and bandwidth."""
+    return sum(constants.of(c.kind).predict_us(c.bytes_sent) for c in calls)
 
 
 def predict_us(
-    engine: AllGatherReduceScatter | AllToAll,
+    engine: Engine,
     *,
     tokens_per_rank: int,
     H: int,  # noqa: N803
@@ -63,19 +160,52 @@ def predict_us(
     E: int,  # noqa: N803
     world: int,
     act_bytes: int,
-    bandwidth_GBps: float,  # noqa: N803
-    latency_us: float,
+    bandwidth_GBps: float | None = None,  # noqa: N803
+    latency_us: float | None = None,
+    constants: CollectiveTable | None = None,
+    static: bool = True,
 ) -> float:
-    """Modeled microseconds of one forward's communication: latency per collective + bytes / bandwidth."""
-    moved = bytes_moved(
-        engine, tokens_per_rank=tokens_per_rank, H=H, K=K, E=E, world=world, act_bytes=act_bytes
+    """Modeled µs of one forward's communication: per call, its collective's latency + bytes / bus
+    bandwidth, from `constants` (a measured table) or one `latency_us` and `bandwidth_GBps` for all."""
+    table = _table(constants, bandwidth_GBps, latency_us)
+    calls = engine_calls(
+        engine,
+        tokens_per_rank=tokens_per_rank,
+        H=H,
+        K=K,
+        E=E,
+        world=world,
+        act_bytes=act_bytes,
+        static=static,
     )
-    return collectives(engine) * latency_us + moved / (bandwidth_GBps * 1e3)
+    return calls_us(calls, table)
 
 
-def describe_model(*, bandwidth_GBps: float, latency_us: float) -> str:  # noqa: N803
+def predict_tensor_parallel_us(
+    *,
+    tokens: int,
+    H: int,
+    world: int,
+    act_bytes: int,
+    constants: CollectiveTable,  # noqa: N803
+) -> float:
+    """Modeled µs of tensor parallelism's all-reduce of the [T, H] output."""
+    return calls_us(tensor_parallel_calls(tokens=tokens, H=H, world=world, act_bytes=act_bytes), constants)
+
+
+def describe_model(
+    *,
+    bandwidth_GBps: float | None = None,
+    latency_us: float | None = None,
+    constants: CollectiveTable | None = None,  # noqa: N803
+) -> str:
     """The model as text, for `explain`: its constants are inputs, not measurements."""
+    table = _table(constants, bandwidth_GBps, latency_us)
+    terms = ", ".join(
+        f"{k.value} {c.latency_us:g} us + bytes / {c.bus_bandwidth_GBps:g} GB/s"
+        for k, c in table.constants.items()
+    )
     return (
-        f"model: time = collectives x {latency_us:g} us + bytes / {bandwidth_GBps:g} GB/s "
-        "(constants are parameters of the model, not measurements)"
+        f"model, not a measurement: time = sum over collectives of latency + bytes sent / bus bandwidth "
+        f"({terms}); constants from {table.describe()}"
     )
