@@ -15,7 +15,14 @@ import math
 from dataclasses import dataclass
 
 from moekit.ep.constants import Collective, CollectiveTable
-from moekit.ep.engines import AllGatherReduceScatter, AllToAll, EpEngine, engine_for
+from moekit.ep.engines import (
+    AllGatherReduceScatter,
+    AllToAll,
+    EpEngine,
+    engine_for,
+    moves_packed,
+    packed_row_bytes,
+)
 from moekit.ep.ownership import expert_ownership
 from moekit.errors import ArgumentError
 
@@ -37,11 +44,13 @@ class CollectiveCall:
 def expected_remote_destinations(*, K: int, E: int, world: int, rank: int = 0) -> float:  # noqa: N803
     """Expected number of OTHER ranks a token of `rank` goes to under all-to-all, uniform top-K routing:
     sum over d != rank of P(d owns at least one of K distinct uniform experts)."""
-    total = 0.0
-    for d, owned in enumerate(expert_ownership(E, world)):
-        if d != rank:
-            total += 1.0 - math.comb(E - len(owned), K) / math.comb(E, K)
-    return total
+    return sum(_p_owns_one(K=K, E=E, world=world, rank=d) for d in range(world) if d != rank)
+
+
+def _p_owns_one(*, K: int, E: int, world: int, rank: int) -> float:  # noqa: N803
+    """P(`rank` owns at least one of a token's K distinct uniform experts)."""
+    owned = len(expert_ownership(E, world)[rank])
+    return 1.0 - math.comb(E - owned, K) / math.comb(E, K)
 
 
 def _engine(engine: Engine) -> AllGatherReduceScatter | AllToAll:
@@ -60,27 +69,40 @@ def engine_calls(
     static: bool = True,
 ) -> tuple[CollectiveCall, ...]:
     """The collectives of one expert-parallel forward, every rank at T tokens. All-gather/reduce-scatter
-    gathers x and routing and reduce-scatters the outputs, plus (not `static`: no `max_tokens` bound)
-    one all-reduce of T; all-to-all exchanges counts, then x, routing and outputs."""
+    gathers x with its routing (one call while the rows are small enough to move packed, else two) and
+    reduce-scatters the outputs, plus (not `static`: no `max_tokens` bound) one all-reduce of T;
+    all-to-all exchanges counts, then x with its routing (one or two calls), then the outputs."""
     engine = _engine(engine)
     t, others = tokens_per_rank, world - 1
     row = H * act_bytes
     meta = K * _ROUTING_BYTES_PER_K
+    packed = packed_row_bytes(H, act_bytes, K)
     if isinstance(engine, AllGatherReduceScatter):
-        calls = (
-            CollectiveCall(Collective.ALL_GATHER, others * t * row, "x"),
-            CollectiveCall(Collective.ALL_GATHER, others * t * meta, "routing"),
-            CollectiveCall(Collective.REDUCE_SCATTER, others * t * row, "outputs"),
-        )
+        if moves_packed(t, packed):
+            gather = (CollectiveCall(Collective.ALL_GATHER, others * t * packed, "x + routing"),)
+        else:
+            gather = (
+                CollectiveCall(Collective.ALL_GATHER, others * t * row, "x"),
+                CollectiveCall(Collective.ALL_GATHER, others * t * meta, "routing"),
+            )
+        calls = (*gather, CollectiveCall(Collective.REDUCE_SCATTER, others * t * row, "outputs"))
         if static:
             return calls
         count = CollectiveCall(Collective.ALL_REDUCE, 2 * others / world * _COUNT_BYTES, "max T (host sync)")
         return (count, *calls)
-    sends = t * expected_remote_destinations(K=K, E=E, world=world)
+    remote = expected_remote_destinations(K=K, E=E, world=world)
+    sends = t * remote
+    rows_sent = t * (remote + _p_owns_one(K=K, E=E, world=world, rank=0))  # its own rows included
+    if moves_packed(math.ceil(rows_sent), packed):
+        dispatch = (CollectiveCall(Collective.ALL_TO_ALL, sends * packed, "x + routing"),)
+    else:
+        dispatch = (
+            CollectiveCall(Collective.ALL_TO_ALL, sends * row, "x"),
+            CollectiveCall(Collective.ALL_TO_ALL, sends * meta, "routing"),
+        )
     return (
-        CollectiveCall(Collective.ALL_TO_ALL, others * _COUNT_BYTES, "counts (host sync)"),
-        CollectiveCall(Collective.ALL_TO_ALL, sends * row, "x"),
-        CollectiveCall(Collective.ALL_TO_ALL, sends * meta, "routing"),
+        CollectiveCall(Collective.ALL_TO_ALL, others * 2 * _COUNT_BYTES, "counts (host sync)"),
+        *dispatch,
         CollectiveCall(Collective.ALL_TO_ALL, sends * row, "outputs"),
     )
 
@@ -88,15 +110,6 @@ def engine_calls(
 def tensor_parallel_calls(*, tokens: int, H: int, world: int, act_bytes: int) -> tuple[CollectiveCall, ...]:  # noqa: N803
     """Tensor parallelism's one all-reduce of the [T, H] output (ring: 2 (N-1)/N of it sent per rank)."""
     return (CollectiveCall(Collective.ALL_REDUCE, 2 * (world - 1) / world * tokens * H * act_bytes, "out"),)
-
-
-def collectives(engine: Engine, *, static: bool = True) -> int:
-    """Collective calls per forward (`engine_calls`): 3 for all-gather/reduce-scatter (4 without
-    `max_tokens`), 4 for all-to-all."""
-    engine = _engine(engine)
-    if isinstance(engine, AllGatherReduceScatter):
-        return 3 if static else 4
-    return 4
 
 
 def bytes_moved(

@@ -73,9 +73,18 @@ def _unpack_routing(meta: torch.Tensor, top_k: int) -> RoutingResult:
 PACK_LIMIT_BYTES = 8 << 20
 
 
+def packed_row_bytes(hidden: int, act_bytes: int, top_k: int) -> int:
+    """Bytes of one token's packed row: its activations, then K fp32 weights and K int32 ids."""
+    return hidden * act_bytes + top_k * 8
+
+
+def moves_packed(rows: int, row_bytes: int) -> bool:
+    """Whether `rows` packed rows go as one collective (else x and routing go in two)."""
+    return rows * row_bytes <= PACK_LIMIT_BYTES
+
+
 def _one_collective(rows: int, x: torch.Tensor, meta_columns: int) -> bool:
-    """Whether `rows` rows of x and their routing move packed, as one collective."""
-    return rows * (x.shape[1] * x.element_size() + meta_columns * 4) <= PACK_LIMIT_BYTES
+    return moves_packed(rows, packed_row_bytes(x.shape[1], x.element_size(), meta_columns // 2))
 
 
 def _packed(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

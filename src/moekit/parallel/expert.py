@@ -3,7 +3,9 @@
 Data flow: x_local [T_r, H] (any T_r, zero included) and its routing on GLOBAL expert ids (each rank
 routes its own tokens on the full router) -> the group's token count M (below) -> the engine for M's
 bucket (`EpChoice`: `Parallel.engine` when given, else the capable engine the cost model of
-`moekit.ep.cost` predicts fastest, chosen once per bucket and shown by `explain`) -> dispatch ->
+`moekit.ep.cost` predicts fastest with the shipped collective constants (`moekit.ep.constants`; the
+one all-reduce of T that both engines pay in eager forwards is left out of the comparison), chosen once
+per bucket and shown by `explain`) -> dispatch ->
 `local_experts(x, routing)`: the layer's own plan and kernel for the received row count, with its expert
 map, so other ranks' experts add nothing -> combine -> out_local.
 
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.checks import capturing
+from moekit.ep.constants import load_collectives
 from moekit.ep.cost import predict_us
 from moekit.ep.engines import ENGINES, EpEngine, LocalExperts, engine_for
 from moekit.errors import UnsupportedSpecError
@@ -30,11 +33,6 @@ from moekit.parallel.spec import Parallel
 from moekit.planning.tuned import token_bucket
 from moekit.routing import RoutingResult
 from moekit.spec import MoESpec
-
-# The cost model's constants until measured ones are loaded: a per-collective latency and a bus
-# bandwidth of 2x H200 over NVLink (NCCL through torch 2.11: 60 - 80 us per collective, 230 - 270 GB/s).
-MODEL_LATENCY_US = 70.0
-MODEL_BANDWIDTH_GBPS = 250.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +73,7 @@ class ExpertParallel:
         self._spec = spec
         self._backend = str(dist.get_backend(parallel.group))
         self._choices: dict[int, EpChoice] = {}
+        self._constants = load_collectives()  # the shipped measured table (read once per layer)
 
     def choice_for(self, max_tokens: int) -> EpChoice:
         """The engine for a forward whose group-wide largest per-rank token count is `max_tokens`."""
@@ -95,8 +94,7 @@ class ExpertParallel:
                 E=spec.E,
                 world=world,
                 act_bytes=spec.act_dtype.itemsize,
-                bandwidth_GBps=MODEL_BANDWIDTH_GBPS,
-                latency_us=MODEL_LATENCY_US,
+                constants=self._constants,
             )
             predicted.append((kind, us))
         forced = self.parallel.engine is not None
