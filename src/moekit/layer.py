@@ -74,7 +74,7 @@ from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import route_checked, run_checked
 from moekit.parallel import Parallel, ParallelMode, RankShare, shard_for
-from moekit.parallel.expert import ExpertParallel
+from moekit.parallel.expert import EpChoice, ExpertParallel
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
 from moekit.planning.tuned import TunedTables, token_bucket
@@ -343,7 +343,7 @@ class FusedMoE(torch.nn.Module):
         kernel = self._kernels[plan.kernel]
         for t in kernel.warmup_token_counts(plan.bucket, self.spec, plan.config):
             routing = self._ep.routing_to_own_experts(t, self.expert_map)
-            self._experts(self._zeros(t, self.spec.H, self.spec.act_dtype), routing)
+            self.run_local_experts(self._zeros(t, self.spec.H, self.spec.act_dtype), routing)
 
     def workspace_bytes(self, num_tokens: int) -> int:
         """Device memory one forward of `num_tokens` allocates beyond the weights (output included).
@@ -394,13 +394,19 @@ class FusedMoE(torch.nn.Module):
             router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
         )
         if self._ep is not None:
-            return self._ep.forward(x, routing, self._experts)
-        out = self._experts(x, routing)
+            return self._ep.forward(x, routing, self.run_local_experts)
+        out = self.run_local_experts(x, routing)
         if self.parallel is not None:  # tensor parallel: each rank holds a partial sum over its I/N
             torch.distributed.all_reduce(out, group=self.parallel.group)
         return out
 
-    def _experts(self, x: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
+    def ep_choice(self, max_tokens: int) -> EpChoice:
+        """Expert parallel: the engine a forward uses when the group's largest per-rank T is `max_tokens`."""
+        if self._ep is None:
+            raise ArgumentError("ep_choice: this layer is not expert parallel (no Parallel.expert)")
+        return self._ep.choice_for(max_tokens)
+
+    def run_local_experts(self, x: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
         """This layer's experts on x `[T, H]` routed to global ids, by the plan of T's bucket."""
         plan = self.plan_for(x.shape[0])
         # Every input was checked once, before this point: x and the logits by `forward`, the weights,

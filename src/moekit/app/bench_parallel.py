@@ -12,6 +12,7 @@ communication figure beside them (a model, labelled so).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -21,11 +22,14 @@ import torch.distributed as dist
 from moekit.app.timing import median_seconds
 from moekit.ep.constants import CollectiveTable
 from moekit.ep.cost import predict_tensor_parallel_us, predict_us
-from moekit.ep.engines import EpEngine
+from moekit.ep.engines import EpEngine, engine_for
 from moekit.errors import DeviceError
 from moekit.layer import FusedMoE
+from moekit.ops import route
 from moekit.parallel import Parallel, ParallelMode
 from moekit.reference import relative_l2_error, tolerance
+from moekit.router import compute_router_logits
+from moekit.routing import RoutingResult
 from moekit.spec import MoESpec
 from moekit.synthetic import random_layer, random_tokens
 
@@ -35,15 +39,22 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 @dataclass(frozen=True)
 class ParallelBenchRecord:
     mode: str
-    engine: str
+    engine: str  # the engine an eager forward used at this T (EP), or tensor_allreduce
     world_size: int
     tokens_per_rank: int
-    parallel_us: float  # the slowest rank's median
+    parallel_us: float  # the slowest rank's median, eager forward
     one_rank_us: float  # the 1-rank layer on the same per-rank T, each rank alone (the slowest rank's)
-    per_gpu_ratio: float  # tokens/s per GPU, parallel over 1-rank (>= 0.9 is the goal at large T)
+    per_gpu_ratio: float  # tokens/s per GPU, parallel over 1-rank, best of eager and graph each
     model_comm_us: float  # the cost model's communication time: a model, not a measurement
     rel_l2: float  # parallel outputs vs the 1-rank layer on the global batch
     tolerance: float
+    # CUDA only (None on CPU): CUDA-graph replays of the parallel and the 1-rank forward, and the
+    # breakdown of the parallel forward, measured: the collectives alone (the engine with no expert
+    # compute; TP: the all-reduce) and this rank's experts alone on the rows it computes.
+    parallel_graph_us: float | None = None
+    one_rank_graph_us: float | None = None
+    comm_us: float | None = None
+    experts_us: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -79,10 +90,57 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def _seconds(layer: FusedMoE, x: torch.Tensor, device: torch.device) -> float:
-    """The slowest rank's median seconds of `layer(x)` (every rank calls it the same number of times)."""
+def _seconds(fn, device: torch.device) -> float:  # noqa: ANN001 - a zero-argument callable
+    """The slowest rank's median seconds of `fn()` (every rank calls it the same number of times)."""
     repeats, batches = (20, 7) if device.type == "cuda" else (2, 3)
-    return _slowest(median_seconds(lambda: layer(x), device, repeats=repeats, batches=batches), device)
+    return _slowest(median_seconds(fn, device, repeats=repeats, batches=batches), device)
+
+
+def _graphed(fn):  # noqa: ANN001, ANN202 - a zero-argument callable, and its graph's replay
+    """`fn` captured in a CUDA graph (after one forward on a side stream); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _breakdown(par: FusedMoE, x: torch.Tensor, engine: EpEngine | None, device: torch.device):  # noqa: ANN202
+    """(collectives alone, experts alone) seconds of `par`'s forward on this rank's tokens `x`."""
+    spec = par.spec
+    if par.parallel.mode is ParallelMode.TENSOR:
+        out = x.clone()
+        comm = _seconds(lambda: dist.all_reduce(out), device)
+        rows, routing = x, _routing(par, x)
+    else:
+        routing = _routing(par, x)
+        kind = engine or EpEngine.ALLGATHER_REDUCESCATTER
+        t = x.shape[0]
+
+        def collectives_only() -> torch.Tensor:
+            return engine_for(kind).run(
+                x,
+                routing,
+                group=dist.group.WORLD,
+                local_experts=lambda rows, _: rows,
+                num_experts=spec.E,
+                max_tokens=None if kind is EpEngine.ALL_TO_ALL else t,
+            )
+
+        comm = _seconds(collectives_only, device)
+        rows = _gather_rows(x)  # what all-gather hands this rank's experts
+        routing = RoutingResult(weights=_gather_rows(routing.weights), ids=_gather_rows(routing.ids))
+    experts = _seconds(functools.partial(par.run_local_experts, rows, routing), device)
+    return comm, experts
+
+
+def _routing(layer: FusedMoE, x: torch.Tensor) -> RoutingResult:
+    logits = compute_router_logits(x, layer.router_weight, layer.router_bias, batch_invariant=False)
+    return route(logits, top_k=layer.spec.K, spec=layer.spec.routing, correction_bias=layer.correction_bias)
 
 
 def _gather_rows(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +157,7 @@ def bench_parallel(
     tokens: tuple[int, ...],
     device: torch.device,
     constants: CollectiveTable,
-    engine: EpEngine = EpEngine.ALLGATHER_REDUCESCATTER,
+    engine: EpEngine | None = None,
     seed: int = 0,
 ) -> list[ParallelBenchRecord]:
     """Time and check the parallel layer against the 1-rank layer at each per-rank T (every rank calls)."""
@@ -113,35 +171,46 @@ def bench_parallel(
         device=device,
     )
     group = dist.group.WORLD
-    parallel = (
-        Parallel.expert(group, engine=engine) if mode is ParallelMode.EXPERT else Parallel.tensor(group)
-    )
+    expert = mode is ParallelMode.EXPERT
+    parallel = Parallel.expert(group, engine=engine) if expert else Parallel.tensor(group)
     par = FusedMoE(parallel=parallel, **common)
     one = FusedMoE(**common)
+    cuda = device.type == "cuda"
     act = torch.empty((), dtype=spec.act_dtype).element_size()
     records = []
     for t in tokens:
         # EP: each rank its own tokens; TP: the same tokens everywhere (replicated activations).
-        x = random_tokens(spec, t, seed=1000 + (rank if mode is ParallelMode.EXPERT else 0), device=device)
+        x = random_tokens(spec, t, seed=1000 + (rank if expert else 0), device=device)
         with torch.no_grad():
-            t_par, t_one = _seconds(par, x, device), _seconds(one, x, device)
-            if mode is ParallelMode.EXPERT:
+            t_par, t_one = (
+                _seconds(functools.partial(par, x), device),
+                _seconds(functools.partial(one, x), device),
+            )
+            g_par = g_one = comm = experts = None
+            if cuda:
+                g_par = _seconds(_graphed(functools.partial(par, x)), device)
+                g_one = _seconds(_graphed(functools.partial(one, x)), device)
+                used = par.ep_choice(t).engine if expert and engine is None else engine
+                comm, experts = _breakdown(par, x, used, device)
+            best_par, best_one = min(t_par, g_par or t_par), min(t_one, g_one or t_one)
+            if expert:
                 got, want = _gather_rows(par(x)), one(_gather_rows(x))
+                used = par.ep_choice(t).engine if engine is None else engine
                 model = predict_us(
-                    engine, tokens_per_rank=t, H=spec.H, K=spec.K, E=spec.E, world=world, act_bytes=act,
+                    used, tokens_per_rank=t, H=spec.H, K=spec.K, E=spec.E, world=world, act_bytes=act,
                     constants=constants, static=False,
                 )  # fmt: skip
-                ratio = t_one / t_par  # each GPU serves its own T tokens
+                ratio = best_one / best_par  # each GPU serves its own T tokens
             else:
                 got, want = par(x), one(x)
                 model = predict_tensor_parallel_us(
                     tokens=t, H=spec.H, world=world, act_bytes=act, constants=constants
                 )
-                ratio = t_one / (world * t_par)  # N GPUs serve the same T tokens together
+                ratio = best_one / (world * best_par)  # N GPUs serve the same T tokens together
         records.append(
             ParallelBenchRecord(
                 mode=mode.value,
-                engine=engine.value if mode is ParallelMode.EXPERT else "tensor_allreduce",
+                engine=used.value if expert else "tensor_allreduce",
                 world_size=world,
                 tokens_per_rank=t,
                 parallel_us=t_par * 1e6,
@@ -150,6 +219,10 @@ def bench_parallel(
                 model_comm_us=model,
                 rel_l2=relative_l2_error(got, want),
                 tolerance=tolerance(spec),
+                parallel_graph_us=None if g_par is None else g_par * 1e6,
+                one_rank_graph_us=None if g_one is None else g_one * 1e6,
+                comm_us=None if comm is None else comm * 1e6,
+                experts_us=None if experts is None else experts * 1e6,
             )
         )
     return records

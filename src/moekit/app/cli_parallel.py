@@ -136,7 +136,7 @@ def bench_parallel_flags(args: argparse.Namespace) -> bool:
     args.tokens = token_counts(args.tokens, minimum=1)
     args.spec = cap_experts(spec_from_flags(args), args.max_experts)
     args.device = args.device or "cuda"
-    args.engine = EpEngine(args.engine or EpEngine.ALLGATHER_REDUCESCATTER.value)
+    args.engine = None if args.engine is None else EpEngine(args.engine)  # None: chosen per bucket
     args.constants = load_collectives()
     return True
 
@@ -160,10 +160,11 @@ def run_bench_parallel(args: argparse.Namespace, console: Console) -> int:
         for col in (
             "T/rank",
             "engine",
-            "parallel µs",
-            "1-rank µs",
+            "parallel µs eager / graph",
+            "1-rank µs eager / graph",
             "tok/s/GPU ratio",
-            "model comm µs",
+            "comm µs measured / model",
+            "experts µs",
             "rel L2",
         ):
             table.add_column(col)
@@ -172,15 +173,18 @@ def run_bench_parallel(args: argparse.Namespace, console: Console) -> int:
             table.add_row(
                 str(r.tokens_per_rank),
                 r.engine,
-                f"{r.parallel_us:.1f}",
-                f"{r.one_rank_us:.1f}",
+                f"{r.parallel_us:.1f} / {_us(r.parallel_graph_us)}",
+                f"{r.one_rank_us:.1f} / {_us(r.one_rank_graph_us)}",
                 f"{r.per_gpu_ratio:.2f}",
-                f"{r.model_comm_us:.1f}",
+                f"{_us(r.comm_us)} / {r.model_comm_us:.1f}",
+                _us(r.experts_us),
                 f"{r.rel_l2:.1e} <= {r.tolerance:g} {verdict}",
             )
-        Console(width=max(console.width, 120)).print(table)  # seven columns: no ellipses in a narrow pipe
+        Console(width=max(console.width, 150)).print(table)  # eight columns: no ellipses in a narrow pipe
         console.print(
-            f"spec: {args.spec.describe()}; model comm µs is a model, not a measurement "
+            f"spec: {args.spec.describe()}; ratio: best of eager and graph on each side; comm measured: "
+            "the engine (TP: the all-reduce) with no expert compute; experts: this rank's experts alone on "
+            "the rows they compute; model comm µs is a model, not a measurement "
             f"(constants: {args.constants.describe()})",
             highlight=False,
             markup=False,
@@ -193,3 +197,7 @@ def run_bench_parallel(args: argparse.Namespace, console: Console) -> int:
             args.json.write_text(json.dumps({"spec": args.spec.describe(), "records": rows}, indent=1))
     dist.destroy_process_group()
     return 0 if all(r.ok for r in records) else 1
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
