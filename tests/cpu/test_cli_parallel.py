@@ -26,7 +26,7 @@ def _json(capsys, *argv) -> dict:
 def test_ep_json_per_rank_experts_bytes_and_model(capsys, world):
     data = _json(capsys, "--preset", "deepseek-v3", "--ep", str(world))
     assert data["mode"] == "expert" and data["world_size"] == world and data["model_not_measurement"]
-    assert "issue 17" in data["constants_source"]["description"]
+    assert data["constants_source"]["description"] == load_collectives().source.description
     shares = data["per_rank"]
     assert sum((s["last"] - s["first"] + 1) * s["experts"] for s in shares) == 256  # every expert once
     full = data["one_rank_weight_bytes"]
@@ -52,7 +52,7 @@ def test_ep_uneven_split_text(capsys):
     text = capsys.readouterr().out
     assert "ranks 0-1:" in text and "E_local=3" in text and "rank 2:" in text and "E_local=2" in text
     assert "(0.375 of 1 rank)" in text and "(0.250 of 1 rank)" in text
-    assert "model, not a measurement" in text and "issue 17, 2x H200 NVLink NV18" in text
+    assert "model, not a measurement" in text and load_collectives().source.description in text
     assert "N=3 is an extrapolation" in text
     assert "all_to_all[counts (host sync)]" in text  # the count exchange is in the model
     assert "   4096 " in text and "  16384 " not in text
