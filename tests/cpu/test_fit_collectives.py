@@ -34,8 +34,11 @@ def test_shipped_table_loads_with_its_source():
     table = load_collectives()
     assert set(table.constants) == set(Collective)
     assert "fit_collectives.py" in table.source.description and table.world_size == 2  # measured, not quoted
-    assert table.of(Collective.ALL_TO_ALL).bus_bandwidth_GBps == 250.0
-    assert 60 <= table.of(Collective.ALL_GATHER).latency_us <= 80
+    for kind in Collective:  # the fit agrees with the largest measured size it was fitted from
+        constants = table.of(kind)
+        largest = max(constants.samples, key=lambda sample: sample.bytes)
+        assert 0.8 <= largest.bus_bandwidth_GBps / constants.bus_bandwidth_GBps <= 1.25, kind
+        assert 1 <= constants.latency_us <= 1000, kind
     assert parse_collectives(collectives_as_dict(table)) == table  # the written format reads back
 
 
