@@ -22,7 +22,7 @@ from moekit.ep.constants import (
     load_collectives,
     parse_collectives,
 )
-from moekit.ep.cost import bytes_moved, engine_calls, predict_us
+from moekit.ep.cost import LOCAL_COPY_GBPS, bytes_moved, engine_calls, local_copy_bytes, predict_us
 from moekit.ep.engines import AllGatherReduceScatter, EpEngine
 from moekit.errors import ArgumentError, MoekitError
 
@@ -49,7 +49,7 @@ def test_predict_us_per_collective_constants():
         expected = sum(
             table.of(c.kind).latency_us + c.bytes_sent / (table.of(c.kind).bus_bandwidth_GBps * 1e3)
             for c in calls
-        )
+        ) + local_copy_bytes(engine, **SHAPE) / (LOCAL_COPY_GBPS * 1e3)
         assert predict_us(engine, constants=table, **SHAPE) == pytest.approx(expected)
         assert sum(c.bytes_sent for c in calls) == bytes_moved(engine, **SHAPE)
     # The all-to-all engine exchanges counts first: four calls, four latencies.

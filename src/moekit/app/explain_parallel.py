@@ -17,7 +17,14 @@ from types import SimpleNamespace
 import torch
 
 from moekit.ep.constants import CollectiveTable
-from moekit.ep.cost import CollectiveCall, calls_us, describe_model, engine_calls, tensor_parallel_calls
+from moekit.ep.cost import (
+    CollectiveCall,
+    calls_us,
+    describe_model,
+    engine_calls,
+    predict_us,
+    tensor_parallel_calls,
+)
 from moekit.ep.engines import EpEngine
 from moekit.ep.ownership import expert_ownership
 from moekit.parallel import ParallelMode, expert_shard, tensor_shard
@@ -135,7 +142,12 @@ def explain_parallel(
             shape = dict(tokens_per_rank=t, H=spec.H, K=spec.K, E=spec.E, world=world, act_bytes=act)
             each = {e.value: engine_calls(e, static=False, **shape) for e in EpEngine}
         costs = tuple(
-            EngineCost(name, sum(c.bytes_sent for c in calls), calls_us(calls, constants), calls)
+            EngineCost(
+                name,
+                sum(c.bytes_sent for c in calls),
+                _modeled_us(name, calls, t, spec, world, act, constants),
+                calls,
+            )
             for name, calls in each.items()
         )
         rows.append(TokenRow(t, costs))
@@ -149,6 +161,18 @@ def explain_parallel(
         model=describe_model(constants=constants),
         constants=constants,
     )
+
+
+def _modeled_us(
+    name: str, calls: tuple, tokens: int, spec: MoESpec, world: int, act: int, constants: CollectiveTable
+) -> float:
+    """The model's µs of one forward: an engine's collectives and own copies (`predict_us`), or TP's calls."""
+    if name == TENSOR:
+        return calls_us(calls, constants)
+    return predict_us(
+        EpEngine(name), tokens_per_rank=tokens, H=spec.H, K=spec.K, E=spec.E, world=world, act_bytes=act,
+        constants=constants, static=False,
+    )  # fmt: skip
 
 
 def _size(n: float) -> str:

@@ -179,7 +179,8 @@ def predict_us(
     static: bool = True,
 ) -> float:
     """Modeled µs of one forward's communication: per call, its collective's latency + bytes / bus
-    bandwidth, from `constants` (a measured table) or one `latency_us` and `bandwidth_GBps` for all."""
+    bandwidth, from `constants` (a measured table) or one `latency_us` and `bandwidth_GBps` for all,
+    plus the engine's own device copies (`local_copy_bytes`) at `LOCAL_COPY_GBPS`."""
     table = _table(constants, bandwidth_GBps, latency_us)
     calls = engine_calls(
         engine,
@@ -191,7 +192,38 @@ def predict_us(
         act_bytes=act_bytes,
         static=static,
     )
-    return calls_us(calls, table)
+    local = local_copy_bytes(
+        engine, tokens_per_rank=tokens_per_rank, H=H, K=K, E=E, world=world, act_bytes=act_bytes
+    )
+    return calls_us(calls, table) + local / (LOCAL_COPY_GBPS * 1e3)
+
+
+# Device-to-device copy rate of an H200 (measured by `moekit bench`'s ceilings: 4.1 TB/s): what the
+# engines' own gathers, sums and casts run at.
+LOCAL_COPY_GBPS = 4100.0
+
+
+def local_copy_bytes(
+    engine: Engine,
+    *,
+    tokens_per_rank: int,
+    H: int,  # noqa: N803
+    K: int,  # noqa: N803
+    E: int,  # noqa: N803
+    world: int,
+    act_bytes: int,
+) -> float:
+    """Device memory one rank's engine reads and writes besides the collectives, every rank at T tokens.
+    All-gather/reduce-scatter: none beyond its collectives' buffers (padding only with uneven T).
+    All-to-all: gathering the rows it sends, an fp32 output zeroed, one fp32 add of every returned row
+    (read the row, read and write the sum) and the cast back to the activation dtype."""
+    if isinstance(_engine(engine), AllGatherReduceScatter):
+        return 0.0
+    t, row = tokens_per_rank, H * act_bytes
+    rows_sent = t * (
+        expected_remote_destinations(K=K, E=E, world=world) + _p_owns_one(K=K, E=E, world=world, rank=0)
+    )
+    return rows_sent * 2 * row + t * H * 4 + rows_sent * (row + 8 * H) + t * H * (4 + act_bytes)
 
 
 def predict_tensor_parallel_us(
@@ -220,5 +252,6 @@ def describe_model(
     )
     return (
         f"model, not a measurement: time = sum over collectives of latency + bytes sent / bus bandwidth "
-        f"({terms}); constants from {table.describe()}"
+        f"({terms}), + the engine's own device copies / {LOCAL_COPY_GBPS:g} GB/s (all-to-all's gather, "
+        f"sum and cast); constants from {table.describe()}"
     )
