@@ -110,31 +110,30 @@ def _graphed(fn):  # noqa: ANN001, ANN202 - a zero-argument callable, and its gr
 
 
 def _breakdown(par: FusedMoE, x: torch.Tensor, engine: EpEngine | None, device: torch.device):  # noqa: ANN202
-    """(collectives alone, experts alone) seconds of `par`'s forward on this rank's tokens `x`."""
+    """(collectives alone, experts alone) seconds of `par`'s forward on this rank's tokens `x`, each
+    replayed from a CUDA graph where it can be captured (all but all-to-all), as a served forward is."""
     spec = par.spec
+    routing = _routing(par, x)
     if par.parallel.mode is ParallelMode.TENSOR:
         out = x.clone()
-        comm = _seconds(lambda: dist.all_reduce(out), device)
-        rows, routing = x, _routing(par, x)
+        comm = _seconds(_graphed(functools.partial(dist.all_reduce, out)), device)
+        rows = x
     else:
-        routing = _routing(par, x)
         kind = engine or EpEngine.ALLGATHER_REDUCESCATTER
-        t = x.shape[0]
-
-        def collectives_only() -> torch.Tensor:
-            return engine_for(kind).run(
-                x,
-                routing,
-                group=dist.group.WORLD,
-                local_experts=lambda rows, _: rows,
-                num_experts=spec.E,
-                max_tokens=None if kind is EpEngine.ALL_TO_ALL else t,
-            )
-
-        comm = _seconds(collectives_only, device)
+        collectives_only = functools.partial(
+            engine_for(kind).run,
+            x,
+            routing,
+            group=dist.group.WORLD,
+            local_experts=lambda rows, _: rows,
+            num_experts=spec.E,
+            max_tokens=None if kind is EpEngine.ALL_TO_ALL else x.shape[0],
+        )
+        capturable = engine_for(kind).capabilities.graph_capturable
+        comm = _seconds(_graphed(collectives_only) if capturable else collectives_only, device)
         rows = _gather_rows(x)  # what all-gather hands this rank's experts
         routing = RoutingResult(weights=_gather_rows(routing.weights), ids=_gather_rows(routing.ids))
-    experts = _seconds(functools.partial(par.run_local_experts, rows, routing), device)
+    experts = _seconds(_graphed(functools.partial(par.run_local_experts, rows, routing)), device)
     return comm, experts
 
 
