@@ -182,9 +182,10 @@ def run_bench_parallel(args: argparse.Namespace, console: Console) -> int:
             )
         Console(width=max(console.width, 150)).print(table)  # eight columns: no ellipses in a narrow pipe
         console.print(
-            f"spec: {args.spec.describe()}; ratio: best of eager and graph on each side; comm and experts measured as CUDA-graph replays where capturable: "
-            "the engine (TP: the all-reduce) with no expert compute; experts: this rank's experts alone on "
-            "the rows they compute; model comm µs is a model, not a measurement "
+            f"spec: {args.spec.describe()}; ratio: best of eager and graph on each side; comm: the engine "
+            "(TP: the all-reduce) with no expert compute; experts: this rank's experts alone on the rows "
+            "they compute (both CUDA-graph replays where capturable); model comm µs is a model, not a "
+            "measurement "
             f"(constants: {args.constants.describe()})",
             highlight=False,
             markup=False,
