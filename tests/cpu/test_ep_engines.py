@@ -24,7 +24,8 @@ from moekit.routing import RoutingResult, route_torch
 from moekit.spec import Activation, ActivationSpec, GateLayout, MoESpec
 from moekit.synthetic import random_layer
 
-ENGINES = (AllGatherReduceScatter(), AllToAll())
+# overlap_min_bytes=0: every batch of 2+ rows in two overlapped halves (asynchronous collectives).
+ENGINES = (AllGatherReduceScatter(), AllGatherReduceScatter(overlap_min_bytes=0), AllToAll())
 
 
 def _specs(num_experts: int) -> list[MoESpec]:

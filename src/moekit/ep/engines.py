@@ -97,6 +97,24 @@ def _unpacked(rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torc
     return rows[:, :width].contiguous().view(dtype), rows[:, width:].contiguous().view(torch.float32)
 
 
+def _start_gather(x: torch.Tensor, meta: torch.Tensor, *, world: int, group, async_op: bool):  # noqa: ANN001, ANN202
+    """Start all-gathering rows of x and their routing (packed in one collective when small): the
+    collectives' works (empty when synchronous) and a function giving (x_all, meta_all) once they are done."""
+    rows, hidden = x.shape
+    if _one_collective(rows, x, meta.shape[1]):
+        send = _packed(x, meta)
+        gathered = send.new_empty(world * rows, send.shape[1])
+        work = _all_gather(gathered, send, group=group, async_op=async_op)
+        return [work] if async_op else [], lambda: _unpacked(gathered, hidden, x.dtype)
+    x_all = x.new_empty(world * rows, hidden)
+    meta_all = meta.new_empty(world * rows, meta.shape[1])
+    works = [
+        _all_gather(x_all, x.contiguous(), group=group, async_op=async_op),
+        _all_gather(meta_all, meta.contiguous(), group=group, async_op=async_op),
+    ]
+    return works if async_op else [], lambda: (x_all, meta_all)
+
+
 def _pad_routing(meta: torch.Tensor, rows: int, pad: int, *, num_experts: int, top_k: int) -> torch.Tensor:
     """`meta` [rows, 2K] grown by `pad` rows of weight 0 whose K ids cycle through all experts: padding
     costs every rank the same few pairs instead of piling them on expert 0's owner."""
@@ -134,6 +152,8 @@ class AllGatherReduceScatter:
     capabilities: EngineCapabilities = EngineCapabilities(
         graph_capturable=True, static_shapes=True, backends=_BOTH
     )
+    # Per-rank activation bytes from which the batch runs in two overlapped halves (`_pieces`).
+    overlap_min_bytes: int = 32 << 20
 
     def run(
         self,
@@ -160,23 +180,40 @@ class AllGatherReduceScatter:
         if max_tokens == 0:
             return x.new_zeros(0, hidden)
         pad, top_k = max_tokens - rows, routing.top_k
-        x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        x_pad = x if pad == 0 else torch.nn.functional.pad(x, (0, 0, 0, pad))
         meta_pad = _pad_routing(_pack_routing(routing), rows, pad, num_experts=num_experts, top_k=top_k)
-        if _one_collective(max_tokens, x, meta_pad.shape[1]):
-            send = _packed(x_pad, meta_pad)
-            gathered = send.new_empty(world * max_tokens, send.shape[1])
-            _all_gather(gathered, send, group=group)
-            x_all, meta_all = _unpacked(gathered, hidden, x.dtype)
-        else:
-            x_all = x.new_empty(world * max_tokens, hidden)
-            meta_all = meta_pad.new_empty(world * max_tokens, meta_pad.shape[1])
-            _all_gather(x_all, x_pad.contiguous(), group=group)
-            _all_gather(meta_all, meta_pad.contiguous(), group=group)
-        y_all = local_experts(x_all, _unpack_routing(meta_all, top_k))
-        _check_output(y_all, world * max_tokens, hidden)
-        out = y_all.new_empty(max_tokens, hidden)
-        _reduce_scatter(out, y_all.contiguous(), group=group)
+        pieces = self._pieces(max_tokens, x)
+        overlap = len(pieces) > 1  # collectives run asynchronously, each piece's experts between them
+        gathers = [
+            _start_gather(x_pad[a:b], meta_pad[a:b], world=world, group=group, async_op=overlap)
+            for a, b in pieces
+        ]
+        out = x.new_empty(max_tokens, hidden)
+        scatters = []
+        for (a, b), (works, finish) in zip(pieces, gathers, strict=True):
+            for work in works:
+                work.wait()
+            x_all, meta_all = finish()
+            y = local_experts(x_all, _unpack_routing(meta_all, top_k))
+            _check_output(y, world * (b - a), hidden)
+            scatters.append(_reduce_scatter(out[a:b], y.contiguous(), group=group, async_op=overlap))
+        for work in scatters:
+            if work is not None:
+                work.wait()
         return out[:rows]
+
+    def _pieces(self, max_tokens: int, x: torch.Tensor) -> list[tuple[int, int]]:
+        """Row ranges of the padded batch run one after another: two halves when the rows are large
+        enough that a collective costs more than its latency (the second half's all-gather then runs
+        during the first half's experts, the first half's reduce-scatter during the second's), one
+        otherwise and while a CUDA graph is captured (asynchronous collectives stay out of graphs)."""
+        row_bytes = x.shape[1] * x.element_size()
+        if max_tokens < 2 or max_tokens * row_bytes < self.overlap_min_bytes:
+            return [(0, max_tokens)]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return [(0, max_tokens)]
+        half = max_tokens // 2
+        return [(0, half), (half, max_tokens)]
 
 
 def dispatch_mask(ids: torch.Tensor, *, num_experts: int, world_size: int) -> torch.Tensor:
