@@ -79,7 +79,7 @@ from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
 from moekit.planning.tuned import TunedTables, token_bucket
 from moekit.router import batch_invariant_routing_reason, compute_router_logits
-from moekit.routing import RoutingResult
+from moekit.routing import RoutingResult, count_per_expert
 from moekit.spec import MoESpec
 from moekit.weights import ExpertWeights
 
@@ -135,6 +135,9 @@ class FusedMoE(torch.nn.Module):
 
     # Refuse non-finite router logits with NonFiniteError (one sync per forward, never during capture).
     check_values: bool = True
+    # Count each forward's (token, k) pairs per global expert into `tokens_per_expert` (two small kernels,
+    # no sync: graphs captured with it on keep counting); off by default.
+    count_tokens_per_expert: bool = False
 
     def __init__(
         self,
@@ -192,6 +195,8 @@ class FusedMoE(torch.nn.Module):
             expert_map = expert_map.to(dev)
             check_expert_map(expert_map, num_experts=spec.E, num_local_experts=spec.E_local)
         self.register_buffer("expert_map", expert_map, persistent=False)
+        zeros = torch.zeros(spec.E, dtype=torch.int32, device=dev)
+        self.register_buffer("tokens_per_expert", zeros, persistent=False)  # this rank's tokens, last forward
 
         self._registry = options.registry or default_registry()
         self._tables = resolve_tables(options.tuned, self._registry)  # read once, not per bucket
@@ -393,6 +398,8 @@ class FusedMoE(torch.nn.Module):
         routing = route_checked(
             router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
         )
+        if self.count_tokens_per_expert:
+            count_per_expert(routing.ids, out=self.tokens_per_expert)
         if self._ep is not None:
             return self._ep.forward(x, routing, self.run_local_experts)
         out = self.run_local_experts(x, routing)
@@ -457,7 +464,13 @@ class FusedMoE(torch.nn.Module):
         try:
             self._device_info = DeviceInfo.of(device)  # an unknown device type is refused before any copy
             self.weights = self.weights.to(device)
-            for name in ("router_weight", "router_bias", "correction_bias", "expert_map"):
+            for name in (
+                "router_weight",
+                "router_bias",
+                "correction_bias",
+                "expert_map",
+                "tokens_per_expert",
+            ):
                 if self._buffers.get(name) is not None:
                     self._buffers[name] = self._buffers[name].to(device)
             self._device = device

@@ -129,3 +129,12 @@ def _sigmoid_grouped(
     weights = torch.gather(scores, 1, ids)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def count_per_expert(ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """`out` (int32 `[E]`) := how many (token, k) pairs `ids` (`[T, K]`, global ids) send to each expert.
+    In place and without a host sync (no `bincount`, which reads the largest id back), so it can run in
+    every forward and inside a captured CUDA graph."""
+    flat = ids.reshape(-1).long()
+    out.zero_()
+    return out.scatter_add_(0, flat, torch.ones_like(flat, dtype=out.dtype))

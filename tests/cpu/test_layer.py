@@ -189,6 +189,21 @@ def test_leading_dims_and_given_router_logits() -> None:
     assert moe(x[:, :, :0]).shape == (2, 3, 0, FP32.H)  # zero tokens
 
 
+def test_tokens_per_expert_counts_the_last_forward_when_asked() -> None:
+    moe, _ = _layer(FP32)
+    x = random_tokens(FP32, 29)
+    moe(x)
+    assert moe.tokens_per_expert.tolist() == [0] * FP32.E  # off by default
+    moe.count_tokens_per_expert = True
+    logits = torch.randn(29, FP32.E)
+    for rows in (29, 5):  # each forward replaces the counts, it does not add to them
+        moe(x[:rows], router_logits=logits[:rows])
+        ids = route(logits[:rows], top_k=FP32.K, spec=FP32.routing).ids
+        expected = torch.bincount(ids.flatten().long(), minlength=FP32.E)
+        assert moe.tokens_per_expert.tolist() == expected.tolist()
+        assert int(moe.tokens_per_expert.sum()) == rows * FP32.K
+
+
 def test_warmup_plans_every_bucket_and_forward_plans_lazily() -> None:
     moe, _ = _layer(FP32)
     moe(random_tokens(FP32, 40))

@@ -83,45 +83,67 @@ def moves_packed(rows: int, row_bytes: int) -> bool:
     return rows * row_bytes <= PACK_LIMIT_BYTES
 
 
-def _one_collective(rows: int, x: torch.Tensor, meta_columns: int) -> bool:
-    return moves_packed(rows, packed_row_bytes(x.shape[1], x.element_size(), meta_columns // 2))
+def _packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """uint8 [T, H * itemsize + 8K]: each row's activations, K weights and K ids as bytes (one copy)."""
+    parts = (x.contiguous(), weights.contiguous(), ids.contiguous())
+    return torch.cat([t.view(torch.uint8) for t in parts], dim=1)
 
 
-def _packed(x: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """uint8 [T, H * itemsize + 8K]: each row's activations, then its routing, as bytes."""
-    return torch.cat([x.contiguous().view(torch.uint8), meta.contiguous().view(torch.uint8)], dim=1)
+def _field(rows: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Columns [start, stop) of packed byte rows as `dtype`: a strided view where the bytes are aligned
+    for it (the kernels read rows by stride), else a copy."""
+    part = rows[:, start:stop]
+    try:
+        return part.view(dtype)
+    except RuntimeError:
+        return part.contiguous().view(dtype)
 
 
-def _unpacked(rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _unpacked(
+    rows: torch.Tensor, hidden: int, dtype: torch.dtype, top_k: int
+) -> tuple[torch.Tensor, RoutingResult]:
+    """Packed rows (`_packed`) -> x [T, H] and its routing, views into `rows` where aligned."""
     width = hidden * torch.empty(0, dtype=dtype).element_size()
-    return rows[:, :width].contiguous().view(dtype), rows[:, width:].contiguous().view(torch.float32)
+    weights = _field(rows, width, width + 4 * top_k, torch.float32)
+    ids = _field(rows, width + 4 * top_k, width + 8 * top_k, torch.int32)
+    return _field(rows, 0, width, dtype), RoutingResult(weights=weights, ids=ids)
 
 
-def _start_gather(x: torch.Tensor, meta: torch.Tensor, *, world: int, group, async_op: bool):  # noqa: ANN001, ANN202
+def _start_gather(x: torch.Tensor, routing: RoutingResult, *, world: int, group, async_op: bool):  # noqa: ANN001, ANN202
     """Start all-gathering rows of x and their routing (packed in one collective when small): the
-    collectives' works (empty when synchronous) and a function giving (x_all, meta_all) once they are done."""
+    collectives' works (empty when synchronous) and a function giving (x_all, routing_all) once done."""
     rows, hidden = x.shape
-    if _one_collective(rows, x, meta.shape[1]):
-        send = _packed(x, meta)
+    top_k = routing.top_k
+    if moves_packed(rows, packed_row_bytes(hidden, x.element_size(), top_k)):
+        send = _packed(x, routing.weights, routing.ids)
         gathered = send.new_empty(world * rows, send.shape[1])
         work = _all_gather(gathered, send, group=group, async_op=async_op)
-        return [work] if async_op else [], lambda: _unpacked(gathered, hidden, x.dtype)
+        return [work] if async_op else [], lambda: _unpacked(gathered, hidden, x.dtype, top_k)
+    meta = _pack_routing(routing)
     x_all = x.new_empty(world * rows, hidden)
     meta_all = meta.new_empty(world * rows, meta.shape[1])
     works = [
         _all_gather(x_all, x.contiguous(), group=group, async_op=async_op),
-        _all_gather(meta_all, meta.contiguous(), group=group, async_op=async_op),
+        _all_gather(meta_all, meta, group=group, async_op=async_op),
     ]
-    return works if async_op else [], lambda: (x_all, meta_all)
+    return works if async_op else [], lambda: (x_all, _unpack_routing(meta_all, top_k))
 
 
-def _pad_routing(meta: torch.Tensor, rows: int, pad: int, *, num_experts: int, top_k: int) -> torch.Tensor:
-    """`meta` [rows, 2K] grown by `pad` rows of weight 0 whose K ids cycle through all experts: padding
-    costs every rank the same few pairs instead of piling them on expert 0's owner."""
-    ids = torch.arange(pad * top_k, dtype=torch.int32, device=meta.device).remainder_(num_experts)
-    weights = torch.zeros(pad, top_k, dtype=torch.float32, device=meta.device)
-    tail = torch.cat([weights, ids.view(pad, top_k).view(torch.float32)], dim=1)
-    return torch.cat([meta, tail]) if rows else tail
+def _padded(routing: RoutingResult, pad: int, *, num_experts: int) -> RoutingResult:
+    """`routing` grown by `pad` rows of weight 0 whose K ids cycle through all experts: padding costs
+    every rank the same few pairs instead of piling them on expert 0's owner. No copy when pad is 0."""
+    if pad == 0:
+        return routing
+    device, top_k = routing.ids.device, routing.top_k
+    ids = torch.arange(pad * top_k, dtype=torch.int32, device=device).remainder_(num_experts)
+    weights = torch.zeros(pad, top_k, dtype=torch.float32, device=device)
+    return RoutingResult(
+        weights=torch.cat([routing.weights, weights]), ids=torch.cat([routing.ids, ids.view(pad, top_k)])
+    )
+
+
+def _rows(routing: RoutingResult, start: int, stop: int) -> RoutingResult:
+    return RoutingResult(weights=routing.weights[start:stop], ids=routing.ids[start:stop])
 
 
 def _check_inputs(x: torch.Tensor, routing: RoutingResult) -> None:
@@ -179,13 +201,13 @@ class AllGatherReduceScatter:
             raise ShapeError(f"this rank has T_r={rows} tokens, more than max_tokens={max_tokens}")
         if max_tokens == 0:
             return x.new_zeros(0, hidden)
-        pad, top_k = max_tokens - rows, routing.top_k
+        pad = max_tokens - rows
         x_pad = x if pad == 0 else torch.nn.functional.pad(x, (0, 0, 0, pad))
-        meta_pad = _pad_routing(_pack_routing(routing), rows, pad, num_experts=num_experts, top_k=top_k)
+        routing_pad = _padded(routing, pad, num_experts=num_experts)
         pieces = self._pieces(max_tokens, x)
         overlap = len(pieces) > 1  # collectives run asynchronously, each piece's experts between them
         gathers = [
-            _start_gather(x_pad[a:b], meta_pad[a:b], world=world, group=group, async_op=overlap)
+            _start_gather(x_pad[a:b], _rows(routing_pad, a, b), world=world, group=group, async_op=overlap)
             for a, b in pieces
         ]
         out = x.new_empty(max_tokens, hidden)
@@ -193,8 +215,8 @@ class AllGatherReduceScatter:
         for (a, b), (works, finish) in zip(pieces, gathers, strict=True):
             for work in works:
                 work.wait()
-            x_all, meta_all = finish()
-            y = local_experts(x_all, _unpack_routing(meta_all, top_k))
+            x_all, routing_all = finish()
+            y = local_experts(x_all, routing_all)
             _check_output(y, world * (b - a), hidden)
             scatters.append(_reduce_scatter(out[a:b], y.contiguous(), group=group, async_op=overlap))
         for work in scatters:
@@ -262,18 +284,19 @@ class AllToAll:
         send_splits, recv_splits = send_counts.tolist(), [c for c, _ in exchanged]
         largest_send = max(total for _, total in exchanged)
         received = sum(recv_splits)
-        meta = _pack_routing(routing)[token]
-        if _one_collective(largest_send, x, meta.shape[1]):
-            send = _packed(x[token], meta)
+        top_k = routing.top_k
+        if moves_packed(largest_send, packed_row_bytes(hidden, x.element_size(), top_k)):
+            send = _packed(x[token], routing.weights[token], routing.ids[token])
             rows_recv = send.new_empty(received, send.shape[1])
             dist.all_to_all_single(rows_recv, send, recv_splits, send_splits, group=group)
-            x_recv, meta_recv = _unpacked(rows_recv, hidden, x.dtype)
+            x_recv, routing_recv = _unpacked(rows_recv, hidden, x.dtype, top_k)
         else:
+            meta = _pack_routing(routing)[token]
             x_recv = x.new_empty(received, hidden)
             dist.all_to_all_single(x_recv, x[token].contiguous(), recv_splits, send_splits, group=group)
             meta_recv = meta.new_empty(received, meta.shape[1])
-            dist.all_to_all_single(meta_recv, meta.contiguous(), recv_splits, send_splits, group=group)
-        routing_recv = _unpack_routing(meta_recv, routing.top_k)
+            dist.all_to_all_single(meta_recv, meta, recv_splits, send_splits, group=group)
+            routing_recv = _unpack_routing(meta_recv, top_k)
         # Only this rank's experts are computed here: other ranks' (k) slots get weight zero, so a
         # local_experts that ignored the expert map would still add nothing for them.
         mine = owner_of(routing_recv.ids, num_experts=num_experts, world_size=world) == rank
