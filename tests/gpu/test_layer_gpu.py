@@ -135,12 +135,15 @@ def _serve_and_replay(moe: FusedMoE, gen: torch.Generator) -> None:
         static_x = torch.randn(t, SPEC_20B.H, generator=gen, device=DEVICE).to(torch.bfloat16)
         with torch.no_grad():
             moe.check_values = False  # the finite-logits check reads one bool (a sync); servers turn it off
+            moe.count_tokens_per_expert = True  # must not sync either
             torch.cuda.set_sync_debug_mode("error")  # any host synchronization in the forward raises
             try:
                 eager = moe(static_x)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
                 moe.check_values = True
+                moe.count_tokens_per_expert = False
+            assert int(moe.tokens_per_expert.sum()) == t * SPEC_20B.K
             assert relative_l2_error(eager, _reference(moe, static_x)) < 1e-2
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
