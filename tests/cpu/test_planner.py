@@ -60,6 +60,12 @@ def test_shipped_h200_rows_are_valid(monkeypatch):
         if triton_version() == "3.6.0":
             assert chosen.source is ConfigSource.TUNED_ROW, chosen.explain()
             assert chosen.kernel == "triton_fused"
+            rank = plan(
+                replace(GPT_OSS_120B, num_local_experts=64), num_tokens=t, device=H200, registry=REGISTRY
+            )
+            assert rank.source is ConfigSource.WHOLE_LAYER_ROW and rank.config == chosen.config, (
+                rank.explain()
+            )
 
 
 def _table(tmp_path, rows, name="user.json"):
@@ -256,3 +262,22 @@ def test_packing_mismatch_is_an_error_not_a_reinterpretation():
 def test_spec_is_checked_before_planning():
     with pytest.raises(moekit.SpecError):
         plan(MoESpec(num_experts=2, top_k=4, hidden_size=8, intermediate_size=8), num_tokens=1, device="cpu")
+
+
+def test_an_expert_parallel_rank_plans_with_the_whole_layers_rows(tmp_path):
+    """A rank's layer (an expert map) without rows of its own takes the whole layer's row for the same
+    bucket, visibly; a row of its own wins; strict planning counts the borrowed row as a fallback."""
+    local = replace(GPT_OSS_120B, num_local_experts=64)
+    whole_row = _row(GPT_OSS_120B, kernel="reference", config={}, device=H200.name, tokens=64)
+    table = _table(tmp_path, [whole_row])
+    got = plan(local, num_tokens=64, device=H200, tuned=table, registry=REGISTRY)
+    assert got.kernel == "reference" and got.source is ConfigSource.WHOLE_LAYER_ROW, got.explain()
+    assert "whole layer" in got.explain()
+    own_row = _row(
+        local, kernel="torch_grouped", config={"use_grouped_mm": True}, device=H200.name, tokens=64
+    )
+    own = _table(tmp_path, [whole_row, own_row], name="own.json")
+    mine = plan(local, num_tokens=64, device=H200, tuned=own, registry=REGISTRY)
+    assert mine.kernel == "torch_grouped" and mine.source is ConfigSource.TUNED_ROW, mine.explain()
+    with pytest.raises(PlanFallbackError, match="whole layer"):
+        plan(local, num_tokens=64, device=H200, tuned=table, registry=REGISTRY, strict=True)

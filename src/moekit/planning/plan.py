@@ -47,6 +47,10 @@ from moekit.spec import ActivationQuant, GateLayout, MoESpec
 class ConfigSource(enum.Enum):
     TUNED_ROW = "tuned row"
     NEAREST_BUCKET = "tuned row of the nearest token bucket"
+    # An expert-parallel rank's layer (an expert map) with no row of its own: the whole layer's row for
+    # the same E, K, H, I and bucket. Each local expert then sees the load it sees in the whole layer at
+    # that token count; only the count of experts with work (E_local of E) differs.
+    WHOLE_LAYER_ROW = "tuned row of the whole layer (this rank holds E_local of its experts)"
     DEFAULT = "kernel default (no usable tuned row)"
 
 
@@ -146,6 +150,13 @@ def plan(
     key = TableKey.for_spec(spec, device=info.name, triton=triton_version(), bucket=bucket)
     rejected = list(tables.rejected_for(key))
     row, exact = tables.lookup(key)
+    whole_layer = False
+    if row is None and spec.uses_expert_map:
+        whole = TableKey.for_spec(
+            replace(spec, num_local_experts=None), device=info.name, triton=triton_version(), bucket=bucket
+        )
+        row, exact = tables.lookup(whole)
+        whole_layer = row is not None
     chosen: Kernel = capable[0]
     config = chosen.default_config(spec, problem)
     source, origin = ConfigSource.DEFAULT, None
@@ -160,6 +171,8 @@ def plan(
         else:
             chosen, config, origin = row_kernel, row.config, row.origin
             source = ConfigSource.TUNED_ROW if exact else ConfigSource.NEAREST_BUCKET
+            if whole_layer:
+                source = ConfigSource.WHOLE_LAYER_ROW
     result = Plan(
         spec=spec,
         num_tokens=num_tokens,
