@@ -393,7 +393,8 @@ class FusedMoE(torch.nn.Module):
         """The op's body: x `[T, H]` and logits `[T, E]` (already checked) -> `[T, H]`. Host work only,
         but for the finite-logits check (one sync; skipped while capturing or with `check_values` off)."""
         spec = self.spec
-        if self.check_values and not capturing(router_logits):
+        checked = self.check_values and not capturing(router_logits)
+        if checked and self._ep is None:
             check_finite_logits(router_logits)
         routing = route_checked(
             router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
@@ -401,7 +402,10 @@ class FusedMoE(torch.nn.Module):
         if self.count_tokens_per_expert:
             count_per_expert(routing.ids, out=self.tokens_per_expert)
         if self._ep is not None:
-            return self._ep.forward(x, routing, self.run_local_experts)
+            # The group refuses non-finite logits together (`ExpertParallel.forward`).
+            return self._ep.forward(
+                x, routing, self.run_local_experts, logits=router_logits if checked else None
+            )
         out = self.run_local_experts(x, routing)
         if self.parallel is not None:  # tensor parallel: each rank holds a partial sum over its I/N
             torch.distributed.all_reduce(out, group=self.parallel.group)

@@ -7,6 +7,7 @@ and the reference -> compares within the reference tolerance, and checks the sha
 experts. One spawn per group size: starting ranks costs more than the tiny layers.
 """
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from gloo_ranks import run_on_ranks
 from moekit import EpEngine, FusedMoE, Parallel, fused_moe_reference, preset, route
 from moekit.ep.ownership import expert_ownership, local_expert_map
-from moekit.errors import ArgumentError, SpecError
+from moekit.errors import ArgumentError, NonFiniteError, SpecError
 from moekit.parallel import expert_shard
 from moekit.parallel.expert import ExpertParallel
 from moekit.planning.tuned import token_bucket
@@ -137,3 +138,35 @@ def _check_choice(rank: int, world: int) -> None:
 
 def test_engine_choice_follows_the_cost_model(tmp_path) -> None:
     run_on_ranks(_check_choice, 4, tmp_path)
+
+
+def _check_non_finite(rank: int, world: int) -> None:
+    """NaN logits on one rank: every rank raises (none left waiting in a collective), and the group goes
+    on serving; with value checks off, only that token's row is NaN."""
+    spec = QWEN3_SMALL
+    layer = random_layer(spec, seed=4)
+    for engine in ENGINES:
+        ep = FusedMoE(
+            spec=spec,
+            weights=layer.weights,
+            router_weight=layer.router_weight,
+            parallel=Parallel.expert(dist.group.WORLD, engine=engine),
+        )
+        x = random_tokens(spec, 3 + rank, seed=rank)
+        logits = torch.randn(x.shape[0], spec.E)
+        bad = logits.clone()
+        if rank == 0:
+            bad[1, 2] = float("nan")
+        own = "at [token 1, expert 2]" if rank == 0 else "another rank"
+        with pytest.raises(NonFiniteError, match=re.escape(own)):
+            ep(x, router_logits=bad)
+        assert torch.isfinite(ep(x, router_logits=logits)).all()  # the collectives are still matched
+        ep.check_values = False
+        out = ep(x, router_logits=bad)
+        finite_rows = torch.isfinite(out).all(dim=1).tolist()
+        assert finite_rows == [not (rank == 0 and t == 1) for t in range(x.shape[0])], (engine, finite_rows)
+
+
+@pytest.mark.timeout(120)  # a rank left waiting in a collective would hang here
+def test_non_finite_logits_on_one_rank_raise_on_every_rank(tmp_path) -> None:
+    run_on_ranks(_check_non_finite, 2, tmp_path)

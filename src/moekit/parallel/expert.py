@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.checks import capturing
+from moekit.checks import capturing, check_finite_logits
 from moekit.ep.constants import load_collectives
 from moekit.ep.cost import predict_us
 from moekit.ep.engines import ENGINES, EpEngine, LocalExperts, engine_for
-from moekit.errors import UnsupportedSpecError
+from moekit.errors import NonFiniteError, UnsupportedSpecError
 from moekit.parallel.spec import Parallel
 from moekit.planning.tuned import token_bucket
 from moekit.routing import RoutingResult
@@ -103,8 +103,19 @@ class ExpertParallel:
         self._choices[bucket] = choice
         return choice
 
-    def forward(self, x: torch.Tensor, routing: RoutingResult, local_experts: LocalExperts) -> torch.Tensor:
-        """out_local [T_r, H] for this rank's tokens `x` routed to global experts (module docstring)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        routing: RoutingResult,
+        local_experts: LocalExperts,
+        *,
+        logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """out_local [T_r, H] for this rank's tokens `x` routed to global experts (module docstring).
+
+        `logits`: this rank's router logits when the layer checks values. A non-finite logit on any rank
+        then raises `NonFiniteError` on every rank, after the one all-reduce they share (a rank raising
+        alone would leave the others waiting in a collective)."""
         group = self.parallel.group
         if capturing(x):
             if self.parallel.engine not in (None, EpEngine.ALLGATHER_REDUCESCATTER):
@@ -113,11 +124,19 @@ class ExpertParallel:
                     "captured in a CUDA graph; capture with EpEngine.ALLGATHER_REDUCESCATTER or engine=None"
                 )
             engine, max_tokens = EpEngine.ALLGATHER_REDUCESCATTER, x.shape[0]
-        elif self.parallel.engine is EpEngine.ALL_TO_ALL:
+        elif self.parallel.engine is EpEngine.ALL_TO_ALL and logits is None:
             engine, max_tokens = EpEngine.ALL_TO_ALL, None  # its count exchange is all it needs
         else:
-            max_tokens = agree_max_tokens(x.shape[0], group=group, device=x.device)
+            max_tokens, any_bad = agree(x.shape[0], logits, group=group, device=x.device)
+            if any_bad:
+                if logits is not None and not bool(torch.isfinite(logits).all()):
+                    check_finite_logits(logits)  # this rank's own: say where
+                raise NonFiniteError(
+                    "router logits on another rank of this expert-parallel group hold NaN or +-inf (every "
+                    "rank raises, so none waits in a collective); see that rank's error for where"
+                )
             engine = self.choice_for(max_tokens).engine
+            max_tokens = None if engine is EpEngine.ALL_TO_ALL else max_tokens
         return engine_for(engine).run(
             x,
             routing,
@@ -143,8 +162,14 @@ class ExpertParallel:
         return "\n".join(lines)
 
 
-def agree_max_tokens(rows: int, *, group: dist.ProcessGroup, device: torch.device) -> int:
-    """The largest per-rank token count of the group: one all-reduce, read on the host."""
-    count = torch.tensor([rows], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    return int(count.item())
+def agree(
+    rows: int, logits: torch.Tensor | None, *, group: dist.ProcessGroup, device: torch.device
+) -> tuple[int, bool]:
+    """(the largest per-rank token count of the group, whether any rank holds non-finite router logits):
+    one all-reduce, read on the host. Without `logits` this rank counts as finite."""
+    state = torch.tensor([rows, 0], dtype=torch.int64, device=device)
+    if logits is not None:
+        state[1] = (~torch.isfinite(logits)).any().to(torch.int64)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    largest, any_bad = state.tolist()
+    return largest, bool(any_bad)
