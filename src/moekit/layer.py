@@ -73,7 +73,7 @@ from moekit.errors import (
 from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import route_checked, run_checked
-from moekit.parallel import Parallel, ParallelMode, RankShare, shard_for
+from moekit.parallel import Parallel, ParallelMode, RankShare, check_same_layer, shard_for
 from moekit.parallel.expert import EpChoice, ExpertParallel
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
@@ -166,6 +166,7 @@ class FusedMoE(torch.nn.Module):
             raise ArgumentError("presharded=True: the weights are a share of which group? pass parallel= too")
         self._ep: ExpertParallel | None = None
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
+            check_same_layer(parallel, spec)  # a collective: every rank builds its layer together
             spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map, presharded=presharded)
             if parallel.mode is ParallelMode.EXPERT:
                 self._ep = ExpertParallel(parallel, spec)

@@ -170,3 +170,18 @@ def _check_non_finite(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)  # a rank left waiting in a collective would hang here
 def test_non_finite_logits_on_one_rank_raise_on_every_rank(tmp_path) -> None:
     run_on_ranks(_check_non_finite, 2, tmp_path)
+
+
+def _check_mismatch(rank: int, world: int) -> None:
+    """Ranks that build different layers (here: another intermediate size on rank 1) all raise at
+    construction, for both modes, instead of exchanging mismatched rows later."""
+    spec = QWEN3_SMALL if rank == 0 else replace(QWEN3_SMALL, intermediate_size=64)
+    layer = random_layer(spec, seed=9)
+    for parallel in (Parallel.expert(dist.group.WORLD), Parallel.tensor(dist.group.WORLD)):
+        with pytest.raises(SpecError, match="built different layers"):
+            FusedMoE(spec=spec, weights=layer.weights, router_weight=layer.router_weight, parallel=parallel)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_building_different_layers_are_refused_on_every_rank(tmp_path) -> None:
+    run_on_ranks(_check_mismatch, 2, tmp_path)

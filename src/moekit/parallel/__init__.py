@@ -16,7 +16,7 @@ from moekit.parallel.shard import (
     shard_for,
     tensor_shard,
 )
-from moekit.parallel.spec import Parallel, ParallelMode
+from moekit.parallel.spec import Parallel, ParallelMode, check_same_layer
 
 __all__ = [
     "Cut",
@@ -25,6 +25,7 @@ __all__ = [
     "ParallelMode",
     "RankShare",
     "ShardPlan",
+    "check_same_layer",
     "expert_shard",
     "plan_shard",
     "shard_for",

@@ -14,12 +14,15 @@ moved to their experts' ranks and back by an engine of `moekit.ep.engines`: the 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 
 from moekit.ep.engines import EpEngine, engine_for
 from moekit.errors import ArgumentError, SpecError, check_enum
+from moekit.spec import MoESpec
 
 
 class ParallelMode(enum.Enum):
@@ -95,3 +98,24 @@ class Parallel:
         if self.mode is ParallelMode.EXPERT:
             engine = f", engine {'chosen per bucket' if self.engine is None else self.engine.value}"
         return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}{engine}"
+
+
+def check_same_layer(parallel: Parallel, spec: MoESpec) -> None:
+    """Every rank of `parallel.group` builds the same global layer in the same mode: one all-reduce of a
+    fingerprint of (mode, engine, global spec), at construction. Ranks holding different layers (another
+    checkpoint layer, another preset) would otherwise exchange tokens of mismatched shapes or sum
+    unrelated partial outputs; each raises `SpecError` instead."""
+    whole = replace(spec, num_local_experts=None).describe()
+    engine = None if parallel.engine is None else parallel.engine.value
+    fingerprint = zlib.crc32(f"{parallel.mode.value}|{engine}|{whole}".encode())
+    backend = str(dist.get_backend(parallel.group))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=parallel.group)
+    largest, smallest = both[0].item(), -both[1].item()
+    if largest != smallest:
+        raise SpecError(
+            f"Parallel.{parallel.mode.value}: the ranks of this group built different layers (this rank: "
+            f"{whole}, engine {engine}); build every rank's FusedMoE from the same spec, checkpoint layer "
+            "and engine"
+        )
