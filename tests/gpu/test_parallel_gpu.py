@@ -5,11 +5,15 @@ Data flow: spawn 2 ranks (NCCL, GPU = rank) -> per preset: the global random lay
 then each engine named) and the tensor-parallel share -> a global batch drawn the same on every rank:
 EP ranks take uneven slices of it (one rank's slice is empty in one case), TP ranks all pass it whole ->
 each output against the 1-rank layer's rows on the same GPU, within `tolerance(spec)`. Then a CUDA graph
-of the EP layer captured at one T on both ranks, replayed on new tokens, equal to eager to the bit.
-Expected runtime on 2 H200s: about a minute (compiles for five presets, DeepSeek-V3's 11 GB of FP8 experts).
+of the EP layer captured at one T on both ranks, replayed on new tokens, equal to eager to the bit. Then
+a gpt-oss-20b checkpoint read per rank (EP and TP) onto each GPU, against the layer read whole.
+Expected runtime on 2 H200s: about two and a half minutes (compiles for five presets, 11 GB of FP8 experts).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from gpu_only import skip_unless_compiled_gpu
 skip_unless_compiled_gpu()
 
 from moekit import EpEngine, FusedMoE, Parallel, preset  # noqa: E402
+from moekit.checkpoint import CheckpointNaming, GptOssLayer, save_gpt_oss_layer  # noqa: E402
 from moekit.presets import PRESETS  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 from moekit.synthetic import random_layer, random_tokens  # noqa: E402
@@ -72,6 +77,33 @@ def _rank_main(rank: int, world: int) -> None:
             print(line, flush=True)
         torch.cuda.empty_cache()
     _check_graph(rank)
+    _check_checkpoint(rank)
+
+
+def _check_checkpoint(rank: int) -> None:
+    """Each rank reads only its share of a gpt-oss-20b checkpoint straight onto its GPU: EP and TP equal
+    the 1-rank layer read whole."""
+    spec = preset("gpt-oss-20b")
+    device = torch.device("cuda", rank)
+    path = Path(os.environ["MOEKIT_TEST_CKPT_DIR"]) / "gpt-oss-20b-layer0.safetensors"
+    if rank == 0:
+        layer = random_layer(spec, seed=21, device=device)
+        saved = GptOssLayer(
+            weights=layer.weights,
+            router_weight=layer.router_weight,
+            router_bias=(0.1 * torch.randn(spec.E, device=device)).to(torch.bfloat16),
+            naming=CheckpointNaming.HF,
+            layer=0,
+        )
+        save_gpt_oss_layer(path, saved, layer=0, naming=CheckpointNaming.HF)
+    dist.barrier()
+    one = FusedMoE.from_gpt_oss_checkpoint(path, 0, device=device)
+    x = random_tokens(spec, 96, seed=rank, device=device)
+    for parallel in (Parallel.expert(dist.group.WORLD), Parallel.tensor(dist.group.WORLD)):
+        share = FusedMoE.from_gpt_oss_checkpoint(path, 0, device=device, parallel=parallel)
+        err = relative_l2_error(share(x), one(x))
+        print(f"checkpoint {parallel.mode.value}: rank {rank} rel L2 vs 1 rank {err:.2e}", flush=True)
+        assert err <= tolerance(spec), err
 
 
 def _check_graph(rank: int) -> None:
@@ -107,5 +139,6 @@ def _check_graph(rank: int) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
-def test_every_preset_on_two_gpus_matches_one(tmp_path) -> None:
+def test_every_preset_on_two_gpus_matches_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MOEKIT_TEST_CKPT_DIR", str(tmp_path))  # spawned ranks inherit the environment
     run_on_ranks(_rank_main, WORLD, tmp_path, backend="nccl")
