@@ -71,43 +71,18 @@ from moekit.errors import (
     check_type,
 )
 from moekit.kernels.base import DeviceInfo, Kernel
-from moekit.kernels.registry import KernelRegistry, default_registry
+from moekit.kernels.registry import default_registry
 from moekit.ops import route_checked, run_checked
 from moekit.parallel import Parallel, ParallelMode, RankShare, check_same_layer, shard_for
 from moekit.parallel.expert import EpChoice, ExpertParallel
+from moekit.planning.options import PlanOptions
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
 from moekit.planning.plan import plan as make_plan
-from moekit.planning.tuned import TunedTables, token_bucket
+from moekit.planning.tuned import token_bucket
 from moekit.router import batch_invariant_routing_reason, compute_router_logits
 from moekit.routing import RoutingResult, count_per_expert
 from moekit.spec import MoESpec
 from moekit.weights import ExpertWeights
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """How a layer plans: the arguments of `moekit.plan` other than the spec, tokens and device."""
-
-    tuned: TunedTables | str | Path | None = None  # extra tuned table (path) or already-loaded tables
-    strict: bool = False  # any fallback (missing, nearest or rejected tuned row) raises PlanFallbackError
-    registry: KernelRegistry | None = None  # None: moekit's default registry
-    allow_reference: bool = True  # False: never run the (slow) reference kernel
-    # True: a token's output is bitwise independent of the other tokens and of T: one kernel, config and
-    # reduction order for every bucket (`planning.plan.plan_batch_invariant`), the router's logits in
-    # fixed-shape matmuls (`compute_router_logits`), per-token routing and top-k sum. Costs speed away
-    # from the T the config was chosen at (benchmarks/bench_moe.py --batch-invariant measures it).
-    batch_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("strict", "allow_reference", "batch_invariant"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpecError(
-                    f"PlanOptions.{name} must be a bool, got {getattr(self, name)!r}; pass True or False"
-                )
-        if self.registry is not None and not isinstance(self.registry, KernelRegistry):
-            raise SpecError(f"registry must be a KernelRegistry or None, got {type(self.registry).__name__}")
-        if self.tuned is not None and not isinstance(self.tuned, TunedTables | str | Path):
-            raise SpecError(f"tuned must be TunedTables, a path or None, got {type(self.tuned).__name__}")
 
 
 @dataclass(frozen=True)
