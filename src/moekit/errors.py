@@ -81,6 +81,13 @@ def _field_error(error: type[MoekitError], where: str, value: object, need: str,
     return error(f"{where} must be {need}, got {_shown(value)}; {fix}")
 
 
+def _int_text(text: str) -> int | None:
+    """The int a string spells in ASCII decimal digits ("12", " -3"), else None ("²", "1e3", "")."""
+    body = text.strip()
+    digits = body[1:] if body[:1] in "+-" else body
+    return int(body) if digits.isascii() and digits.isdigit() else None
+
+
 def check_int(
     where: str,
     value: object,
@@ -97,8 +104,8 @@ def check_int(
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             fix = f"pass the int {int(value)}"
-        elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-            fix = f"pass the number {int(value)}, not a string"
+        elif isinstance(value, str) and (number := _int_text(value)) is not None:
+            fix = f"pass the number {number}, not a string"
         else:
             fix = "pass a Python int"
         raise _field_error(error, where, value, need, fix)

@@ -82,6 +82,12 @@ def test_the_fix_names_what_to_pass():
         MoESpec(**BASE, has_bias="no")
     with pytest.raises(SpecError, match=r"pass Activation.SILU$"):
         ActivationSpec("SILU")
+    with pytest.raises(SpecError, match=r"pass the number -12, not a string$"):
+        MoESpec(**{**BASE, "top_k": " -12"})
+    # Unicode digits that int() does not read (superscripts) get the plain fix, not a crash in the message.
+    for text in ("²", "+", "1e3", ""):
+        with pytest.raises(SpecError, match=r"pass a Python int$"):
+            MoESpec(**{**BASE, "top_k": text})
 
 
 # Values of every kind a careless caller passes: wrong types, out of range, whole floats, strings.
