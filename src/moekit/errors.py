@@ -72,7 +72,10 @@ class ArgumentError(MoekitError, ValueError, TypeError):
 
 
 def _shown(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - an int past str()'s digit limit, an object whose repr raises
+        text = f"<a {type(value).__name__} that cannot be shown>"
     text = text if len(text) <= 80 else text[:77] + "..."
     return f"{text} ({type(value).__name__})"
 

@@ -88,6 +88,9 @@ def test_the_fix_names_what_to_pass():
     for text in ("²", "+", "1e3", ""):
         with pytest.raises(SpecError, match=r"pass a Python int$"):
             MoESpec(**{**BASE, "top_k": text})
+    # An int too long for str() still gets a message, not str()'s own ValueError.
+    with pytest.raises(SpecError, match="cannot be shown"):
+        ActivationSpec(Activation.SWIGLU_OAI, alpha=10**5000, limit=7.0)
 
 
 # Values of every kind a careless caller passes: wrong types, out of range, whole floats, strings.
