@@ -140,13 +140,13 @@ class FusedMoE(torch.nn.Module):
         if presharded and parallel is None:
             raise ArgumentError("presharded=True: the weights are a share of which group? pass parallel= too")
         self._ep: ExpertParallel | None = None
+        dev = _normalize_device(weights.device if device is None else device)
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
-            check_same_layer(parallel, spec)  # a collective: every rank builds its layer together
+            check_same_layer(parallel, spec, dev)  # a collective: every rank builds its layer together
             spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map, presharded=presharded)
             if parallel.mode is ParallelMode.EXPERT:
                 self._ep = ExpertParallel(parallel, spec)
         self.parallel = parallel
-        dev = _normalize_device(weights.device if device is None else device)
         # One-time load step: move, and make every tensor contiguous (the fused kernels read rows).
         weights = weights.to(dev) if weights.device != dev else weights
         weights = replace(weights, **{n: t.contiguous() for n, t in weights.tensors().items()})

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gloo_ranks import run_on_ranks
 from moekit import EpEngine, FusedMoE, Parallel, fused_moe_reference, preset, route
 from moekit.ep.ownership import expert_ownership, local_expert_map
-from moekit.errors import ArgumentError, NonFiniteError, SpecError
+from moekit.errors import ArgumentError, DeviceError, NonFiniteError, SpecError
 from moekit.parallel import expert_shard
 from moekit.parallel.expert import ExpertParallel
 from moekit.planning.tuned import token_bucket
@@ -185,3 +185,25 @@ def _check_mismatch(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_ranks_building_different_layers_are_refused_on_every_rank(tmp_path) -> None:
     run_on_ranks(_check_mismatch, 2, tmp_path)
+
+
+def _check_device(rank: int, world: int) -> None:
+    """A rank whose layer sits on a device its backend cannot move (CUDA with gloo) makes every rank
+    raise DeviceError at construction; the others are told to look at that rank."""
+    layer = random_layer(QWEN3_SMALL, seed=9)
+    device = torch.device("cuda", 0) if rank == 1 else torch.device("cpu")
+    expected = "gloo group moves CPU tensors" if rank == 1 else "another rank"
+    for parallel in (Parallel.expert(dist.group.WORLD), Parallel.tensor(dist.group.WORLD)):
+        with pytest.raises(DeviceError, match=expected):
+            FusedMoE(
+                spec=QWEN3_SMALL,
+                weights=layer.weights,
+                router_weight=layer.router_weight,
+                device=device,
+                parallel=parallel,
+            )
+
+
+@pytest.mark.timeout(120)
+def test_a_device_the_backend_cannot_serve_is_refused_on_every_rank(tmp_path) -> None:
+    run_on_ranks(_check_device, 2, tmp_path)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.engines import EpEngine, engine_for
-from moekit.errors import ArgumentError, SpecError, check_enum
+from moekit.errors import ArgumentError, DeviceError, SpecError, check_enum
 from moekit.spec import MoESpec
 
 
@@ -100,20 +100,45 @@ class Parallel:
         return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}{engine}"
 
 
-def check_same_layer(parallel: Parallel, spec: MoESpec) -> None:
-    """Every rank of `parallel.group` builds the same global layer in the same mode: one all-reduce of a
-    fingerprint of (mode, engine, global spec), at construction. Ranks holding different layers (another
-    checkpoint layer, another preset) would otherwise exchange tokens of mismatched shapes or sum
-    unrelated partial outputs; each raises `SpecError` instead."""
+def device_problem(parallel: Parallel, device: torch.device) -> str | None:
+    """Why this rank's layer device cannot serve the group's backend, or None. NCCL moves CUDA tensors
+    of the rank's current device; gloo moves CPU tensors."""
+    backend = str(dist.get_backend(parallel.group))
+    if backend == "nccl":
+        if device.type != "cuda":
+            return f"an NCCL group moves CUDA tensors, this layer is on {device}; build it with device='cuda'"
+        if device.index != torch.cuda.current_device():
+            current = torch.cuda.current_device()
+            return (
+                f"NCCL runs on this rank's current CUDA device cuda:{current}, this layer is on {device}; "
+                "call torch.cuda.set_device(local_rank) first, or build it there"
+            )
+    elif backend == "gloo" and device.type != "cpu":
+        return f"a gloo group moves CPU tensors, this layer is on {device}; use an NCCL group for CUDA"
+    return None
+
+
+def check_same_layer(parallel: Parallel, spec: MoESpec, device: torch.device) -> None:
+    """Every rank of `parallel.group` builds the same global layer in the same mode, each on a device its
+    backend serves: one all-reduce of a fingerprint of (mode, engine, global spec) and of a device flag,
+    at construction. Ranks holding different layers (another checkpoint layer, another preset) would
+    otherwise exchange tokens of mismatched shapes or sum unrelated partial outputs, and a rank refusing
+    alone would leave the others waiting in a collective: every rank raises (`SpecError`, `DeviceError`)."""
     whole = replace(spec, num_local_experts=None).describe()
     engine = None if parallel.engine is None else parallel.engine.value
     fingerprint = zlib.crc32(f"{parallel.mode.value}|{engine}|{whole}".encode())
-    backend = str(dist.get_backend(parallel.group))
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=parallel.group)
-    largest, smallest = both[0].item(), -both[1].item()
-    if largest != smallest:
+    problem = device_problem(parallel, device)
+    nccl = str(dist.get_backend(parallel.group)) == "nccl"
+    where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    state = torch.tensor([fingerprint, -fingerprint, problem is not None], dtype=torch.int64, device=where)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=parallel.group)
+    largest, negated_smallest, any_problem = state.tolist()
+    if any_problem:
+        raise DeviceError(
+            f"Parallel.{parallel.mode.value}: "
+            + (problem or "a device problem on another rank of this group; see that rank's error")
+        )
+    if largest != -negated_smallest:
         raise SpecError(
             f"Parallel.{parallel.mode.value}: the ranks of this group built different layers (this rank: "
             f"{whole}, engine {engine}); build every rank's FusedMoE from the same spec, checkpoint layer "
