@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 import moekit.checkpoint.loader as ckpt_loader
-from gloo_ranks import run_on_ranks
 from moekit import CheckpointError, FusedMoE, Parallel, SpecError, UnsupportedSpecError
 from moekit.checkpoint import (
     CheckpointNaming,
@@ -33,6 +32,7 @@ from moekit.checkpoint import (
 from moekit.errors import ArgumentError
 from moekit.parallel import ParallelMode, RankShare, expert_shard, tensor_shard
 from moekit.synthetic import random_layer
+from spawn_ranks import run_on_ranks
 
 E, H, I = 5, 64, 192  # E divisible by neither 2 nor 3; I/2 = 96 and I/3 = 64 are whole MXFP4 blocks
 LAYER = 1

@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 
-from gloo_ranks import run_on_ranks
 from moekit.ep.cost import bytes_moved, expected_remote_destinations, predict_us
 from moekit.ep.engines import AllGatherReduceScatter, AllToAll, EpEngine, dispatch_mask, engine_for
 from moekit.ep.ownership import expert_ownership, local_expert_map, num_local_experts, owner_of
@@ -23,6 +22,7 @@ from moekit.reference import fused_moe_reference, relative_l2_error
 from moekit.routing import RoutingResult, route_torch
 from moekit.spec import Activation, ActivationSpec, GateLayout, MoESpec
 from moekit.synthetic import random_layer
+from spawn_ranks import run_on_ranks
 
 # overlap_min_bytes=0: every batch of 2+ rows in two overlapped halves (asynchronous collectives).
 ENGINES = (AllGatherReduceScatter(), AllGatherReduceScatter(overlap_min_bytes=0), AllToAll())

@@ -1,6 +1,6 @@
 """Hugging Face blocks on a parallel group: `fused_moe_from_hf` and `patch_model` with `parallel=`.
 
-Data flow: pytest -> 2 gloo ranks (`gloo_ranks.run_on_ranks`) -> on each rank, the same tiny random
+Data flow: pytest -> 2 gloo ranks (`spawn_ranks.run_on_ranks`) -> on each rank, the same tiny random
 GPT-OSS and Qwen3-MoE causal LMs (fp32) -> for tensor parallelism (the same tokens on every rank) and
 expert parallelism (each rank its own tokens, of its own count): the HF block's output on this rank's
 tokens against `fused_moe_from_hf(block, parallel=...)`'s, then `patch_model(model, parallel=...)`: the
@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from gloo_ranks import run_on_ranks  # noqa: E402
 from moekit import Parallel, ParallelMode  # noqa: E402
 from moekit.integrations.transformers import (  # noqa: E402
     Family,
@@ -26,6 +25,7 @@ from moekit.integrations.transformers import (  # noqa: E402
     unpatch,
 )
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
+from spawn_ranks import run_on_ranks  # noqa: E402
 
 H, I, E, VOCAB = 32, 48, 6, 40  # I/2 = 24 per tensor-parallel rank, E/2 = 3 experts per expert-parallel rank
 _COMMON = dict(

@@ -1,6 +1,6 @@
 """Eight gloo ranks: the parallel layer at DeepSeek-V3's and gpt-oss-120b's expert-parallel group sizes.
 
-Data flow: pytest -> 8 ranks (tests/gloo_ranks.py) -> per spec (DeepSeek-V3's math: FP8 block-128 weights
+Data flow: pytest -> 8 ranks (tests/spawn_ranks.py) -> per spec (DeepSeek-V3's math: FP8 block-128 weights
 and activations, grouped sigmoid routing with a correction bias, K = 8; gpt-oss-120b's: MXFP4, SwiGLU with
 clamp, interleaved rows, biases, K = 4; E = 16, so each rank holds 2 experts) -> a global batch drawn the
 same on every rank -> EP (engine chosen per bucket, then each engine named): each rank its own uneven
@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_ranks import run_on_ranks
 from moekit import EpEngine, FusedMoE, Parallel, UnsupportedSpecError, preset
 from moekit.reference import relative_l2_error, tolerance
 from moekit.synthetic import random_layer, random_tokens
+from spawn_ranks import run_on_ranks
 
 WORLD = 8
 DEEPSEEK_SMALL = replace(

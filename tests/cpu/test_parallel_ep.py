@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_ranks import run_on_ranks
 from moekit import EpEngine, FusedMoE, Parallel, fused_moe_reference, preset, route
 from moekit.ep.ownership import expert_ownership, local_expert_map
 from moekit.errors import ArgumentError, DeviceError, NonFiniteError, SpecError
@@ -23,6 +22,7 @@ from moekit.parallel.expert import ExpertParallel
 from moekit.planning.tuned import token_bucket
 from moekit.reference import relative_l2_error, tolerance
 from moekit.synthetic import random_layer, random_tokens
+from spawn_ranks import run_on_ranks
 
 GPT_OSS_SMALL = replace(
     preset("gpt-oss-20b", act_dtype=torch.float32), num_experts=8, hidden_size=64, intermediate_size=64

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_ranks import run_on_ranks
 from moekit import (
     Activation,
     ActivationSpec,
@@ -35,6 +34,7 @@ from moekit import (
 from moekit.errors import ArgumentError
 from moekit.parallel import tensor_shard
 from moekit.synthetic import random_layer, random_tokens
+from spawn_ranks import run_on_ranks
 
 # H and I are multiples of 32 * 4 where a format has blocks, so 2 and 4 ranks both shard.
 GPT_OSS_SMALL = replace(

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_ranks import run_on_ranks
 from gpu_only import skip_unless_compiled_gpu
+from spawn_ranks import run_on_ranks
 
 skip_unless_compiled_gpu()
 

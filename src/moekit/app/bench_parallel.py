@@ -119,7 +119,7 @@ def _breakdown(par: FusedMoE, x: torch.Tensor, engine: EpEngine | None, device: 
         comm = _seconds(_graphed(functools.partial(dist.all_reduce, out)), device)
         rows = x
     else:
-        kind = engine or EpEngine.ALLGATHER_REDUCESCATTER
+        kind = engine  # the engine the eager forward used (None only for tensor parallelism)
         collectives_only = functools.partial(
             engine_for(kind).run,
             x,
@@ -185,16 +185,16 @@ def bench_parallel(
                 _seconds(functools.partial(par, x), device),
                 _seconds(functools.partial(one, x), device),
             )
+            # The engine this T's eager forward used (its bucket's choice unless one was named).
+            used = (engine or par.ep_choice(t).engine) if expert else None
             g_par = g_one = comm = experts = None
             if cuda:
                 g_par = _seconds(_graphed(functools.partial(par, x)), device)
                 g_one = _seconds(_graphed(functools.partial(one, x)), device)
-                used = par.ep_choice(t).engine if expert and engine is None else engine
                 comm, experts = _breakdown(par, x, used, device)
             best_par, best_one = min(t_par, g_par or t_par), min(t_one, g_one or t_one)
             if expert:
                 got, want = _gather_rows(par(x)), one(_gather_rows(x))
-                used = par.ep_choice(t).engine if engine is None else engine
                 model = predict_us(
                     used, tokens_per_rank=t, H=spec.H, K=spec.K, E=spec.E, world=world, act_bytes=act,
                     constants=constants, static=False,

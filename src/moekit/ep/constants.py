@@ -14,6 +14,7 @@ the model's time of one call is latency + bytes sent / bus bandwidth for every k
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -207,6 +208,12 @@ def load_collectives(path: str | Path | None = None) -> CollectiveTable:
             f"{path}: not JSON ({err}); write it with benchmarks/fit_collectives.py --out"
         ) from err
     return parse_collectives(data, origin=str(path))
+
+
+@functools.cache
+def shipped_collectives() -> CollectiveTable:
+    """The shipped table, read and checked once per process (every expert-parallel layer consults it)."""
+    return load_collectives()
 
 
 def collectives_as_dict(table: CollectiveTable) -> dict:

@@ -124,17 +124,8 @@ def bytes_moved(
     static: bool = True,
 ) -> float:
     """Bytes one rank sends to other ranks per forward (dispatch + combine), every rank at T tokens."""
-    calls = engine_calls(
-        engine,
-        tokens_per_rank=tokens_per_rank,
-        H=H,
-        K=K,
-        E=E,
-        world=world,
-        act_bytes=act_bytes,
-        static=static,
-    )
-    return float(sum(c.bytes_sent for c in calls))
+    shape = dict(tokens_per_rank=tokens_per_rank, H=H, K=K, E=E, world=world, act_bytes=act_bytes)
+    return float(sum(c.bytes_sent for c in engine_calls(engine, static=static, **shape)))
 
 
 def _table(
@@ -182,20 +173,9 @@ def predict_us(
     bandwidth, from `constants` (a measured table) or one `latency_us` and `bandwidth_GBps` for all,
     plus the engine's own device copies (`local_copy_bytes`) at `LOCAL_COPY_GBPS`."""
     table = _table(constants, bandwidth_GBps, latency_us)
-    calls = engine_calls(
-        engine,
-        tokens_per_rank=tokens_per_rank,
-        H=H,
-        K=K,
-        E=E,
-        world=world,
-        act_bytes=act_bytes,
-        static=static,
-    )
-    local = local_copy_bytes(
-        engine, tokens_per_rank=tokens_per_rank, H=H, K=K, E=E, world=world, act_bytes=act_bytes
-    )
-    return calls_us(calls, table) + local / (LOCAL_COPY_GBPS * 1e3)
+    shape = dict(tokens_per_rank=tokens_per_rank, H=H, K=K, E=E, world=world, act_bytes=act_bytes)
+    calls = engine_calls(engine, static=static, **shape)
+    return calls_us(calls, table) + local_copy_bytes(engine, **shape) / (LOCAL_COPY_GBPS * 1e3)
 
 
 # Device-to-device copy rate of an H200 (measured by `moekit bench`'s ceilings: 4.1 TB/s): what the

@@ -189,7 +189,7 @@ class AllGatherReduceScatter:
     ) -> torch.Tensor:
         """out_local [T_r, H]. `max_tokens`: a bound on every rank's T_r known to all (the same on every
         rank): shapes are then static and nothing syncs; without it the ranks agree on max T_r with one
-        all-reduce read on the host. Padding rows carry weight 0 (`_pad_routing`)."""
+        all-reduce read on the host. Padding rows carry weight 0 (`_padded`)."""
         _check_inputs(x, routing)
         world = dist.get_world_size(group)
         rows, hidden = x.shape

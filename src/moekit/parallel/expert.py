@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.checks import capturing, check_finite_logits
-from moekit.ep.constants import load_collectives
+from moekit.ep.constants import shipped_collectives
 from moekit.ep.cost import predict_us
 from moekit.ep.engines import ENGINES, EpEngine, LocalExperts, engine_for
 from moekit.errors import NonFiniteError, UnsupportedSpecError
@@ -73,7 +73,6 @@ class ExpertParallel:
         self._spec = spec
         self._backend = str(dist.get_backend(parallel.group))
         self._choices: dict[int, EpChoice] = {}
-        self._constants = load_collectives()  # the shipped measured table (read once per layer)
 
     def choice_for(self, max_tokens: int) -> EpChoice:
         """The engine for a forward whose group-wide largest per-rank token count is `max_tokens`."""
@@ -94,7 +93,7 @@ class ExpertParallel:
                 E=spec.E,
                 world=world,
                 act_bytes=spec.act_dtype.itemsize,
-                constants=self._constants,
+                constants=shipped_collectives(),
             )
             predicted.append((kind, us))
         forced = self.parallel.engine is not None

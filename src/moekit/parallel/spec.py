@@ -100,10 +100,9 @@ class Parallel:
         return f"{self.mode.value} parallel, rank {self.rank} of {self.world_size}{engine}"
 
 
-def device_problem(parallel: Parallel, device: torch.device) -> str | None:
-    """Why this rank's layer device cannot serve the group's backend, or None. NCCL moves CUDA tensors
+def device_problem(backend: str, device: torch.device) -> str | None:
+    """Why this rank's layer device cannot serve the group's `backend`, or None. NCCL moves CUDA tensors
     of the rank's current device; gloo moves CPU tensors."""
-    backend = str(dist.get_backend(parallel.group))
     if backend == "nccl":
         if device.type != "cuda":
             return f"an NCCL group moves CUDA tensors, this layer is on {device}; build it with device='cuda'"
@@ -127,9 +126,9 @@ def check_same_layer(parallel: Parallel, spec: MoESpec, device: torch.device) ->
     whole = replace(spec, num_local_experts=None).describe()
     engine = None if parallel.engine is None else parallel.engine.value
     fingerprint = zlib.crc32(f"{parallel.mode.value}|{engine}|{whole}".encode())
-    problem = device_problem(parallel, device)
-    nccl = str(dist.get_backend(parallel.group)) == "nccl"
-    where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    backend = str(dist.get_backend(parallel.group))
+    problem = device_problem(backend, device)
+    where = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     state = torch.tensor([fingerprint, -fingerprint, problem is not None], dtype=torch.int64, device=where)
     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=parallel.group)
     largest, negated_smallest, any_problem = state.tolist()
