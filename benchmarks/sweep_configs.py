@@ -17,34 +17,41 @@ from pathlib import Path
 
 import torch
 
-from moekit.app.bench import make_record, measure_ceilings, time_plan
+from moekit.app.bench import make_record, measure_ceilings, prepared_weights, time_plan, whole_layer
 from moekit.kernels.base import DeviceInfo, Problem
 from moekit.kernels.registry import default_registry
 from moekit.planning.plan import plan
 from moekit.planning.tuned import row_to_json, triton_version, write_rows
-from moekit.presets import cap_experts, preset
+from moekit.presets import cap_experts, preset_at
 from moekit.reference import fused_moe_reference
 from moekit.synthetic import random_batch, random_layer
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--preset", default="gpt-oss-120b")
+    p.add_argument("--preset", default="gpt-oss-120b", help='a preset, or "preset@ExKxHxI" (another shape)')
     p.add_argument("--experts", type=int, default=None, help="cap E (memory), as `moekit bench`")
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
     p.add_argument("--table", default=None, help="write each T's verified winner to this tuned table")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new T after this long")
     p.add_argument("--json", default=None, help="write every timed candidate here (bench-results/...)")
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="run each candidate once, untimed and unchecked: fills the Triton cache (several such processes "
+        "in parallel compile on several CPU cores; the timed sweep after them only loads the binaries)",
+    )
     args = p.parse_args()
     device = torch.device("cuda")
-    ceilings = measure_ceilings(device)
-    spec = preset(args.preset)
-    spec = cap_experts(spec, args.experts)
+    spec = cap_experts(preset_at(args.preset), args.experts)
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     kernel = default_registry().get("triton_fused")
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
     prepared: dict = {}  # time_plan's cache: one prepare_weights per (kernel, spec)
+    if args.compile_only:
+        return _compile_only(spec, layer, info, kernel, args.tokens, prepared, device)
+    ceilings = measure_ceilings(device)
     results = []
     start = time.time()
     for t in (int(v) for v in args.tokens.split(",")):
@@ -93,6 +100,21 @@ def main() -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "ceilings": asdict(ceilings), "results": results}, f, indent=1)
+    return 0
+
+
+def _compile_only(spec, layer, info, kernel, tokens: str, prepared: dict, device) -> int:
+    """Each candidate of each T run once (no timing, no check): its kernels compiled into the Triton cache."""
+    for t in (int(v) for v in tokens.split(",")):
+        x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
+        base = replace(plan(spec, num_tokens=t, device=info), kernel="triton_fused")
+        for cfg in kernel.tuning_space(spec, Problem(num_tokens=t, device=info)):
+            chosen = replace(base, config=cfg)
+            try:
+                whole_layer(chosen, layer, prepared_weights(chosen, layer, prepared), x, logits)()
+            except Exception as err:  # noqa: BLE001 - the timed sweep reports it again
+                print(f"T={t} {cfg.as_dict()} FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
+    torch.cuda.synchronize(device)
     return 0
 
 

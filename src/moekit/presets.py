@@ -5,6 +5,8 @@ Data flow: a name -> a `MoESpec`. The CLI, benchmarks and tests take presets fro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from moekit.errors import SpecError, check_int, check_type
@@ -81,6 +83,16 @@ PRESETS: dict[str, MoESpec] = {
 DEFAULT_PRESET = "gpt-oss-20b"
 
 
+def _routing_at(routing: RoutingSpec, experts: int, top_k: int) -> RoutingSpec:
+    """`routing` for E = `experts`: grouped routing keeps its groups only if E still divides into them
+    and the kept groups still hold K experts."""
+    if routing.n_group is not None and (
+        experts % routing.n_group or top_k > routing.topk_group * (experts // routing.n_group)
+    ):
+        return replace(routing, n_group=None, topk_group=None)
+    return routing
+
+
 def preset(name: str, *, act_dtype: torch.dtype = torch.bfloat16) -> MoESpec:
     """The spec of a named model (case-insensitive)."""
     check_type("preset(name)", name, str, fix=f"pass one of {sorted(PRESETS)}", error=SpecError)
@@ -89,8 +101,6 @@ def preset(name: str, *, act_dtype: torch.dtype = torch.bfloat16) -> MoESpec:
         raise SpecError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     spec = PRESETS[key]
     if act_dtype != spec.act_dtype:
-        from dataclasses import replace
-
         spec = replace(spec, act_dtype=act_dtype)
     return spec
 
@@ -102,11 +112,26 @@ def cap_experts(spec: MoESpec, max_experts: int | None) -> MoESpec:
     check_int("cap_experts(max_experts)", max_experts, minimum=1, optional=True)
     if max_experts is None or spec.E <= max_experts:
         return spec
-    from dataclasses import replace
-
-    routing = spec.routing
-    if routing.n_group is not None and (
-        max_experts % routing.n_group or spec.K > routing.topk_group * (max_experts // routing.n_group)
-    ):
-        routing = replace(routing, n_group=None, topk_group=None)
+    routing = _routing_at(spec.routing, max_experts, min(spec.K, max_experts))
     return replace(spec, num_experts=max_experts, top_k=min(spec.K, max_experts), routing=routing)
+
+
+def reshaped(spec: MoESpec, shape: str) -> MoESpec:
+    """The same math at another size: `shape` is "ExKxHxI" (experts, top-k, hidden, intermediate; commas
+    also separate). Benchmarks use it to run shapes that no preset, and no tuned row, covers."""
+    check_type("reshaped(shape)", shape, str, fix='pass "ExKxHxI", e.g. "256x8x7168x2048"', error=SpecError)
+    parts = shape.replace(",", "x").split("x")
+    if len(parts) != 4 or not all(p.isdecimal() and int(p) > 0 for p in parts):
+        raise SpecError(f'shape must be four positive ints "ExKxHxI", e.g. "256x8x7168x2048", got {shape!r}')
+    experts, top_k, hidden, inter = (int(p) for p in parts)
+    routing = _routing_at(spec.routing, experts, top_k)
+    return replace(
+        spec, num_experts=experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter, routing=routing
+    )
+
+
+def preset_at(label: str) -> MoESpec:
+    """A preset by name, or "name@ExKxHxI": that preset's math at another shape (`reshaped`)."""
+    check_type("preset_at(label)", label, str, fix='pass a preset name or "name@ExKxHxI"', error=SpecError)
+    name, at, shape = label.partition("@")
+    return reshaped(preset(name), shape) if at else preset(name)

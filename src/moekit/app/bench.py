@@ -21,7 +21,7 @@ from moekit.kernels.base import DeviceInfo
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights, route
 from moekit.planning.plan import plan
-from moekit.presets import cap_experts, preset
+from moekit.presets import cap_experts, preset_at
 from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 from moekit.synthetic import random_batch, random_layer
@@ -145,9 +145,10 @@ def bench_preset(
     num_experts: int | None = None,
     progress=None,
 ) -> list[BenchRecord]:
-    """Time each kernel at each T; a kernel that fails (capture, launch, memory) is recorded, not fatal."""
+    """Time each kernel at each T; a kernel that fails (capture, launch, memory) is recorded, not fatal.
+    `name` is a preset or "preset@ExKxHxI" (`presets.preset_at`: its math at another shape)."""
     device = torch.device(device)
-    spec = cap_experts(preset(name), num_experts)
+    spec = cap_experts(preset_at(name), num_experts)
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     registry = default_registry()

@@ -21,6 +21,60 @@ def _tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
     return max(num_tokens, 1) * spec.K / spec.E_local
 
 
+# Streaming multiprocessors of the Hopper parts the thresholds below were measured on (H100 SXM, H200).
+_HOPPER_SMS = 132
+
+
+def _decode_split_k(spec: MoESpec, num_tokens: int, block_n: int) -> int:
+    """Shares of K per GEMM1 program so that a decode step fills the SMs: a few (token, expert) pairs
+    make few M-blocks (about one per hit expert), hence few programs, each streaming a long K. Split
+    until there are two programs per SM; at most 4 shares, each at least two 128-wide K-steps."""
+    blocks = min(max(num_tokens, 1) * spec.K, spec.E_local)
+    programs = blocks * -(-spec.I // block_n)
+    longest = max(1, min(4, spec.H // 256, spec.I // 256))
+    split = 1
+    while programs * split < 2 * _HOPPER_SMS and split < longest:
+        split += 1
+    return split
+
+
+def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float) -> TritonMoEConfig:
+    """MXFP4 tiles by tokens per expert (the regimes of H200 sweeps of gpt-oss-120b and -20b, where every
+    winner had 4 warps, GEMM2 on 128 weight rows and these tiles).
+
+    Up to 8 tokens an expert the layer streams weights and the decode sets the pace: 16-token tiles of
+    64 w13 rows (block_n 32) with 128-wide K-steps. When even those leave fewer than three programs per
+    SM (a single token: only K of E experts hit), 128-row tiles split along K instead. Up to 48 tokens
+    an expert, 32-token tiles decode each weight tile for twice the tokens; beyond, 128-token tiles
+    with each expert's odd last half-block in a second launch (`tail_block_m`).
+    """
+    if per_expert <= 8:
+        blocks = min(max(num_tokens, 1) * spec.K, spec.E_local)
+        if blocks * -(-spec.I // 32) < 3 * _HOPPER_SMS:
+            split = _decode_split_k(spec, num_tokens, 64)
+            if split > 1:
+                return TritonMoEConfig(
+                    block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3, split_k=split
+                )
+        return TritonMoEConfig(
+            block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=3, gemm2_block_n=128
+        )
+    if per_expert <= 48:
+        return TritonMoEConfig(
+            block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3, gemm2_block_n=128
+        )
+    return TritonMoEConfig(
+        block_m=128,
+        block_n=64,
+        block_k=64,
+        group_m=8,
+        num_warps=4,
+        num_stages=4,
+        gemm2_block_n=128,
+        tail_block_m=64,
+    )
+
+
 def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
     """A capable config without tuning: tiles grow with the tokens each expert sees on average.
 
@@ -33,13 +87,7 @@ def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
     fmt = spec.weight_format
     if fmt is WeightFormat.MXFP4:
-        if per_expert <= 8:  # weight streaming: the decode, not the MMA, sets the pace
-            return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
-        if per_expert <= 24:
-            return TritonMoEConfig(block_m=32, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)
-        if per_expert <= 96:
-            return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
-        return TritonMoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        return _mxfp4_config(spec, num_tokens, per_expert)
     if fmt is WeightFormat.FP8_E4M3:
         # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
         if per_expert <= 16:
