@@ -1,0 +1,76 @@
+"""The MXFP4 config heuristic at shapes no tuned row covers: always usable, always in the tuning space
+(so a sweep measures it), split-K only where a decode step leaves SMs idle; and `preset_at`, the way
+benchmarks name such shapes."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moekit.errors import SpecError
+from moekit.kernels.triton.tuning import default_config, tuning_space
+from moekit.presets import preset, preset_at, reshaped
+
+GPT_OSS = preset("gpt-oss-120b")
+# Multiples of 64: the word packing's row rule holds for 2 * I and for H (`mxfp4_words.rows_reason`).
+DIMS = st.sampled_from([768, 1024, 1408, 1536, 2048, 2880, 4096, 7168, 14336])
+
+
+@st.composite
+def shapes(draw):
+    experts = draw(st.sampled_from([8, 16, 32, 60, 64, 128, 256]))
+    top_k = draw(st.integers(1, min(8, experts)))
+    return reshaped(GPT_OSS, f"{experts}x{top_k}x{draw(DIMS)}x{draw(DIMS)}")
+
+
+@settings(max_examples=150, deadline=None)
+@given(spec=shapes(), tokens=st.integers(1, 1 << 16))
+def test_default_is_usable_and_swept(spec, tokens):
+    config = default_config(spec, tokens)
+    assert config.reason_unusable(spec) is None
+    assert config in tuning_space(spec, tokens)  # the sweep times the heuristic's own choice first
+    assert tuning_space(spec, tokens)[0] == config
+    if config.split_k > 1:
+        # each share keeps at least two 128-wide K-steps of both GEMMs
+        assert config.block_m == 16 and min(spec.H, spec.I) // (128 * config.split_k) >= 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(spec=shapes(), tokens=st.integers(1, 1 << 16))
+def test_tiles_grow_with_tokens_per_expert(spec, tokens):
+    small, large = default_config(spec, tokens), default_config(spec, tokens * 8)
+    assert large.block_m >= small.block_m
+
+
+def test_split_k_follows_the_program_count_not_the_model():
+    # One token, four experts hit: I / 64 = 45 GEMM1 programs an expert, too few for 132 SMs.
+    assert default_config(GPT_OSS, 1).split_k > 1
+    # Mixtral-sized experts: a single token still has 2 x 4096 / 64 = 128 programs in GEMM2 alone ...
+    wide = reshaped(GPT_OSS, "8x2x4096x14336")
+    assert default_config(wide, 1).split_k > 1
+    # ... while 64 tokens hit every expert and fill the SMs without splitting.
+    assert default_config(wide, 64).split_k == 1
+    assert default_config(GPT_OSS, 64).split_k == 1
+
+
+def test_preset_at_names_another_shape():
+    spec = preset_at("gpt-oss-120b@256x8x7168x2048")
+    assert (spec.E, spec.K, spec.H, spec.I) == (256, 8, 7168, 2048)
+    assert spec.weight_format is GPT_OSS.weight_format and spec.activation == GPT_OSS.activation
+    assert preset_at("gpt-oss-20b") == preset("gpt-oss-20b")
+    assert reshaped(GPT_OSS, "32,4,2880,2880") == preset("gpt-oss-20b")
+    # grouped routing keeps its groups only where E still divides into them
+    assert preset_at("deepseek-v3@64x6x2048x1408").routing.n_group == 8
+    assert preset_at("deepseek-v3@60x6x2048x1408").routing.n_group is None
+
+
+@pytest.mark.parametrize(
+    "bad", ["gpt-oss-120b@1x2x3", "gpt-oss-120b@0x2x64x64", "gpt-oss-120b@ax2x64x64", "nope@8x2x64x64"]
+)
+def test_preset_at_refuses_bad_labels(bad):
+    with pytest.raises(SpecError):
+        preset_at(bad)
+
+
+def test_preset_at_refuses_top_k_above_experts():
+    with pytest.raises(SpecError, match="top_k"):
+        preset_at("gpt-oss-120b@4x8x2880x2880")
