@@ -118,7 +118,7 @@ def capture_graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Te
     return graph, out
 
 
-def _flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: int) -> float:
+def flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: int) -> float:
     """Per-call time with L2 flushed before every call, as the peer measures it:
     (graph[flush; fn] x n - graph[flush] x n) / n, medians of event-timed replays."""
     with_fn, _ = capture_graph(fn, device, repeats=repeats, flush=flush)
@@ -226,7 +226,7 @@ def time_plan(chosen, layer, x, logits, expected, prepared, flush, device) -> tu
     rel = relative_l2_error(out, expected)
     del graph, out
     t = x.shape[0]
-    return _flushed_seconds(layer_fn, device, flush, repeats=20 if t <= 1024 else 10), rel
+    return flushed_seconds(layer_fn, device, flush, repeats=20 if t <= 1024 else 10), rel
 
 
 def _problem(t, info):
