@@ -74,3 +74,23 @@ def test_preset_at_refuses_bad_labels(bad):
 def test_preset_at_refuses_top_k_above_experts():
     with pytest.raises(SpecError, match="top_k"):
         preset_at("gpt-oss-120b@4x8x2880x2880")
+
+
+def test_split_k_follows_the_device_multiprocessors():
+    from moekit.errors import DeviceError
+    from moekit.kernels.base import DeviceInfo, DeviceKind, Problem
+    from moekit.kernels.registry import default_registry
+
+    kernel = default_registry().get("triton_fused")
+
+    def split_on(sms):
+        device = DeviceInfo(DeviceKind.CUDA, "a Hopper part", (9, 0), sms)
+        return kernel.default_config(GPT_OSS, Problem(1, device)).split_k
+
+    # One token of gpt-oss-120b: 4 experts x 45 GEMM1 tiles = 180 programs.
+    assert split_on(78) == 1  # two programs for each of 78 SMs: no split
+    assert split_on(132) == 2
+    assert split_on(None) == split_on(132)  # unknown: the count the rule was measured on
+    assert split_on(264) == 3
+    with pytest.raises(DeviceError, match="multiprocessors"):
+        DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0), 0)

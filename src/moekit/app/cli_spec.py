@@ -28,9 +28,9 @@ from moekit.spec import (
 )
 
 SIMULATED_DEVICES = {
-    "h200": DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0)),
-    "h100": DeviceInfo(DeviceKind.CUDA, "NVIDIA H100 80GB HBM3", (9, 0)),
-    "a100": DeviceInfo(DeviceKind.CUDA, "NVIDIA A100-SXM4-80GB", (8, 0)),
+    "h200": DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0), 132),
+    "h100": DeviceInfo(DeviceKind.CUDA, "NVIDIA H100 80GB HBM3", (9, 0), 132),
+    "a100": DeviceInfo(DeviceKind.CUDA, "NVIDIA A100-SXM4-80GB", (8, 0), 108),
 }
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

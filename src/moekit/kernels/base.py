@@ -41,6 +41,9 @@ class DeviceInfo:
     kind: DeviceKind
     name: str  # "cpu" or e.g. "NVIDIA H200"; tuned tables are keyed by it
     compute_capability: tuple[int, int] | None = None  # CUDA only
+    # Streaming multiprocessors (CUDA only; None: unknown). Config heuristics size decode splits by it;
+    # tuned tables are keyed by `name`, which already implies it.
+    multiprocessors: int | None = None
 
     def __post_init__(self) -> None:
         check_enum("DeviceInfo.kind", self.kind, DeviceKind, error=DeviceError)
@@ -57,6 +60,9 @@ class DeviceInfo:
                 )
             for part in cc:
                 check_int("DeviceInfo.compute_capability[i]", part, minimum=0, error=DeviceError)
+        check_int(
+            "DeviceInfo.multiprocessors", self.multiprocessors, minimum=1, optional=True, error=DeviceError
+        )
 
     @classmethod
     def of(cls, device: torch.device | str) -> DeviceInfo:
@@ -76,8 +82,12 @@ class DeviceInfo:
                     f"device {str(device)!r}: this machine has {count} CUDA device(s), "
                     f"cuda:0 to cuda:{count - 1}"
                 )
+            props = torch.cuda.get_device_properties(index)
             return cls(
-                DeviceKind.CUDA, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+                DeviceKind.CUDA,
+                torch.cuda.get_device_name(index),
+                torch.cuda.get_device_capability(index),
+                props.multi_processor_count,
             )
         if device.type == "cpu":
             return cls(DeviceKind.CPU, "cpu")

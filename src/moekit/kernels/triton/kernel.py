@@ -39,11 +39,11 @@ class TritonFusedKernel(Kernel):
         return triton_supports(spec, device=problem.device)
 
     def default_config(self, spec: MoESpec, problem: Problem) -> TritonMoEConfig:
-        return default_config(spec, problem.num_tokens)
+        return default_config(spec, problem.num_tokens, problem.device.multiprocessors)
 
     def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[TritonMoEConfig, ...]:
         """`tuning.tuning_space`: the default plus a short list per regime of tokens per expert."""
-        return tuning_space(spec, problem.num_tokens)
+        return tuning_space(spec, problem.num_tokens, problem.device.multiprocessors)
 
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
         """MXFP4 only (other formats are read as they are), once at load time:

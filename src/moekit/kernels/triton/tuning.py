@@ -21,11 +21,12 @@ def _tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
     return max(num_tokens, 1) * spec.K / spec.E_local
 
 
-# Streaming multiprocessors of the Hopper parts the thresholds below were measured on (H100 SXM, H200).
-_HOPPER_SMS = 132
+# Streaming multiprocessors of the parts the thresholds below were measured on (H100 SXM, H200), assumed
+# when the device does not say (`DeviceInfo.multiprocessors` is None).
+_MEASURED_SMS = 132
 
 
-def _decode_split_k(spec: MoESpec, num_tokens: int) -> int:
+def _decode_split_k(spec: MoESpec, num_tokens: int, sms: int) -> int:
     """Shares of K per program for a decode step of 16-token, 128-row tiles (both GEMMs on 64 weight
     rows a program): a few (token, expert) pairs make about one M-block per hit expert, so the GEMM with
     fewer N-tiles (GEMM1's I / 64 or GEMM2's H / 64) may leave SMs idle. Split until it has two
@@ -34,12 +35,12 @@ def _decode_split_k(spec: MoESpec, num_tokens: int) -> int:
     programs = blocks * -(-min(spec.I, spec.H) // 64)
     most = max(1, min(4, spec.H // 256, spec.I // 256))
     split = 1
-    while programs * split < 2 * _HOPPER_SMS and split < most:
+    while programs * split < 2 * sms and split < most:
         split += 1
     return split
 
 
-def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float) -> TritonMoEConfig:
+def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -> TritonMoEConfig:
     """MXFP4 tiles by tokens per expert, from H200 sweeps of five shapes (E 8 - 256, K 2 - 8, H and I
     768 - 14336), where every winner had 4 warps and these tiles, each within 10 % of the best.
 
@@ -51,7 +52,7 @@ def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float) -> TritonMo
     22 % slower at 64 with E = 32 (each launch then holds half the experts, too few programs).
     """
     if per_expert <= 8:
-        split = _decode_split_k(spec, num_tokens)
+        split = _decode_split_k(spec, num_tokens, sms)
         return TritonMoEConfig(
             block_m=16,
             block_n=64,
@@ -71,7 +72,7 @@ def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float) -> TritonMo
     )
 
 
-def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
+def default_config(spec: MoESpec, num_tokens: int, multiprocessors: int | None = None) -> TritonMoEConfig:
     """A capable config without tuning: tiles grow with the tokens each expert sees on average.
 
     Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed); the tuned rows of
@@ -83,7 +84,7 @@ def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
     fmt = spec.weight_format
     if fmt is WeightFormat.MXFP4:
-        return _mxfp4_config(spec, num_tokens, per_expert)
+        return _mxfp4_config(spec, num_tokens, per_expert, multiprocessors or _MEASURED_SMS)
     if fmt is WeightFormat.FP8_E4M3:
         # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
         if per_expert <= 16:
@@ -96,14 +97,16 @@ def default_config(spec: MoESpec, num_tokens: int) -> TritonMoEConfig:
     return TritonMoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
-def tuning_space(spec: MoESpec, num_tokens: int) -> tuple[TritonMoEConfig, ...]:
+def tuning_space(
+    spec: MoESpec, num_tokens: int, multiprocessors: int | None = None
+) -> tuple[TritonMoEConfig, ...]:
     """`default_config` first, then tiles for the regime of tokens per expert, from H200 sweeps
     (benchmarks/sweep_configs.py): decode streams weights (16-row M tiles, deeper pipelines, both
     orientations for formats without MXFP4's register-side upcast), prefill grows the M tile.
     Configs that cannot serve the spec are dropped."""
     per_expert = _tokens_per_expert(spec, num_tokens)
     mxfp4 = spec.weight_format is WeightFormat.MXFP4
-    default = default_config(spec, num_tokens)
+    default = default_config(spec, num_tokens, multiprocessors)
     # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     if per_expert <= 8:
         tiles = [
