@@ -90,6 +90,9 @@ class RoutingMethod(enum.Enum):
 
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Weight formats whose layers may quantize their activations to FP8 E4M3 (`act_quant`): W8A8, and W4A8
+# (MXFP4 weights with FP8 activations, for prefill on FP8 tensor cores).
+_QUANTIZED_ACT_WEIGHTS = (WeightFormat.FP8_E4M3, WeightFormat.MXFP4)
 _ENUM_FIELDS = (
     ("weight_format", WeightFormat),
     ("act_quant", ActivationQuant),
@@ -230,13 +233,17 @@ class MoESpec:
             raise SpecError(
                 f"fp8_scale={self.fp8_scale.name} only applies to FP8_E4M3, not {self.weight_format.name}"
             )
-        if self.act_quant is not ActivationQuant.NONE and not is_fp8:
+        if self.act_quant is not ActivationQuant.NONE and self.weight_format not in _QUANTIZED_ACT_WEIGHTS:
             raise SpecError(
-                f"act_quant={self.act_quant.name} (W8A8) needs FP8_E4M3 weights, "
+                f"act_quant={self.act_quant.name} needs FP8_E4M3 (W8A8) or MXFP4 (W4A8) weights, "
                 f"got {self.weight_format.name}; "
                 "use act_quant=NONE"
             )
-        if self.act_quant is ActivationQuant.FP8_PER_GROUP_128 and self.fp8_scale is not Fp8Scale.BLOCK_128:
+        if (
+            is_fp8
+            and self.act_quant is ActivationQuant.FP8_PER_GROUP_128
+            and self.fp8_scale is not Fp8Scale.BLOCK_128
+        ):
             raise SpecError(
                 f"per-1x128-group activation quantization pairs with BLOCK_128 weight scales, "
                 f"got {self.fp8_scale}"

@@ -47,7 +47,10 @@ def test_spec_is_frozen_and_hashable():
         (dict(weight_format="mxfp4"), "must be a WeightFormat"),  # strings are not enums
         (dict(weight_format=WeightFormat.FP8_E4M3), "need fp8_scale"),
         (dict(fp8_scale=Fp8Scale.PER_CHANNEL), "only applies to FP8_E4M3, not BF16"),
-        (dict(act_quant=ActivationQuant.FP8_PER_TOKEN), "needs FP8_E4M3 weights"),
+        (
+            dict(act_quant=ActivationQuant.FP8_PER_TOKEN),
+            "or MXFP4 .W4A8. weights, got BF16",
+        ),
         (
             dict(
                 weight_format=WeightFormat.FP8_E4M3,

@@ -144,6 +144,9 @@ class Capabilities:
     devices: frozenset[DeviceKind]
     packings: frozenset[WeightPacking]  # what `run` reads after `prepare_weights`
     min_compute_capability: tuple[int, int] | None = None  # CUDA only
+    # Weight formats whose dots this kernel runs on FP8-quantized activations (when `act_quant` asks):
+    # FP8_E4M3 is W8A8, MXFP4 is W4A8.
+    act_quant_weight_formats: frozenset[WeightFormat] = frozenset({WeightFormat.FP8_E4M3})
 
     def check(self, spec: MoESpec, device: DeviceInfo | None = None) -> str | None:
         """The first reason this kernel cannot compute `spec` (on `device`, if given), or None."""
@@ -153,6 +156,14 @@ class Capabilities:
             return f"FP8 scale granularity {spec.fp8_scale.name} not in {_names(self.fp8_scales)}"
         if spec.act_quant not in self.act_quants:
             return f"activation quantization {spec.act_quant.name} not in {_names(self.act_quants)}"
+        if (
+            spec.act_quant is not ActivationQuant.NONE
+            and spec.weight_format not in self.act_quant_weight_formats
+        ):
+            return (
+                f"FP8 activations ({spec.act_quant.name}) with {spec.weight_format.name} weights are not "
+                f"implemented here (only with {_names(self.act_quant_weight_formats)} weights)"
+            )
         if spec.act_dtype not in self.act_dtypes:
             return f"activation dtype {spec.act_dtype} not in {sorted(str(d) for d in self.act_dtypes)}"
         if spec.activation.kind not in self.activations:

@@ -48,6 +48,7 @@ class ReferenceKernel(Kernel):
         expert_map=True,
         devices=frozenset(DeviceKind),
         packings=frozenset(WeightPacking),
+        act_quant_weight_formats=frozenset({WeightFormat.FP8_E4M3, WeightFormat.MXFP4}),
     )
 
     def default_config(self, spec: MoESpec, problem: Problem) -> ReferenceConfig:
