@@ -6,8 +6,9 @@ every layer as the benchmarks do.
 Usage (GPU):
   python benchmarks/profile_stages.py --preset gpt-oss-120b --tokens 1,64,1024 --json bench-results/p.json
 Kernel names are grouped by the substrings in STAGES; the rest is listed as "other". Times are summed
-GPU busy time per layer (no launch gaps), so they add up to less than the graph-replay time of
-`bench_moe.py`; the difference is the idle time between kernels.
+GPU busy time per layer. The same run also times the layer itself (graph replay, L2 flushed, as
+`bench_moe.py` does) and prints the difference, the GPU's idle time between the layer's kernels (launch
+gaps), with the count of kernels a layer launches. `--preset` takes "name@ExKxHxI" too.
 """
 
 import argparse
@@ -19,10 +20,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moekit.app.bench import capture_graph, prepared_weights, whole_layer
+from moekit.app.bench import capture_graph, flushed_seconds, prepared_weights, whole_layer
 from moekit.kernels.base import DeviceInfo
 from moekit.planning.plan import plan
-from moekit.presets import preset
+from moekit.presets import preset_at
 from moekit.synthetic import random_batch, random_layer
 
 STAGES = (
@@ -49,7 +50,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the per-stage times here, e.g. bench-results/p.json")
     args = p.parse_args()
     device = torch.device("cuda")
-    spec = preset(args.preset)
+    spec = preset_at(args.preset)
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
@@ -68,18 +69,33 @@ def main() -> int:
             torch.cuda.synchronize(device)
         per_stage: dict[str, float] = defaultdict(float)
         kernels: dict[str, float] = defaultdict(float)
+        launches = 0
         for event in prof.events():
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             us = event.device_time / args.repeats
             per_stage[_stage(event.name)] += us
             kernels[event.name[:60]] += us
+            launches += _stage(event.name) != "flush"
         per_stage.pop("flush", None)
         busy = sum(per_stage.values())
-        row = {"tokens": t, "config": chosen.config.as_dict(), "busy_us": busy, "stages_us": dict(per_stage)}
+        layer_us = flushed_seconds(layer_fn, device, flush, repeats=args.repeats) * 1e6
+        row = {
+            "tokens": t,
+            "config": chosen.config.as_dict(),
+            "layer_us": layer_us,
+            "busy_us": busy,
+            "gaps_us": layer_us - busy,
+            "kernels_per_layer": launches / args.repeats,
+            "stages_us": dict(per_stage),
+        }
         results.append(row)
         stages = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_stage.items(), key=lambda kv: -kv[1]))
-        print(f"T={t}: busy {busy:.1f} us = {stages}", flush=True)
+        print(
+            f"T={t}: layer {layer_us:.1f} us = busy {busy:.1f} ({stages}) + gaps {layer_us - busy:.1f} "
+            f"between {launches / args.repeats:.0f} kernels",
+            flush=True,
+        )
         others = sorted(((v, k) for k, v in kernels.items() if _stage(k) == "other"), reverse=True)
         print("   other: " + "; ".join(f"{k} {v:.1f}" for v, k in others[:6]), flush=True)
         del graph

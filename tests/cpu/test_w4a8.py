@@ -1,6 +1,6 @@
 """W4A8: MXFP4 weights with FP8 E4M3 activations (per token or per 1x128 group). The spec, the reference's
 definition of it, the capability data that keeps it off kernels that cannot quantize activations next to
-MXFP4 weights, and the layer on the CPU."""
+MXFP4 weights, the Triton plan (its kernel runs interpreted in tests/interpret), and the layer on the CPU."""
 
 from dataclasses import replace
 
@@ -12,6 +12,7 @@ from moekit.app.cli_spec import SIMULATED_DEVICES
 from moekit.errors import SpecError
 from moekit.kernels.base import Problem
 from moekit.kernels.registry import default_registry
+from moekit.kernels.triton.config import words_reason
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
 from moekit.presets import preset_at
@@ -37,14 +38,32 @@ def test_float_weights_still_refuse_fp8_activations():
 
 
 @pytest.mark.parametrize("quant", FP8_ACTS)
-def test_triton_refuses_w4a8_and_says_why(quant):
+def test_triton_plans_w4a8_with_one_scale_group_a_k_step(quant):
     spec = replace(W4A16, act_quant=quant)
+    h200 = SIMULATED_DEVICES["h200"]
     triton = default_registry().get("triton_fused")
-    reason = triton.supports(spec, Problem(64, SIMULATED_DEVICES["h200"]))
-    assert reason is not None and "MXFP4" in reason and quant.name in reason
-    chosen = plan(spec, num_tokens=64, device=SIMULATED_DEVICES["h200"])
-    assert chosen.kernel != "triton_fused"
-    assert any(r.kernel == "triton_fused" and r.reason == reason for r in chosen.refused)
+    assert triton.supports(spec, Problem(64, h200)) is None
+    for t in (1, 64, 4096):
+        chosen = plan(spec, num_tokens=t, device=h200)
+        assert chosen.kernel == "triton_fused" and chosen.config.block_k == 32
+        space = triton.tuning_space(spec, Problem(t, h200))
+        assert space[0] == chosen.config and all(c.reason_unusable(spec) is None for c in space)
+    wide = replace(chosen.config, block_k=64)
+    assert "block_k must be 32" in wide.reason_unusable(spec)
+    assert "W4A8" in words_reason(spec)  # decoded from checkpoint bytes, never MMA words
+
+
+def test_kernels_without_fp8_activations_next_to_mxfp4_refuse_w4a8():
+    from moekit.kernels.base import Capabilities
+
+    spec = replace(W4A16, act_quant=ActivationQuant.FP8_PER_TOKEN)
+    only_w8a8 = replace(
+        default_registry().get("triton_fused").capabilities,
+        act_quant_weight_formats=frozenset({WeightFormat.FP8_E4M3}),
+    )
+    assert isinstance(only_w8a8, Capabilities)
+    reason = only_w8a8.check(spec)
+    assert reason is not None and "MXFP4" in reason and "FP8_PER_TOKEN" in reason
 
 
 @pytest.mark.parametrize("quant", FP8_ACTS)

@@ -78,6 +78,24 @@ SPECS = {
         ),
         "H=200: ragged MXFP4 tail (200 % 32 = 8) in GEMM1",
     ),
+    "gpt-oss-20b-w4a8": (
+        replace(preset("gpt-oss-20b"), act_quant=ActivationQuant.FP8_PER_GROUP_128),
+        "W4A8: MXFP4 codes as FP8 on the FP8 tensor cores, per-1x128 activation scales",
+    ),
+    "ragged-w4a8": (
+        MoESpec(
+            num_experts=8,
+            top_k=4,
+            hidden_size=200,
+            intermediate_size=704,
+            weight_format=WeightFormat.MXFP4,
+            act_quant=ActivationQuant.FP8_PER_TOKEN,
+            activation=ActivationSpec.gpt_oss(),
+            gate_layout=GateLayout.INTERLEAVED,
+            has_bias=True,
+        ),
+        "W4A8 with per-token activation scales and a ragged MXFP4 tail (H = 200)",
+    ),
     "ragged-fp8-token": (
         MoESpec(
             num_experts=8,
@@ -320,6 +338,8 @@ ORIENTATIONS = {
 def test_orientations_match_reference(name, orientation, t):
     spec = SPECS[name][0]
     config = TritonMoEConfig(**ORIENTATIONS[orientation])
+    if spec.weight_format is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
+        config = replace(config, block_k=32)  # W4A8: one MX scale group a K-step (reason_unusable)
     from moekit.kernels.triton.config import words_reason
 
     if spec.weight_format is WeightFormat.MXFP4 and config.num_warps > 4 and words_reason(spec) is None:

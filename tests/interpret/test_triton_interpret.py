@@ -436,6 +436,8 @@ FORMATS = [
         torch.float32,
         "DeepSeek-V3 W8A8",
     ),
+    (WeightFormat.MXFP4, None, ActivationQuant.FP8_PER_TOKEN, torch.float32, "W4A8 token"),
+    (WeightFormat.MXFP4, None, ActivationQuant.FP8_PER_GROUP_128, torch.float16, "W4A8 groups fp16"),
 ]
 # Per format: one row per layout, alternating activation/limit/bias/placement so that every format meets
 # clamped and unclamped, biased and unbiased, INPUT and OUTPUT placement. H=200 / I=136 (ragged against

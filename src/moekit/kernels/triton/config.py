@@ -43,6 +43,7 @@ TRITON_CAPABILITIES = Capabilities(
     devices=frozenset({DeviceKind.CUDA}),
     packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.MXFP4_MMA_WORDS}),
     min_compute_capability=(8, 0),  # the float formats; `_SM90_FORMATS` need 9.0
+    act_quant_weight_formats=frozenset({WeightFormat.FP8_E4M3, WeightFormat.MXFP4}),  # W8A8, W4A8
 )
 # FP8 dots need sm_90, and the MXFP4 path is validated on Hopper only: for these formats the one
 # compute-capability rule (`Capabilities.min_compute_capability`) is checked at 9.0.
@@ -67,6 +68,8 @@ def words_reason(spec: MoESpec) -> str | None:
     scale bytes must fit too (`mxfp4_words.scales_reason`), which only the data can tell."""
     if spec.act_dtype not in (torch.bfloat16, torch.float32):
         return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
+    if spec.act_quant is not ActivationQuant.NONE:
+        return "W4A8 decodes the checkpoint bytes into FP8 operands, not words into bf16 ones"
     for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
         reason = rows_reason(rows)
         if reason is not None:
@@ -170,6 +173,12 @@ class TritonMoEConfig(KernelConfig):
         """None if this config can compute `spec`, else why not."""
         if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
             return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
+        if spec.weight_format is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
+            if self.block_k != 32:
+                return (
+                    f"W4A8 (MXFP4 weights, FP8 activations) runs one 32-element scale group a K-step, "
+                    f"so block_k must be 32, got {self.block_k}"
+                )
         per_128 = spec.fp8_scale is Fp8Scale.BLOCK_128 or spec.act_quant is ActivationQuant.FP8_PER_GROUP_128
         if per_128 and self.block_k > 128:
             return f"128-wide FP8 scale groups need block_k <= 128, got {self.block_k}"

@@ -300,7 +300,7 @@ def triton_fused_moe(
     # Compiled bf16 only: tl.dot_scaled and inline PTX have no interpreter implementation, and
     # dot_scaled upcasts to bf16 (fp16 would lose bits).
     mx_native = p.w_format == codes.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
-    mx_native = mx_native and x.device.type == "cuda"
+    mx_native = mx_native and x.device.type == "cuda" and not p.a_quant  # W4A8 has its own FP8 decode
 
     # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles but N.
     shared = dict(

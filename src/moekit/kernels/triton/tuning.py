@@ -72,6 +72,22 @@ def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -
     )
 
 
+def _w4a8_tiles(per_expert: float) -> tuple[TritonMoEConfig, ...]:
+    """W4A8 candidates, the default first: one 32-wide K-step per MX group (`reason_unusable`), so deep
+    pipelines; tiles grow with tokens per expert as W8A8's do. Not yet swept on a GPU: these are the
+    W8A8 regimes' tiles at block_k 32, the starting point of the first sweep."""
+    if per_expert <= 16:
+        tiles = [(16, 64, 1, 4, 4), (16, 64, 1, 4, 5), (16, 128, 1, 4, 4), (32, 64, 4, 4, 4)]
+    elif per_expert <= 96:
+        tiles = [(64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (64, 128, 8, 8, 5), (32, 64, 4, 4, 4)]
+    else:
+        tiles = [(128, 128, 8, 8, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 5), (64, 128, 8, 4, 4)]
+    return tuple(
+        TritonMoEConfig(block_m=m, block_n=n, block_k=32, group_m=g, num_warps=w, num_stages=st)
+        for m, n, g, w, st in tiles
+    )
+
+
 def default_config(spec: MoESpec, num_tokens: int, multiprocessors: int | None = None) -> TritonMoEConfig:
     """A capable config without tuning: tiles grow with the tokens each expert sees on average.
 
@@ -83,6 +99,8 @@ def default_config(spec: MoESpec, num_tokens: int, multiprocessors: int | None =
         # fp32 dots run on FMA units (exact-comparison path): small tiles keep registers in check.
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
     fmt = spec.weight_format
+    if fmt is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
+        return _w4a8_tiles(per_expert)[0]
     if fmt is WeightFormat.MXFP4:
         return _mxfp4_config(spec, num_tokens, per_expert, multiprocessors or _MEASURED_SMS)
     if fmt is WeightFormat.FP8_E4M3:
@@ -106,6 +124,8 @@ def tuning_space(
     Configs that cannot serve the spec are dropped."""
     per_expert = _tokens_per_expert(spec, num_tokens)
     mxfp4 = spec.weight_format is WeightFormat.MXFP4
+    if mxfp4 and spec.act_quant is not ActivationQuant.NONE:
+        return _w4a8_tiles(per_expert)
     default = default_config(spec, num_tokens, multiprocessors)
     # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     if per_expert <= 8:

@@ -22,6 +22,7 @@ from moekit.kernels.triton._details.codes import (
     WFMT_MXFP4_WORDS,
 )
 from moekit.kernels.triton._details.mxfp4 import (
+    _mxfp4_fp8_group,
     _mxfp4_native_bytes,
     _mxfp4_native_scales,
     _mxfp4_tiles,
@@ -137,6 +138,22 @@ def _expert_matmul(
             acc = _dot(w, tl.trans(a.to(out_dtype)), acc, DOT_FP32)
             if MX_NATIVE:
                 acc = _wait_for_mma(acc)
+        elif W_FORMAT == WFMT_MXFP4 and A_QUANT != AQ_NONE:
+            # W4A8 (BLOCK_K == 32, one MX group a step): FP8 codes of A times the E2M1 codes, exact in
+            # FP8, on the FP8 tensor cores; the group's scale and A's scales promote it into fp32.
+            w_op, w_scale = _mxfp4_fp8_group(
+                w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk
+            )
+            zero = tl.zeros(acc.shape, dtype=tl.float32)
+            if SWAP_AB:
+                part = _dot(tl.trans(w_op), tl.trans(a), zero, DOT_FP32) * w_scale[:, None]
+            else:
+                part = _dot(a, w_op, zero, DOT_FP32) * w_scale[None, :]
+            if A_QUANT == AQ_GROUP:
+                part = part * _group_scales(
+                    a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
+                )
+            acc += part
         elif W_FORMAT == WFMT_MXFP4:
             if MX_NATIVE:
                 packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, EVEN_K, stride_wn, BLOCK_K)
@@ -204,12 +221,9 @@ def _expert_matmul(
                     )
                     part = part * (ws[:, None] if SWAP_AB else ws[None, :])
                 if A_QUANT == AQ_GROUP:
-                    sa = tl.load(
-                        a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
-                        mask=a_mask if EVEN_K else a_mask & (k0 < IN_DIM),
-                        other=0.0,
+                    part = part * _group_scales(
+                        a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
                     )
-                    part = part * (sa[None, :] if SWAP_AB else sa[:, None])
                 acc += part
             else:
                 w_op = w.to(tl.float32) if DOT_FP32 else w.to(a.dtype)
@@ -228,6 +242,30 @@ def _expert_matmul(
     if A_QUANT == AQ_TOKEN:
         acc = acc * tl.load(a_scale_ptr + a_rows * stride_asm, mask=a_mask, other=0.0)[:, None]
     return acc
+
+
+@triton.jit
+def _group_scales(
+    a_scale_ptr,
+    a_rows,
+    a_mask,
+    k0,
+    IN_DIM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    stride_asm,
+    stride_ask,
+    SWAP_AB: tl.constexpr,
+):
+    """The per-1x128-group scales of A's rows for the K-step at k0, shaped to multiply its product
+    ([1, BLOCK_M] swapped, else [BLOCK_M, 1]); 0 past IN_DIM."""
+    sa = tl.load(
+        a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+        mask=a_mask if EVEN_K else a_mask & (k0 < IN_DIM),
+        other=0.0,
+    )
+    if SWAP_AB:
+        return sa[None, :]
+    return sa[:, None]
 
 
 @triton.jit

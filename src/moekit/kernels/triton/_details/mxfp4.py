@@ -78,6 +78,43 @@ def _mxfp4_tiles(
 
 
 @triton.jit
+def _mxfp4_fp8_group(
+    w_base,
+    s_base,
+    w_rows,
+    w_mask,
+    k0,
+    IN_DIM: tl.constexpr,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+):
+    """W4A8: one 32-element MX group of rows `w_rows` [BLOCK_N], columns [k0, k0 + 32) -> (the E2M1
+    values as float8_e4m3fn [32, BLOCK_N] in column order, their E8M0 scale as fp32 [BLOCK_N]).
+
+    Every E2M1 value (0, 0.5 ... 6) is exact in E4M3, so the FP8 MMA multiplies the stored codes
+    themselves; the scale, one per row for the whole step, multiplies the step's fp32 product. Elements
+    past IN_DIM are zeroed; scales of rows or groups past the matrix read as 0.
+    """
+    num_groups: tl.constexpr = (IN_DIM + 31) // 32
+    j = tl.arange(0, 16)
+    packed = tl.load(
+        w_base + w_rows[None, :] * stride_wn + (k0 // 2 + j)[:, None],
+        mask=w_mask[None, :] & (k0 // 32 < num_groups),
+        other=0,
+    ).to(tl.int32)  # [16, BLOCK_N]: byte j holds elements 2j (low nibble) and 2j + 1
+    low = tl.where((k0 + 2 * j < IN_DIM)[:, None], _e2m1_to_f32(packed & 0xF), 0.0)
+    high = tl.where((k0 + 2 * j + 1 < IN_DIM)[:, None], _e2m1_to_f32(packed >> 4), 0.0)
+    block_n: tl.constexpr = low.shape[1]
+    values = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (32, block_n))
+    sbytes = tl.load(
+        s_base + w_rows * stride_sn + (k0 // 32) * stride_sk, mask=w_mask & (k0 // 32 < num_groups), other=0
+    )
+    scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return values.to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _mxfp4_native_bytes(
     w_base, w_rows, w_mask, k0, IN_DIM: tl.constexpr, EVEN_K: tl.constexpr, stride_wn, BLOCK_K: tl.constexpr
 ):

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""W4A8 against W4A16 on the same MXFP4 weights, inputs and routing, in one run (GPU).
+
+Usage:
+  python benchmarks/bench_w4a8.py --presets gpt-oss-120b --tokens 1024,4096,16384 \
+      --json bench-results/w4a8.json
+
+Per preset and T, both specs planned as a layer would be (W4A8: `act_quant` FP8 per token or per 1x128
+group): the whole layer graph-timed with L2 flushed (`moekit.app.bench.time_plan`), each output checked
+against its own spec's reference (poisoned first), and both outputs' rel L2 against the exact layer (fp32
+reference on the dequantized weights, activations unquantized): the error W4A8 adds, next to W4A16's.
+Ceilings measured first: the bf16 and FP8 dense rates give each T's two compute floors (W4A16 cannot
+go below the bf16 one).
+"""
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from moekit.app.bench import measure_ceilings, prepared_weights, time_plan, whole_layer
+from moekit.kernels.base import DeviceInfo
+from moekit.planning.plan import plan
+from moekit.presets import preset_at
+from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
+from moekit.spec import ActivationQuant, WeightFormat
+from moekit.synthetic import random_batch, random_layer
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="gpt-oss-120b", help='MXFP4 presets, or "name@ExKxHxI"')
+    p.add_argument("--tokens", default="1024,4096,8192,16384")
+    p.add_argument(
+        "--act-quant",
+        default=ActivationQuant.FP8_PER_GROUP_128.value,
+        choices=[q.value for q in ActivationQuant][1:],
+    )
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    info = DeviceInfo.of(device)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    print(
+        f"ceilings: bf16 {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
+        f"FP8 {(ceilings.fp8_flops_per_s or 0) / 1e12:.0f} TFLOP/s, "
+        f"copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s",
+        flush=True,
+    )
+    rows = []
+    for label in args.presets.split(","):
+        w4a16 = preset_at(label)
+        if w4a16.weight_format is not WeightFormat.MXFP4:
+            raise SystemExit(f"{label} is {w4a16.weight_format.name}: W4A8 needs MXFP4 weights")
+        w4a8 = replace(w4a16, act_quant=ActivationQuant(args.act_quant))
+        layer = random_layer(w4a16, seed=0, device=device)  # one set of weights serves both specs
+        prepared: dict = {}
+        for t in (int(v) for v in args.tokens.split(",")):
+            x, logits, routing = random_batch(
+                w4a16, t, correction_bias=layer.correction_bias, seed=t, device=device
+            )
+            exact = fused_moe_reference(
+                x.float(), layer.weights, routing, spec=replace(w4a16, act_dtype=torch.float32)
+            )
+            flops = 2.0 * t * w4a16.K * 3 * w4a16.H * w4a16.I
+            row = {"preset": label, "tokens": t, "bf16_floor_us": flops / ceilings.bf16_flops_per_s * 1e6}
+            if ceilings.fp8_flops_per_s:
+                row["fp8_floor_us"] = flops / ceilings.fp8_flops_per_s * 1e6
+            for name, spec in (("w4a16", w4a16), ("w4a8", w4a8)):
+                chosen = plan(spec, num_tokens=t, device=info)
+                own = fused_moe_reference(x, layer.weights, routing, spec=spec)
+                seconds, rel_own = time_plan(chosen, layer, x, logits, own, prepared, flush, device)
+                out = whole_layer(chosen, layer, prepared_weights(chosen, layer, prepared), x, logits)()
+                row[name] = {
+                    "kernel": chosen.kernel,
+                    "config": chosen.config.as_dict(),
+                    "us": seconds * 1e6,
+                    "rel_l2_own_reference": rel_own,
+                    "ok": rel_own <= tolerance(spec),
+                    "rel_l2_exact": relative_l2_error(out, exact),
+                }
+            a, b = row["w4a16"], row["w4a8"]
+            print(
+                f"  {label} T={t}: W4A16 {a['us']:.1f} us, W4A8 {b['us']:.1f} us ({a['us'] / b['us']:.2f}x), "
+                f"bf16 floor {row['bf16_floor_us']:.1f} us; rel L2 vs exact {a['rel_l2_exact']:.2e} / "
+                f"{b['rel_l2_exact']:.2e}, vs own reference {a['rel_l2_own_reference']:.1e} / "
+                f"{b['rel_l2_own_reference']:.1e}{'' if a['ok'] and b['ok'] else '  OVER TOLERANCE'}",
+                flush=True,
+            )
+            rows.append(row)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"ceilings": asdict(ceilings), "rows": rows}, indent=1))
+    return 0 if all(r["w4a16"]["ok"] and r["w4a8"]["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
