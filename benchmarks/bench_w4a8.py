@@ -5,10 +5,12 @@ Usage:
   python benchmarks/bench_w4a8.py --presets gpt-oss-120b --tokens 1024,4096,16384 \
       --json bench-results/w4a8.json
 
-Per preset and T, both specs planned as a layer would be (W4A8: `act_quant` FP8 per token or per 1x128
-group): the whole layer graph-timed with L2 flushed (`moekit.app.bench.time_plan`), each output checked
-against its own spec's reference (poisoned first), and both outputs' rel L2 against the exact layer (fp32
-reference on the dequantized weights, activations unquantized): the error W4A8 adds, next to W4A16's.
+Per preset and T, the Triton path of both specs (W4A8: `act_quant` FP8 per token or per 1x128 group),
+launched directly: W4A16 with its planned config, W4A8 with the kernel's default (the planner does not
+choose W4A8 on a GPU until this benchmark and the GPU suite have run it, `config.triton_supports`). The
+whole layer (routing included) graph-timed with L2 flushed, each output checked against its own spec's
+reference (poisoned first), and both outputs' rel L2 against the exact layer (fp32 reference on the
+dequantized weights, activations unquantized): the error W4A8 adds, next to W4A16's.
 Ceilings measured first: the bf16 and FP8 dense rates give each T's two compute floors (W4A16 cannot
 go below the bf16 one).
 """
@@ -20,13 +22,26 @@ from pathlib import Path
 
 import torch
 
-from moekit.app.bench import measure_ceilings, prepared_weights, time_plan, whole_layer
-from moekit.kernels.base import DeviceInfo
+from moekit.app.bench import capture_graph, flushed_seconds, measure_ceilings
+from moekit.kernels.base import DeviceInfo, Problem
+from moekit.kernels.registry import default_registry
+from moekit.kernels.triton.launch import triton_fused_moe
+from moekit.ops import route
 from moekit.planning.plan import plan
 from moekit.presets import preset_at
 from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
 from moekit.spec import ActivationQuant, WeightFormat
 from moekit.synthetic import random_batch, random_layer
+
+
+def _layer_call(spec, config, weights, x, logits, correction_bias):
+    """The whole layer on the Triton path with this config: route `logits`, then the fused kernels."""
+
+    def call():
+        routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=correction_bias)
+        return triton_fused_moe(x, weights, routing, spec=spec, config=config)
+
+    return call
 
 
 def main() -> int:
@@ -44,6 +59,7 @@ def main() -> int:
     ceilings = measure_ceilings(device)
     info = DeviceInfo.of(device)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    kernel = default_registry().get("triton_fused")
     print(
         f"ceilings: bf16 {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
         f"FP8 {(ceilings.fp8_flops_per_s or 0) / 1e12:.0f} TFLOP/s, "
@@ -70,18 +86,26 @@ def main() -> int:
             if ceilings.fp8_flops_per_s:
                 row["fp8_floor_us"] = flops / ceilings.fp8_flops_per_s * 1e6
             for name, spec in (("w4a16", w4a16), ("w4a8", w4a8)):
-                chosen = plan(spec, num_tokens=t, device=info)
-                own = fused_moe_reference(x, layer.weights, routing, spec=spec)
-                seconds, rel_own = time_plan(chosen, layer, x, logits, own, prepared, flush, device)
-                out = whole_layer(chosen, layer, prepared_weights(chosen, layer, prepared), x, logits)()
+                problem = Problem(t, info)
+                config = kernel.default_config(spec, problem)
+                if name == "w4a16":
+                    config = plan(spec, num_tokens=t, device=info).config  # its tuned row, where one exists
+                if spec not in prepared:
+                    prepared[spec] = kernel.prepare_weights(layer.weights, spec)
+                call = _layer_call(spec, config, prepared[spec], x, logits, layer.correction_bias)
+                graph, out = capture_graph(call, device)
+                out.fill_(float("nan"))  # poison: the replay must write every element
+                graph.replay()
+                torch.cuda.synchronize(device)
+                rel_own = relative_l2_error(out, fused_moe_reference(x, layer.weights, routing, spec=spec))
                 row[name] = {
-                    "kernel": chosen.kernel,
-                    "config": chosen.config.as_dict(),
-                    "us": seconds * 1e6,
+                    "config": config.as_dict(),
+                    "us": flushed_seconds(call, device, flush, repeats=10) * 1e6,
                     "rel_l2_own_reference": rel_own,
                     "ok": rel_own <= tolerance(spec),
                     "rel_l2_exact": relative_l2_error(out, exact),
                 }
+                del graph
             a, b = row["w4a16"], row["w4a8"]
             print(
                 f"  {label} T={t}: W4A16 {a['us']:.1f} us, W4A8 {b['us']:.1f} us ({a['us'] / b['us']:.2f}x), "
