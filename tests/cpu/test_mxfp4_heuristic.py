@@ -2,6 +2,8 @@
 (so a sweep measures it), split-K only where a decode step leaves SMs idle; and `preset_at`, the way
 benchmarks name such shapes."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -94,3 +96,14 @@ def test_split_k_follows_the_device_multiprocessors():
     assert split_on(264) == 3
     with pytest.raises(DeviceError, match="multiprocessors"):
         DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0), 0)
+
+
+@pytest.mark.parametrize("tokens", [2, 16, 256, 2048, 16384])
+def test_an_expert_parallel_rank_tiles_like_the_whole_layer_at_its_token_count(tokens):
+    # A rank holding 64 of 128 experts runs T tokens (gathered from every rank) whose picks spread over
+    # all 128 experts: each of its experts sees T * K / E pairs, as in the whole layer at T, so the tiles
+    # are the whole layer's; only the experts a decode step reaches halve, which may split K further.
+    rank = replace(GPT_OSS, num_local_experts=64)
+    whole, local = default_config(GPT_OSS, tokens), default_config(rank, tokens)
+    assert replace(local, split_k=1, gemm2_block_n=None) == replace(whole, split_k=1, gemm2_block_n=None)
+    assert local.split_k >= whole.split_k

@@ -1,6 +1,6 @@
 """How the Triton fused-MoE path is tiled when no tuned row decides: the regimes of tokens per expert.
 
-Data flow: (spec, T) -> tokens per expert (T * K / E_local, the M rows each expert's GEMMs see on
+Data flow: (spec, T) -> tokens per expert (T * K / E, the M rows each expert's GEMMs see on
 average) -> `default_config` (one config per regime and weight format) or `tuning_space` (the default
 first, then the tiles worth sweeping in that regime; `moekit.app.autotune` times them and writes the
 tuned rows that refine the default per model and T).
@@ -9,6 +9,7 @@ The figures quoted below were measured on an H200 (whole layer, graph replay, L2
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -18,7 +19,17 @@ from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 
 
 def _tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
-    return max(num_tokens, 1) * spec.K / spec.E_local
+    """(token, expert) pairs per expert. An expert-parallel rank's T counts every token it runs (gathered
+    from, or sent by, all ranks), whose K picks spread over all E experts, E_local of them its own: each
+    of its experts sees T * K / E pairs, as in the whole layer at that T (not T * K / E_local)."""
+    return max(num_tokens, 1) * spec.K / spec.E
+
+
+def _experts_hit(spec: MoESpec, num_tokens: int) -> int:
+    """About how many of this layer's experts a decode step of `num_tokens` reaches (one M-block each):
+    its T * K picks, E_local / E of them local, at most E_local."""
+    local_pairs = max(num_tokens, 1) * spec.K * spec.E_local / spec.E
+    return max(1, min(math.ceil(local_pairs), spec.E_local))
 
 
 # Streaming multiprocessors of the parts the thresholds below were measured on (H100 SXM, H200), assumed
@@ -31,8 +42,7 @@ def _decode_split_k(spec: MoESpec, num_tokens: int, sms: int) -> int:
     rows a program): a few (token, expert) pairs make about one M-block per hit expert, so the GEMM with
     fewer N-tiles (GEMM1's I / 64 or GEMM2's H / 64) may leave SMs idle. Split until it has two
     programs per SM, into at most 4 shares of at least two 128-wide K-steps each."""
-    blocks = min(max(num_tokens, 1) * spec.K, spec.E_local)
-    programs = blocks * -(-min(spec.I, spec.H) // 64)
+    programs = _experts_hit(spec, num_tokens) * -(-min(spec.I, spec.H) // 64)
     most = max(1, min(4, spec.H // 256, spec.I // 256))
     split = 1
     while programs * split < 2 * sms and split < most:
