@@ -50,6 +50,14 @@ def _decode_split_k(spec: MoESpec, num_tokens: int, sms: int) -> int:
     return split
 
 
+def _gemm2_programs(spec: MoESpec, num_tokens: int, config: TritonMoEConfig) -> int:
+    """About how many programs GEMM2 launches with `config`: an M-block per block_m pairs of each hit
+    expert, times its N-tiles of H."""
+    per_expert = _tokens_per_expert(spec, num_tokens)
+    blocks = _experts_hit(spec, num_tokens) * math.ceil(per_expert / config.block_m)
+    return blocks * -(-spec.H // config.block_n_gemm2)
+
+
 def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -> TritonMoEConfig:
     """MXFP4 tiles by tokens per expert, from H200 sweeps of five shapes (E 8 - 256, K 2 - 8, H and I
     768 - 14336), where every winner had 4 warps and these tiles, each within 10 % of the best.
@@ -215,6 +223,10 @@ def tuning_space(
         # A decode step of few pairs hits at most that many experts: T = 1 of gpt-oss-120b runs 4 x 45
         # GEMM1 programs on 132 SMs. Split-K multiplies the programs (and weight bytes in flight).
         grid += [replace(default, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
+    elif _gemm2_programs(spec, num_tokens, default) < 2 * (multiprocessors or _MEASURED_SMS):
+        # Few experts with long K (Mixtral-sized: 8 experts, I = 14336) leave GEMM2 under two programs an
+        # SM beyond decode too (T = 512: 8 blocks x 32 N-tiles); split its K as decode does.
+        grid += [replace(default, split_k=s) for s in (2, 4)]
     if per_expert > 32:
         # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
         # at T = 2048 - 16384 on an H200.
