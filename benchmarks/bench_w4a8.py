@@ -6,8 +6,9 @@ Usage:
       --json bench-results/w4a8.json
 
 Per preset and T, the Triton path of both specs (W4A8: `act_quant` FP8 per token or per 1x128 group),
-launched directly: W4A16 with its planned config, W4A8 with the kernel's default (the planner does not
-choose W4A8 on a GPU until this benchmark and the GPU suite have run it, `config.triton_supports`). The
+launched directly: W4A16 with its planned config, W4A8 with the kernel's default, or with `--sweep` every
+config of its tuning space (the best verified one reported; the planner does not choose W4A8 on a GPU
+until this benchmark and the GPU suite have run it, `config.triton_supports`). The
 whole layer (routing included) graph-timed with L2 flushed, each output checked against its own spec's
 reference (poisoned first), and both outputs' rel L2 against the exact layer (fp32 reference on the
 dequantized weights, activations unquantized): the error W4A8 adds, next to W4A16's.
@@ -16,6 +17,7 @@ go below the bf16 one).
 """
 
 import argparse
+import functools
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -44,6 +46,32 @@ def _layer_call(spec, config, weights, x, logits, correction_bias):
     return call
 
 
+def _measure(spec, config, weights, *, layer, x, logits, routing, exact, flush) -> dict:
+    """One config's whole layer: poisoned graph replay checked against the spec's reference and the
+    exact layer, then graph-timed with L2 flushed. A config that fails is recorded, not fatal."""
+    device = x.device
+    try:
+        call = _layer_call(spec, config, weights, x, logits, layer.correction_bias)
+        graph, out = capture_graph(call, device)
+        out.fill_(float("nan"))  # poison: the replay must write every element
+        graph.replay()
+        torch.cuda.synchronize(device)
+        rel_own = relative_l2_error(out, fused_moe_reference(x, layer.weights, routing, spec=spec))
+        rel_exact = relative_l2_error(out, exact)
+        del graph
+        us = flushed_seconds(call, device, flush, repeats=10) * 1e6
+    except Exception as err:  # noqa: BLE001 - one candidate's failure is a result, not the end of the run
+        torch.cuda.empty_cache()
+        return {"config": config.as_dict(), "error": f"{type(err).__name__}: {err}"[:300], "ok": False}
+    return {
+        "config": config.as_dict(),
+        "us": us,
+        "rel_l2_own_reference": rel_own,
+        "ok": rel_own <= tolerance(spec),
+        "rel_l2_exact": rel_exact,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="gpt-oss-120b", help='MXFP4 presets, or "name@ExKxHxI"')
@@ -53,6 +81,7 @@ def main() -> int:
         default=ActivationQuant.FP8_PER_GROUP_128.value,
         choices=[q.value for q in ActivationQuant][1:],
     )
+    p.add_argument("--sweep", action="store_true", help="time every W4A8 config of the tuning space")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda")
@@ -85,31 +114,30 @@ def main() -> int:
             row = {"preset": label, "tokens": t, "bf16_floor_us": flops / ceilings.bf16_flops_per_s * 1e6}
             if ceilings.fp8_flops_per_s:
                 row["fp8_floor_us"] = flops / ceilings.fp8_flops_per_s * 1e6
-            for name, spec in (("w4a16", w4a16), ("w4a8", w4a8)):
-                problem = Problem(t, info)
-                config = kernel.default_config(spec, problem)
-                if name == "w4a16":
-                    config = plan(spec, num_tokens=t, device=info).config  # its tuned row, where one exists
+            measure = functools.partial(
+                _measure, layer=layer, x=x, logits=logits, routing=routing, exact=exact, flush=flush
+            )
+            for spec in (w4a16, w4a8):
                 if spec not in prepared:
                     prepared[spec] = kernel.prepare_weights(layer.weights, spec)
-                call = _layer_call(spec, config, prepared[spec], x, logits, layer.correction_bias)
-                graph, out = capture_graph(call, device)
-                out.fill_(float("nan"))  # poison: the replay must write every element
-                graph.replay()
-                torch.cuda.synchronize(device)
-                rel_own = relative_l2_error(out, fused_moe_reference(x, layer.weights, routing, spec=spec))
-                row[name] = {
-                    "config": config.as_dict(),
-                    "us": flushed_seconds(call, device, flush, repeats=10) * 1e6,
-                    "rel_l2_own_reference": rel_own,
-                    "ok": rel_own <= tolerance(spec),
-                    "rel_l2_exact": relative_l2_error(out, exact),
-                }
-                del graph
+            w4a16_config = plan(w4a16, num_tokens=t, device=info).config  # its tuned row, where one exists
+            row["w4a16"] = measure(w4a16, w4a16_config, prepared[w4a16])
+            configs = kernel.tuning_space(w4a8, Problem(t, info))  # the default first
+            candidates = [measure(w4a8, c, prepared[w4a8]) for c in (configs if args.sweep else configs[:1])]
+            row["w4a8_default"] = candidates[0]
+            verified = [c for c in candidates if c.get("ok")]
+            row["w4a8"] = min(verified, key=lambda c: c["us"]) if verified else candidates[0]
+            if args.sweep:
+                row["w4a8_candidates"] = candidates
             a, b = row["w4a16"], row["w4a8"]
+            if "us" not in a or "us" not in b:
+                print(f"  {label} T={t}: FAILED {a.get('error') or b.get('error')}", flush=True)
+                rows.append(row)
+                continue
             print(
-                f"  {label} T={t}: W4A16 {a['us']:.1f} us, W4A8 {b['us']:.1f} us ({a['us'] / b['us']:.2f}x), "
-                f"bf16 floor {row['bf16_floor_us']:.1f} us; rel L2 vs exact {a['rel_l2_exact']:.2e} / "
+                f"  {label} T={t}: W4A16 {a['us']:.1f} us, W4A8 {b['us']:.1f} us ({a['us'] / b['us']:.2f}x; "
+                f"default config {row['w4a8_default'].get('us', float('nan')):.1f} us), bf16 floor "
+                f"{row['bf16_floor_us']:.1f} us; rel L2 vs exact {a['rel_l2_exact']:.2e} / "
                 f"{b['rel_l2_exact']:.2e}, vs own reference {a['rel_l2_own_reference']:.1e} / "
                 f"{b['rel_l2_own_reference']:.1e}{'' if a['ok'] and b['ok'] else '  OVER TOLERANCE'}",
                 flush=True,
