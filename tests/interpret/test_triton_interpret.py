@@ -595,14 +595,17 @@ def test_mxfp4_ragged_tail_and_padding_bytes_are_never_data():
     _check_layer(spec, t=5, weights=weights, config=replace(TINY, block_k=64))
 
 
-def test_default_configs_run():
+DEFAULT_CONFIG_SPECS = [
+    dict(fmt=WeightFormat.MXFP4, layout=GateLayout.INTERLEAVED, act=ActivationSpec.gpt_oss()),
+    dict(fmt=WeightFormat.FP16),  # decode: weight rows on the MMA's M side (swap_ab)
+    dict(fmt=WeightFormat.FP8_E4M3, scale=Fp8Scale.PER_CHANNEL, quant=ActivationQuant.FP8_PER_TOKEN),
+]
+
+
+@pytest.mark.parametrize("fields", DEFAULT_CONFIG_SPECS, ids=lambda f: f["fmt"].name)
+def test_default_configs_run(fields):
+    spec = _spec(dtype=torch.float16, **fields)
     for t in (1, 17):
-        spec = _spec(
-            fmt=WeightFormat.MXFP4,
-            dtype=torch.float16,
-            layout=GateLayout.INTERLEAVED,
-            act=ActivationSpec.gpt_oss(),
-        )
         _check_layer(spec, t=t, config=default_config(spec, t))
 
 

@@ -121,15 +121,26 @@ def default_config(spec: MoESpec, num_tokens: int, multiprocessors: int | None =
         return _w4a8_tiles(per_expert)[0]
     if fmt is WeightFormat.MXFP4:
         return _mxfp4_config(spec, num_tokens, per_expert, multiprocessors or _MEASURED_SMS)
+    # Float and FP8 weights decode nothing, so a decode step puts the weight rows on the MMA's M side
+    # (swap_ab): 64 of them against 16 token columns, as the H200 sweeps of Qwen3-30B, Mixtral and
+    # DeepSeek-V3 chose at 6 of their 8 token counts up to 8 tokens an expert.
     if fmt is WeightFormat.FP8_E4M3:
         # Wider N tiles spill: FP8 keeps a second fp32 tile per K-step (the per-tile promotion).
+        if per_expert <= 8:
+            return TritonMoEConfig(
+                block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3, swap_ab=True
+            )
         if per_expert <= 16:
             return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
         return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
     if per_expert <= 8:
-        return TritonMoEConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=3)
-    if per_expert <= 32:
-        return TritonMoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        return TritonMoEConfig(
+            block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4, swap_ab=True
+        )
+    if per_expert <= 32:  # both float presets' winners at 16 and 32 tokens an expert
+        return TritonMoEConfig(
+            block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, gemm2_block_n=128
+        )
     return TritonMoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
