@@ -131,7 +131,21 @@ def reshaped(spec: MoESpec, shape: str) -> MoESpec:
 
 
 def preset_at(label: str) -> MoESpec:
-    """A preset by name, or "name@ExKxHxI": that preset's math at another shape (`reshaped`)."""
-    check_type("preset_at(label)", label, str, fix='pass a preset name or "name@ExKxHxI"', error=SpecError)
+    """A preset by name, "name@ExKxHxI" (that preset's math at another shape, `reshaped`), and either with
+    "+QUANT" (an `ActivationQuant` value, e.g. "gpt-oss-120b+fp8_per_1x128_group" for W4A8)."""
+    check_type(
+        "preset_at(label)",
+        label,
+        str,
+        fix='pass a preset name, "name@ExKxHxI" or "name+QUANT"',
+        error=SpecError,
+    )
+    label, plus, quant = label.partition("+")
     name, at, shape = label.partition("@")
-    return reshaped(preset(name), shape) if at else preset(name)
+    spec = reshaped(preset(name), shape) if at else preset(name)
+    if plus:
+        known = [q.value for q in ActivationQuant]
+        if quant not in known:
+            raise SpecError(f"unknown activation quantization {quant!r} after '+'; choose one of {known}")
+        spec = replace(spec, act_quant=ActivationQuant(quant))
+    return spec

@@ -107,3 +107,14 @@ def test_an_expert_parallel_rank_tiles_like_the_whole_layer_at_its_token_count(t
     whole, local = default_config(GPT_OSS, tokens), default_config(rank, tokens)
     assert replace(local, split_k=1, gemm2_block_n=None) == replace(whole, split_k=1, gemm2_block_n=None)
     assert local.split_k >= whole.split_k
+
+
+def test_preset_at_takes_an_activation_quantization():
+    from moekit.spec import ActivationQuant
+
+    spec = preset_at("gpt-oss-120b@128x8x2048x768+fp8_per_1x128_group")
+    assert spec.act_quant is ActivationQuant.FP8_PER_GROUP_128 and spec.E == 128
+    with pytest.raises(SpecError, match="unknown activation quantization"):
+        preset_at("gpt-oss-120b+fp9")
+    with pytest.raises(SpecError, match="W4A8"):  # float weights take no FP8 activations
+        preset_at("qwen3-30b-a3b+fp8_per_token")
