@@ -82,20 +82,6 @@ SPECS = {
         replace(preset("gpt-oss-20b"), act_quant=ActivationQuant.FP8_PER_GROUP_128),
         "W4A8: MXFP4 codes as FP8 on the FP8 tensor cores, per-1x128 activation scales",
     ),
-    "ragged-w4a8": (
-        MoESpec(
-            num_experts=8,
-            top_k=4,
-            hidden_size=200,
-            intermediate_size=704,
-            weight_format=WeightFormat.MXFP4,
-            act_quant=ActivationQuant.FP8_PER_TOKEN,
-            activation=ActivationSpec.gpt_oss(),
-            gate_layout=GateLayout.INTERLEAVED,
-            has_bias=True,
-        ),
-        "W4A8 with per-token activation scales and a ragged MXFP4 tail (H = 200)",
-    ),
     "ragged-fp8-token": (
         MoESpec(
             num_experts=8,
@@ -110,6 +96,10 @@ SPECS = {
         "I=200, per-channel FP8 weights with per-token activations",
     ),
 }
+SPECS["ragged-w4a8"] = (  # the ragged MXFP4 layer with FP8 activations
+    replace(SPECS["ragged-mxfp4"][0], act_quant=ActivationQuant.FP8_PER_TOKEN),
+    "W4A8 with per-token activation scales and a ragged MXFP4 tail (H = 200)",
+)
 
 
 def _gpu_weights(spec: MoESpec, *, seed: int, std: float = 0.02) -> ExpertWeights:
