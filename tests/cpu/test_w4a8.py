@@ -38,16 +38,17 @@ def test_float_weights_still_refuse_fp8_activations():
 
 
 @pytest.mark.parametrize("quant", FP8_ACTS)
-def test_triton_w4a8_tiles_one_scale_group_a_k_step(quant):
+def test_triton_w4a8_tiles_promote_every_step(quant):
     spec = replace(W4A16, act_quant=quant)
     h200 = SIMULATED_DEVICES["h200"]
     triton = default_registry().get("triton_fused")
     for t in (1, 64, 4096):
         space = triton.tuning_space(spec, Problem(t, h200))
         assert space[0] == triton.default_config(spec, Problem(t, h200))
-        assert all(c.block_k == 32 and c.reason_unusable(spec) is None for c in space)
-    wide = replace(space[0], block_k=64)
-    assert "block_k must be 32" in wide.reason_unusable(spec)
+        assert space[0].block_k == 32  # one MX group a step: exact
+        assert {c.block_k for c in space} == {32, 128} and all(c.reason_unusable(spec) is None for c in space)
+    wide = replace(space[0], block_k=256)
+    assert "block_k must be 32, 64 or 128" in wide.reason_unusable(spec)
     assert "W4A8" in words_reason(spec)  # decoded from checkpoint bytes, never MMA words
 
 

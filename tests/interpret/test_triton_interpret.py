@@ -58,7 +58,7 @@ from moekit.kernels.triton.align import (  # noqa: E402
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
 from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import default_config  # noqa: E402
-from moekit.reference import relative_l2_error  # noqa: E402
+from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 from moekit.weights import WeightPacking  # noqa: E402
 
 try:
@@ -478,6 +478,41 @@ def test_every_format_with_gemm2_on_its_own_tile(fmt, scale, quant, dtype, why, 
     config = replace(base, gemm2_block_n=64)
     assert config.block_n_gemm2 == 64 and base.block_n_gemm2 == base.block_n
     _check_layer(spec, t=9, seed=21, config=config)
+
+
+W4A8_QUANTS = [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128]
+
+
+@pytest.mark.parametrize("quant", W4A8_QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_w4a8_folds_groups_into_wider_k_steps(quant, block_k):
+    """W4A8 with 2 or 4 MX groups a K-step, each group's scale folded into its FP8 codes relative to the
+    step's largest: exact (fp32) on weights whose neighbouring groups lie within 8 binades; ragged H and I
+    (200, 136), so steps straddle the end of each row."""
+    spec = _spec(fmt=WeightFormat.MXFP4, quant=quant, dtype=torch.float32, **FORMAT_VARIANTS[1])
+    _check_layer(spec, t=9, seed=50 + block_k, config=replace(TINY, block_k=block_k))
+    _check_layer(spec, t=7, seed=51 + block_k, config=replace(TINY_SWAP, block_k=block_k))
+
+
+def test_w4a8_group_far_below_its_step_rounds_within_its_bound():
+    """A group 10 binades below the largest of its 128-wide step leaves E4M3's exact range when folded
+    (its codes times 2^-10): block_k 128 then rounds it, a change under 2^-9 of GEMM1's sums that can
+    still move codes of the FP8 re-quantized intermediate, so the layer lands within W4A8's tolerance
+    (the W8A8 rule, `tolerance(spec)`) but not exactly; block_k 32 (one group a step) stays exact."""
+    spec = _spec(fmt=WeightFormat.MXFP4, quant=ActivationQuant.FP8_PER_TOKEN, h=256, i=128)
+    gen = torch.Generator().manual_seed(61)
+    weights = _weights(spec, gen)
+    w13_scale = weights.w13_scale.clone()
+    w13_scale[..., 1::4] -= 10  # the second group of every 128 columns of w13
+    assert int(w13_scale.min()) > 0
+    weights = replace(weights, w13_scale=w13_scale)
+    x = torch.randn(6, spec.H, generator=gen)
+    routing = _routing(spec, 6, gen)
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    one_group = triton_fused_moe(x, weights, routing, spec=spec, config=TINY)
+    folded = triton_fused_moe(x, weights, routing, spec=spec, config=replace(TINY, block_k=128))
+    assert relative_l2_error(one_group, expected) <= TOLERANCE[torch.float32]
+    assert 0 < relative_l2_error(folded, expected) <= tolerance(spec)
 
 
 SPLITS = [

@@ -185,10 +185,10 @@ class TritonMoEConfig(KernelConfig):
         if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
             return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
         if spec.weight_format is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
-            if self.block_k != 32:
+            if self.block_k not in (32, 64, 128):
                 return (
-                    f"W4A8 (MXFP4 weights, FP8 activations) runs one 32-element scale group a K-step, "
-                    f"so block_k must be 32, got {self.block_k}"
+                    f"W4A8 (MXFP4 weights, FP8 activations) promotes each K-step into fp32 (Hopper's FP8 "
+                    f"sums are reduced-precision), so block_k must be 32, 64 or 128, got {self.block_k}"
                 )
         per_128 = spec.fp8_scale is Fp8Scale.BLOCK_128 or spec.act_quant is ActivationQuant.FP8_PER_GROUP_128
         if per_128 and self.block_k > 128:

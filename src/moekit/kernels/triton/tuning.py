@@ -91,9 +91,10 @@ def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -
 
 
 def _w4a8_tiles(per_expert: float) -> tuple[TritonMoEConfig, ...]:
-    """W4A8 candidates, the default first: one 32-wide K-step per MX group (`reason_unusable`), so deep
-    pipelines; tiles grow with tokens per expert as W8A8's do. Not yet swept on a GPU: these are the
-    W8A8 regimes' tiles at block_k 32, the starting point of the first sweep."""
+    """W4A8 candidates, the default first. block_k 32 keeps one MX group a K-step (always exact);
+    block_k 128 folds four groups into one FP8 step and promotes a quarter as often (exact unless a
+    group sits 8 binades below its neighbours, `_details.mxfp4._mxfp4_fp8_tile`). Tiles grow with tokens
+    per expert as W8A8's do. Not yet swept on a GPU: the W8A8 regimes' tiles, the first sweep's start."""
     if per_expert <= 16:
         tiles = [(16, 64, 1, 4, 4), (16, 64, 1, 4, 5), (16, 128, 1, 4, 4), (32, 64, 4, 4, 4)]
     elif per_expert <= 96:
@@ -101,7 +102,8 @@ def _w4a8_tiles(per_expert: float) -> tuple[TritonMoEConfig, ...]:
     else:
         tiles = [(128, 128, 8, 8, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 5), (64, 128, 8, 4, 4)]
     return tuple(
-        TritonMoEConfig(block_m=m, block_n=n, block_k=32, group_m=g, num_warps=w, num_stages=st)
+        TritonMoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=st)
+        for k in (32, 128)
         for m, n, g, w, st in tiles
     )
 

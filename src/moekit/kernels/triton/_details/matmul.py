@@ -22,7 +22,7 @@ from moekit.kernels.triton._details.codes import (
     WFMT_MXFP4_WORDS,
 )
 from moekit.kernels.triton._details.mxfp4 import (
-    _mxfp4_fp8_group,
+    _mxfp4_fp8_tile,
     _mxfp4_native_bytes,
     _mxfp4_native_scales,
     _mxfp4_tiles,
@@ -139,10 +139,11 @@ def _expert_matmul(
             if MX_NATIVE:
                 acc = _wait_for_mma(acc)
         elif W_FORMAT == WFMT_MXFP4 and A_QUANT != AQ_NONE:
-            # W4A8 (BLOCK_K == 32, one MX group a step): FP8 codes of A times the E2M1 codes, exact in
-            # FP8, on the FP8 tensor cores; the group's scale and A's scales promote it into fp32.
-            w_op, w_scale = _mxfp4_fp8_group(
-                w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk
+            # W4A8: FP8 codes of A times the E2M1 codes (each group's scale folded in relative to the
+            # step's largest, `_mxfp4_fp8_tile`) on the FP8 tensor cores, promoted into fp32 once a step
+            # with that largest scale and A's scales.
+            w_op, w_scale = _mxfp4_fp8_tile(
+                w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk, BLOCK_K
             )
             zero = tl.zeros(acc.shape, dtype=tl.float32)
             if SWAP_AB:

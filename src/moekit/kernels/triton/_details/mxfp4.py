@@ -78,7 +78,7 @@ def _mxfp4_tiles(
 
 
 @triton.jit
-def _mxfp4_fp8_group(
+def _mxfp4_fp8_tile(
     w_base,
     s_base,
     w_rows,
@@ -88,29 +88,43 @@ def _mxfp4_fp8_group(
     stride_wn,
     stride_sn,
     stride_sk,
+    BLOCK_K: tl.constexpr,
 ):
-    """W4A8: one 32-element MX group of rows `w_rows` [BLOCK_N], columns [k0, k0 + 32) -> (the E2M1
-    values as float8_e4m3fn [32, BLOCK_N] in column order, their E8M0 scale as fp32 [BLOCK_N]).
+    """W4A8: rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> (float8_e4m3fn [BLOCK_K, BLOCK_N] in
+    column order, fp32 [BLOCK_N]): each E2M1 value times 2^(s_g - s_max) in FP8, and 2^(s_max - 127),
+    where s_g is its 32-element group's E8M0 byte and s_max the row's largest over the step.
 
-    Every E2M1 value (0, 0.5 ... 6) is exact in E4M3, so the FP8 MMA multiplies the stored codes
-    themselves; the scale, one per row for the whole step, multiplies the step's fp32 product. Elements
-    past IN_DIM are zeroed; scales of rows or groups past the matrix read as 0.
+    The FP8 MMA then sums the whole step, promoted into fp32 once with the row's 2^(s_max - 127). Every
+    E2M1 value times 2^-d is exact in E4M3 for d <= 8, so a step is exact unless one of its groups sits
+    more than 8 binades below the row's largest there: its values then round in E4M3, a change under
+    2^-9 of that largest group's share of the sum (which can still move a code of the re-quantized FP8
+    intermediate; the layer stays within W4A8's tolerance). With BLOCK_K = 32 the step is one group and
+    always exact. Elements past IN_DIM are zeroed; scales past the matrix read 0.
     """
+    GROUPS: tl.constexpr = BLOCK_K // 32
     num_groups: tl.constexpr = (IN_DIM + 31) // 32
-    j = tl.arange(0, 16)
+    j = tl.arange(0, BLOCK_K // 2)
+    kb = k0 // 2 + j  # byte j holds elements 2j (low nibble) and 2j + 1
     packed = tl.load(
-        w_base + w_rows[None, :] * stride_wn + (k0 // 2 + j)[:, None],
-        mask=w_mask[None, :] & (k0 // 32 < num_groups),
+        w_base + w_rows[None, :] * stride_wn + kb[:, None],
+        mask=w_mask[None, :] & (kb < num_groups * 16)[:, None],
         other=0,
-    ).to(tl.int32)  # [16, BLOCK_N]: byte j holds elements 2j (low nibble) and 2j + 1
-    low = tl.where((k0 + 2 * j < IN_DIM)[:, None], _e2m1_to_f32(packed & 0xF), 0.0)
-    high = tl.where((k0 + 2 * j + 1 < IN_DIM)[:, None], _e2m1_to_f32(packed >> 4), 0.0)
-    block_n: tl.constexpr = low.shape[1]
-    values = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (32, block_n))
+    ).to(tl.int32)  # [BLOCK_K/2, BLOCK_N]
+    kg = k0 // 32 + tl.arange(0, GROUPS)
     sbytes = tl.load(
-        s_base + w_rows * stride_sn + (k0 // 32) * stride_sk, mask=w_mask & (k0 // 32 < num_groups), other=0
-    )
-    scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        s_base + w_rows[None, :] * stride_sn + kg[:, None] * stride_sk,
+        mask=w_mask[None, :] & (kg < num_groups)[:, None],
+        other=0,
+    ).to(tl.int32)  # [GROUPS, BLOCK_N]
+    smax = tl.max(sbytes, axis=0)  # [BLOCK_N]
+    drop = smax[None, :] - sbytes  # binades each group sits below the row's largest, >= 0
+    fold = tl.where(drop > 126, 0.0, ((127 - drop) << 23).to(tl.float32, bitcast=True))  # 2^-drop
+    block_n: tl.constexpr = packed.shape[1]
+    fold = tl.reshape(tl.broadcast_to(fold[:, None, :], (GROUPS, 16, block_n)), (BLOCK_K // 2, block_n))
+    low = tl.where((k0 + 2 * j < IN_DIM)[:, None], _e2m1_to_f32(packed & 0xF) * fold, 0.0)
+    high = tl.where((k0 + 2 * j + 1 < IN_DIM)[:, None], _e2m1_to_f32(packed >> 4) * fold, 0.0)
+    values = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, block_n))
+    scale = (smax << 23).to(tl.float32, bitcast=True)
     return values.to(tl.float8e4nv), scale
 
 
