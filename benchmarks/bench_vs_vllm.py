@@ -93,6 +93,7 @@ def _moekit_spec(name: str, dims: dict, act_dtype: torch.dtype):
 
 def _run_preset(peer, label: str, tokens, args, device, ceilings) -> list[SideBySide]:
     from moekit.app.bench import flushed_seconds
+    from moekit.app.check import poison_allocator
     from moekit.kernels.base import DeviceInfo
     from moekit.ops import fused_moe, prepare_weights
     from moekit.planning.plan import plan
@@ -140,7 +141,11 @@ def _run_preset(peer, label: str, tokens, args, device, ceilings) -> list[SideBy
         errors = []
         for call in (moekit_call, vllm_call):
             out = call()
-            out.fill_(math.nan)  # poison: the next call must write every element
+            out.fill_(math.nan)  # vLLM writes into its workspace again: the next call must fill all of it
+            del out
+            # moekit allocates its output: hand it memory full of NaN (what the caching allocator frees
+            # next), so a row it never writes shows
+            poison_allocator(device, num_bytes=4 * t * spec.H * spec.K * 4)
             errors.append(relative_l2_error(call(), expected))
         if device.type == "cuda":
             repeats = 20 if t <= 1024 else 10

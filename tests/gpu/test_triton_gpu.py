@@ -38,7 +38,7 @@ from moekit import (  # noqa: E402
 from moekit.formats import fp8_weight_scale_shape, mxfp4_groups, quantize_fp8_activation  # noqa: E402
 from moekit.kernels.triton.config import TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
-from moekit.kernels.triton.tuning import default_config  # noqa: E402
+from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
 from moekit.reference import relative_l2_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -345,6 +345,27 @@ def test_orientations_match_reference(name, orientation, t):
     got = _run(spec, weights, x, routing, config=config)
     expected = fused_moe_reference(x, weights, routing, spec=spec)
     _assert_close(got, expected, spec, f"{name} T={t} {orientation}")
+
+
+W4A8_SPECS = [
+    name
+    for name, (spec, _) in SPECS.items()
+    if spec.act_quant is not ActivationQuant.NONE and spec.weight_format is WeightFormat.MXFP4
+]
+
+
+@pytest.mark.parametrize("t", [1, 64, 1024, 4096])
+@pytest.mark.parametrize("name", W4A8_SPECS)
+def test_w4a8_tuning_space_matches_reference(name, t):
+    """Every W4A8 candidate (block_k 32: a group a step; 128: four groups folded into one FP8 step;
+    8-warp tiles) on the GPU's FP8 tensor cores, against the reference."""
+    spec = SPECS[name][0]
+    weights = _weights(name)
+    x, routing = _inputs(spec, t, seed=500 + t)
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    for config in tuning_space(spec, t):
+        got = _run(spec, weights, x, routing, config=config)
+        _assert_close(got, expected, spec, f"{name} T={t} {config.as_dict()}")
 
 
 WORD_CONFIGS = {
