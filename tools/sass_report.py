@@ -9,7 +9,8 @@ bf16 activations) and the divisibility the launch specializes on -> `cuobjdump -
 opcodes: the instructions between the loop's backward branch and its target).
 
 Usage: python tools/sass_report.py --gemm 1 --format words --block 16,64,128 --warps 4 --stages 3
-Formats: words (MXFP4_MMA_WORDS), mxfp4 (CHECKPOINT, tl.dot_scaled), bf16.
+Formats: words (MXFP4_MMA_WORDS), mxfp4 (CHECKPOINT, tl.dot_scaled), bf16, and with FP8 activations per
+1x128 group: w8a8 (FP8 weights, 128x128 block scales), w4a8 (MXFP4 CHECKPOINT bytes into FP8 operands).
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ _W = {
     "words": (codes.WFMT_MXFP4_WORDS.value, "*i32"),
     "mxfp4": (codes.WFMT_MXFP4.value, "*u8"),
     "bf16": (codes.WFMT_FLOAT.value, "*bf16"),
+    # FP8 activations, per 1x128 group: DeepSeek-V3's W8A8 (128x128 weight blocks) and W4A8
+    "w8a8": (codes.WFMT_FP8.value, "*fp8e4nv"),
+    "w4a8": (codes.WFMT_MXFP4.value, "*u8"),
 }
+_FP8_ACTIVATIONS = frozenset({"w8a8", "w4a8"})
+_MXFP4 = frozenset({"words", "mxfp4", "w4a8"})
 
 
 def compile_gemm(
@@ -43,20 +49,25 @@ def compile_gemm(
     stages: int,
     split_k: int = 1,
     block_starts: bool = False,
+    swap_ab: bool = False,
 ):
     fn = _gemm_module._moe_gemm1 if gemm == 1 else _gemm_module._moe_gemm2
     w_format, w_type = _W[fmt]
-    a_name, out_name = ("x_ptr", "h_ptr") if gemm == 1 else ("h_ptr", "y_ptr")
+    a_name, a_scale, out_name = (
+        ("x_ptr", "x_scale_ptr", "h_ptr") if gemm == 1 else ("h_ptr", "h_scale_ptr", "y_ptr")
+    )
+    fp8_acts = fmt in _FP8_ACTIVATIONS
     pointers = {
-        a_name: "*bf16",
+        a_name: "*fp8e4nv" if fp8_acts else "*bf16",
+        a_scale: "*fp32" if fp8_acts else "constexpr",
         "w_ptr": w_type,
         "b_ptr": "*bf16",
         "sorted_pairs_ptr": "*i32",
         "block_expert_ptr": "*i32",
         "block_start_ptr": "*i32" if block_starts else "constexpr",  # tail-block launches (a start list)
         "num_blocks_ptr": "*i32",
-        out_name: "*bf16",
-        "w_scale_ptr": "*u8" if fmt != "bf16" else "constexpr",
+        out_name: "*fp32" if fp8_acts and gemm == 1 else "*bf16",  # h is fp32 before its FP8 quantization
+        "w_scale_ptr": {"bf16": "constexpr", "w8a8": "*fp32"}.get(fmt, "*u8"),
         "route_w_ptr": "*fp32" if gemm == 2 else "constexpr",
         "part_ptr": "*fp32" if split_k > 1 else "constexpr",
     }
@@ -64,11 +75,11 @@ def compile_gemm(
         HIDDEN=2880,
         INTER_SIZE=2880,
         W_FORMAT=w_format,
-        FP8_SCALE=0,
-        A_QUANT=0,
+        FP8_SCALE=codes.FP8S_BLOCK.value if fmt == "w8a8" else 0,
+        A_QUANT=codes.AQ_GROUP.value if fp8_acts else 0,
         DOT_FP32=False,
-        MX_NATIVE=fmt != "bf16",
-        SWAP_AB=False,
+        MX_NATIVE=fmt in ("words", "mxfp4"),
+        SWAP_AB=swap_ab,
         HAS_BIAS=True,
         BLOCK_M=block[0],
         BLOCK_N=block[1],
@@ -89,7 +100,7 @@ def compile_gemm(
             signature[name] = pointers[name]
             if pointers[name] == "constexpr":
                 constants[name] = None
-        elif name == "stride_wsn" and fmt != "bf16":  # N-major scales, as prepare_weights stores them
+        elif name == "stride_wsn" and fmt in _MXFP4:  # N-major scales, as prepare_weights stores them
             signature[name], constants[name] = "constexpr", 1
         else:
             signature[name] = "i32"
@@ -165,13 +176,13 @@ def loop_report(kernel) -> dict:
 
 
 def _wgmma_operands(instructions: list[tuple[int, str]]) -> tuple[int, int]:
-    """(register-A, shared-A) wgmma among `instructions`: `HGMMA ... Rc, Ra, gdesc[..]` reads A from
-    registers, `HGMMA ... Rc, gdesc[..]` from shared memory."""
+    """(register-A, shared-A) wgmma among `instructions`, bf16 (HGMMA) or FP8 (QGMMA): `HGMMA ... Rc, Ra,
+    gdesc[..]` reads A from registers, `HGMMA ... Rc, gdesc[..]` from shared memory."""
     register_a = shared_a = 0
     for _, text in instructions:
         op = unpredicated(text)
-        if op.startswith("HGMMA"):
-            if re.match(r"HGMMA\S+\s+R\d+, R\d+,", op):
+        if op.startswith(("HGMMA", "QGMMA")):
+            if re.match(r"[HQ]GMMA\S+\s+R\d+, R\d+,", op):
                 register_a += 1
             else:
                 shared_a += 1
@@ -188,7 +199,8 @@ def decoded_pairs_per_thread(gemm: int, block: tuple[int, int, int], warps: int)
 def properties(kernel) -> dict:
     """What the H200 speed of a compiled GEMM rests on, read from its SASS and resource usage:
     `local_bytes` / `local_memory_ops` (spills: LDL / STL anywhere in the kernel), the K-loop's
-    `loop_instructions` and its wgmma by operand source (`register_a_wgmma`, `shared_a_wgmma`)."""
+    `loop_instructions` and its wgmma by operand source (`register_a_wgmma`, `shared_a_wgmma`), those on
+    FP8 operands (`fp8_wgmma`) among them."""
     instructions = all_instructions(kernel)
     loop = loop_instructions(kernel, instructions)
     resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(kernel, "-res-usage")))
@@ -200,6 +212,7 @@ def properties(kernel) -> dict:
         "loop_instructions": len(loop),
         "register_a_wgmma": register_a,
         "shared_a_wgmma": shared_a,
+        "fp8_wgmma": sum(1 for _, t in loop if unpredicated(t).startswith("QGMMA")),
     }
 
 

@@ -136,3 +136,32 @@ print(json.dumps([r["wait_depths"], len(r["writes"])]))
     )
     depths, writes = _compiled_json([str(script)])
     assert max(depths) > 0 and writes > 0, (depths, writes)
+
+
+_FP8_ACTIVATION_TILES = """
+import json
+import sass_report
+out = []
+for fmt, gemm, m, n, k, warps, stages, swap in [
+    ('w8a8', 1, 16, 64, 128, 4, 3, True), ('w8a8', 2, 16, 64, 128, 4, 3, True),  # FP8 decode default
+    ('w8a8', 1, 64, 64, 128, 4, 3, False), ('w8a8', 2, 64, 64, 128, 4, 3, False),
+    ('w4a8', 1, 16, 64, 32, 4, 4, False), ('w4a8', 2, 16, 64, 32, 4, 4, False),  # W4A8 decode default
+    ('w4a8', 1, 16, 64, 128, 4, 4, True), ('w4a8', 2, 16, 64, 128, 4, 4, True),
+    ('w4a8', 2, 128, 128, 128, 8, 4, False),
+]:
+    kernel = sass_report.compile_gemm(gemm, fmt, (m, n, k), warps, stages, swap_ab=swap)
+    out.append(dict(tile=[fmt, gemm, m, n, k, warps, stages, swap], **sass_report.properties(kernel)))
+print(json.dumps(out))
+"""
+
+
+def test_fp8_activation_gemms_compile_for_hopper():
+    """W8A8 (DeepSeek-V3's 128x128 blocks) and W4A8 GEMMs with per-1x128 activation scales, in both
+    orientations, compiled for sm_90: they compile (a jit helper returning tensors of different shapes
+    from constexpr branches does not, and the interpreter never notices), nothing spills, and tiles with
+    64 or more weight rows on the MMA's M side (swap_ab) or token rows run FP8 wgmma."""
+    for tile in _compiled_json(["-c", _FP8_ACTIVATION_TILES]):
+        fmt, gemm, m, n, k, warps, stages, swap = tile["tile"]
+        assert tile["local_memory_ops"] == 0, tile
+        if swap or m >= 64:
+            assert tile["fp8_wgmma"] > 0, tile

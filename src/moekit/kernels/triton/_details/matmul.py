@@ -264,9 +264,12 @@ def _group_scales(
         mask=a_mask if EVEN_K else a_mask & (k0 < IN_DIM),
         other=0.0,
     )
+    # One return: Triton unifies the types of every return statement, constexpr branches included.
     if SWAP_AB:
-        return sa[None, :]
-    return sa[:, None]
+        shaped = sa[None, :]
+    else:
+        shaped = sa[:, None]
+    return shaped
 
 
 @triton.jit
