@@ -9,6 +9,7 @@ bf16 activations) and the divisibility the launch specializes on -> `cuobjdump -
 opcodes: the instructions between the loop's backward branch and its target).
 
 Usage: python tools/sass_report.py --gemm 1 --format words --block 16,64,128 --warps 4 --stages 3
+       python tools/sass_report.py --gemm 2 --format w8a8 --block 16,64,128 --swap-ab
 Formats: words (MXFP4_MMA_WORDS), mxfp4 (CHECKPOINT, tl.dot_scaled), bf16, and with FP8 activations per
 1x128 group: w8a8 (FP8 weights, 128x128 block scales), w4a8 (MXFP4 CHECKPOINT bytes into FP8 operands).
 """
@@ -224,9 +225,12 @@ def main() -> int:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--split-k", type=int, default=1)
+    p.add_argument("--swap-ab", action="store_true", help="weight rows on the MMA's M side")
     args = p.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
-    kernel = compile_gemm(args.gemm, args.format, block, args.warps, args.stages, args.split_k)
+    kernel = compile_gemm(
+        args.gemm, args.format, block, args.warps, args.stages, args.split_k, swap_ab=args.swap_ab
+    )
     report, props = loop_report(kernel), properties(kernel)
     print(
         f"GEMM{args.gemm} {args.format} block {block} warps {args.warps} stages {args.stages}: "
@@ -236,7 +240,7 @@ def main() -> int:
     print("  " + ", ".join(f"{op} {n}" for op, n in report["opcodes"]))
     print(
         f"  {props['local_memory_ops']} local loads / stores, K-loop wgmma: {props['register_a_wgmma']} "
-        f"register-A, {props['shared_a_wgmma']} shared-A"
+        f"register-A, {props['shared_a_wgmma']} shared-A, {props['fp8_wgmma']} of them FP8"
     )
     return 0
 
