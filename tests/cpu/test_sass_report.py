@@ -145,6 +145,7 @@ out = []
 for fmt, gemm, m, n, k, warps, stages, swap in [
     ('w8a8', 1, 16, 64, 128, 4, 3, True), ('w8a8', 2, 16, 64, 128, 4, 3, True),  # FP8 decode default
     ('w8a8', 1, 64, 64, 128, 4, 3, False), ('w8a8', 2, 64, 64, 128, 4, 3, False),
+    ('w8a8', 1, 128, 64, 128, 8, 3, False), ('w8a8', 2, 128, 128, 128, 8, 3, False),  # prefill candidate
     ('w4a8', 1, 16, 64, 32, 4, 4, False), ('w4a8', 2, 16, 64, 32, 4, 4, False),  # W4A8 decode default
     ('w4a8', 1, 16, 64, 128, 4, 4, True), ('w4a8', 2, 16, 64, 128, 4, 4, True),
     ('w4a8', 2, 128, 128, 128, 8, 4, False),
