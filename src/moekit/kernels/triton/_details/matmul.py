@@ -143,7 +143,17 @@ def _expert_matmul(
             # step's largest, `_mxfp4_fp8_tile`) on the FP8 tensor cores, promoted into fp32 once a step
             # with that largest scale and A's scales.
             w_op, w_scale = _mxfp4_fp8_tile(
-                w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_wsn, stride_wsk, BLOCK_K
+                w_base,
+                s_base,
+                w_rows,
+                w_mask,
+                k0,
+                IN_DIM,
+                stride_wn,
+                stride_wsn,
+                stride_wsk,
+                BLOCK_N,
+                BLOCK_K,
             )
             zero = tl.zeros(acc.shape, dtype=tl.float32)
             if SWAP_AB:
@@ -163,7 +173,7 @@ def _expert_matmul(
                 else:
                     acc = tl.dot_scaled(a, None, _BF16, tl.trans(packed), scales, _E2M1, acc, fast_math=True)
             else:
-                w_even, w_odd = _mxfp4_tiles(
+                w_even, w_odd, _ = _mxfp4_tiles(
                     w_base,
                     s_base,
                     w_rows,

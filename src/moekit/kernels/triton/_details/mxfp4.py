@@ -46,15 +46,20 @@ def _mxfp4_tiles(
     stride_sk,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FOLD: tl.constexpr = False,
 ):
-    """MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> fp32 (even, odd) [BLOCK_K/2, BLOCK_N].
+    """MXFP4 rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> fp32 (even, odd) [BLOCK_K/2, BLOCK_N]
+    and a per-row fp32 scale [BLOCK_N] still to apply (1 unless FOLD).
 
     The low nibble of byte j is element 2j, the high nibble element 2j+1: returning the two halves as
     separate tiles (and splitting A the same way) avoids interleaving them in registers. Scale byte s
     -> 2^(s-127) as the fp32 bits s << 23 (s = 0 gives 0 instead of 2^-127; 0xFF gives Inf, so a NaN
-    scale still poisons its block). Bytes and scale groups past the row are masked, and elements past
-    IN_DIM (the ragged tail's padding) are zeroed.
+    scale still poisons its block). With FOLD (W4A8, `_mxfp4_fp8_tile`) each group is scaled by
+    2^(s - s_max) instead, s_max the row's largest byte over the step, and 2^(s_max - 127) is returned
+    for the caller to apply. Bytes and scale groups past the row are masked, and elements past IN_DIM
+    (the ragged tail's padding) are zeroed.
     """
+    GROUPS: tl.constexpr = BLOCK_K // 32  # 16 bytes (32 elements) share a scale
     num_groups: tl.constexpr = (IN_DIM + 31) // 32
     j = tl.arange(0, BLOCK_K // 2)
     kb = k0 // 2 + j  # byte index along the row
@@ -63,18 +68,23 @@ def _mxfp4_tiles(
         mask=w_mask[None, :] & (kb < num_groups * 16)[:, None],
         other=0,
     ).to(tl.int32)
-    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # 16 bytes (32 elements) share a scale
+    kg = k0 // 32 + tl.arange(0, GROUPS)
     sbytes = tl.load(
         s_base + w_rows[None, :] * stride_sn + kg[:, None] * stride_sk,
         mask=w_mask[None, :] & (kg < num_groups)[:, None],
         other=0,
-    )
-    scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # [BLOCK_K/32, BLOCK_N]
-    scale = tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N))
-    scale = tl.reshape(scale, (BLOCK_K // 2, BLOCK_N))
+    ).to(tl.int32)  # [GROUPS, BLOCK_N]
+    if FOLD:
+        row_byte = tl.max(sbytes, axis=0)
+        drop = row_byte[None, :] - sbytes  # binades each group sits below the row's largest, >= 0
+        scale = tl.where(drop > 126, 0.0, ((127 - drop) << 23).to(tl.float32, bitcast=True))  # 2^-drop
+    else:
+        row_byte = tl.full([BLOCK_N], 127, tl.int32)  # 2^0: the groups carry their whole scale
+        scale = (sbytes << 23).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (BLOCK_K // 2, BLOCK_N))
     even = tl.where((k0 + 2 * j < IN_DIM)[:, None], _e2m1_to_f32(packed & 0xF) * scale, 0.0)
     odd = tl.where((k0 + 2 * j + 1 < IN_DIM)[:, None], _e2m1_to_f32(packed >> 4) * scale, 0.0)
-    return even, odd
+    return even, odd, (row_byte << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -88,43 +98,25 @@ def _mxfp4_fp8_tile(
     stride_wn,
     stride_sn,
     stride_sk,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """W4A8: rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> (float8_e4m3fn [BLOCK_K, BLOCK_N] in
     column order, fp32 [BLOCK_N]): each E2M1 value times 2^(s_g - s_max) in FP8, and 2^(s_max - 127),
-    where s_g is its 32-element group's E8M0 byte and s_max the row's largest over the step.
+    where s_g is its 32-element group's E8M0 byte and s_max the row's largest over the step
+    (`_mxfp4_tiles` with FOLD).
 
     The FP8 MMA then sums the whole step, promoted into fp32 once with the row's 2^(s_max - 127). Every
     E2M1 value times 2^-d is exact in E4M3 for d <= 8, so a step is exact unless one of its groups sits
     more than 8 binades below the row's largest there: its values then round in E4M3, a change under
     2^-9 of that largest group's share of the sum (which can still move a code of the re-quantized FP8
     intermediate; the layer stays within W4A8's tolerance). With BLOCK_K = 32 the step is one group and
-    always exact. Elements past IN_DIM are zeroed; scales past the matrix read 0.
+    always exact.
     """
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    num_groups: tl.constexpr = (IN_DIM + 31) // 32
-    j = tl.arange(0, BLOCK_K // 2)
-    kb = k0 // 2 + j  # byte j holds elements 2j (low nibble) and 2j + 1
-    packed = tl.load(
-        w_base + w_rows[None, :] * stride_wn + kb[:, None],
-        mask=w_mask[None, :] & (kb < num_groups * 16)[:, None],
-        other=0,
-    ).to(tl.int32)  # [BLOCK_K/2, BLOCK_N]
-    kg = k0 // 32 + tl.arange(0, GROUPS)
-    sbytes = tl.load(
-        s_base + w_rows[None, :] * stride_sn + kg[:, None] * stride_sk,
-        mask=w_mask[None, :] & (kg < num_groups)[:, None],
-        other=0,
-    ).to(tl.int32)  # [GROUPS, BLOCK_N]
-    smax = tl.max(sbytes, axis=0)  # [BLOCK_N]
-    drop = smax[None, :] - sbytes  # binades each group sits below the row's largest, >= 0
-    fold = tl.where(drop > 126, 0.0, ((127 - drop) << 23).to(tl.float32, bitcast=True))  # 2^-drop
-    block_n: tl.constexpr = packed.shape[1]
-    fold = tl.reshape(tl.broadcast_to(fold[:, None, :], (GROUPS, 16, block_n)), (BLOCK_K // 2, block_n))
-    low = tl.where((k0 + 2 * j < IN_DIM)[:, None], _e2m1_to_f32(packed & 0xF) * fold, 0.0)
-    high = tl.where((k0 + 2 * j + 1 < IN_DIM)[:, None], _e2m1_to_f32(packed >> 4) * fold, 0.0)
-    values = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, block_n))
-    scale = (smax << 23).to(tl.float32, bitcast=True)
+    low, high, scale = _mxfp4_tiles(
+        w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_sn, stride_sk, BLOCK_N, BLOCK_K, True
+    )
+    values = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
     return values.to(tl.float8e4nv), scale
 
 
