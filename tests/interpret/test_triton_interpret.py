@@ -371,9 +371,10 @@ def test_align_methods_agree_bit_for_bit(max_chunks, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("quant", [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128])
 @pytest.mark.parametrize("with_row_mult", [False, True])
-def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult):
+@pytest.mark.parametrize("cols", [200, 1100])  # per group: 2 groups in one program; 9 in two, the second ragged
+def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult, cols):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 200, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)  # ragged last group
+    x = torch.randn(6, cols, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)  # ragged last group
     x[1] = 0.0  # amax 0: scale 1
     # Row 2: amax 448 -> scale 1, so these land exactly on E4M3 midpoints (ties go to even) or subnormals.
     ties = torch.tensor([448.0, 1.0625, 1.1875, 17.0, 19.0, 232.0, -1.0625, 0.00146484375, -0.0, 2.0**-10])

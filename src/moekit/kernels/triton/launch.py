@@ -23,7 +23,7 @@ from moekit.errors import DeviceError, LayoutMismatchError, ShapeError, SpecErro
 from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
 from moekit.kernels.triton._details import codes
 from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
-from moekit.kernels.triton._details.quant import _quant_fp8_rows
+from moekit.kernels.triton._details.quant import _quant_fp8_groups, _quant_fp8_rows
 from moekit.kernels.triton._details.reduce import _moe_gemm1_splits, _moe_sum_k
 from moekit.kernels.triton.align import BlockList, align_routing, split_tail_blocks
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports
@@ -228,18 +228,32 @@ def _quantize_rows(
     groups = triton.cdiv(cols, 128) if per_group else 1
     data = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=src.device)
     scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
-    _quant_fp8_rows[(rows, groups)](
+    if per_group:  # a program quantizes up to 8 adjacent groups of a row (1024 values, 8 a thread)
+        groups_per_program = min(8, triton.next_power_of_2(groups))
+        _quant_fp8_groups[(rows, triton.cdiv(groups, groups_per_program))](
+            src_ptr=src,  # [R, C]
+            row_mult_ptr=row_mult,  # fp32 [R] or None
+            dst_ptr=data,  # fp8 [R, C]
+            scale_ptr=scale,  # fp32 [R, G]
+            stride_src=src.stride(0),
+            stride_dst=data.stride(0),
+            stride_scale=scale.stride(0),
+            NUM_COLS=cols,
+            HAS_ROW_MULT=row_mult is not None,
+            GROUPS=groups_per_program,
+        )
+        return data, scale
+    _quant_fp8_rows[(rows,)](
         src_ptr=src,  # [R, C]
         row_mult_ptr=row_mult,  # fp32 [R] or None
         dst_ptr=data,  # fp8 [R, C]
-        scale_ptr=scale,  # fp32 [R, G]
+        scale_ptr=scale,  # fp32 [R, 1]
         stride_src=src.stride(0),
         stride_dst=data.stride(0),
         stride_scale=scale.stride(0),
         NUM_COLS=cols,
-        GROUP_COLS=128 if per_group else cols,
         HAS_ROW_MULT=row_mult is not None,
-        BLOCK=128 if per_group else min(1024, triton.next_power_of_2(cols)),
+        BLOCK=min(1024, triton.next_power_of_2(cols)),
     )
     return data, scale
 

@@ -33,19 +33,16 @@ def _quant_fp8_rows(
     src_ptr,  # [R, C] float rows
     row_mult_ptr,  # fp32 [R] multiplier applied before quantizing (router weight, INPUT placement) or None
     dst_ptr,  # float8_e4m3fn [R, C]
-    scale_ptr,  # fp32 [R, G]: G = 1 per token, ceil(C/128) per 1x128 group
+    scale_ptr,  # fp32 [R, 1]
     NUM_COLS: tl.constexpr,  # C
-    GROUP_COLS: tl.constexpr,  # C per token, 128 per group
     stride_src,
     stride_dst,
     stride_scale,
     HAS_ROW_MULT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per (row, group): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
+    """One program per row (per token): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    col_start = group * GROUP_COLS
     offs = tl.arange(0, BLOCK)
     mult = 1.0
     if HAS_ROW_MULT:
@@ -53,9 +50,9 @@ def _quant_fp8_rows(
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     # Loop bounds are constexpr: sizes H and I are fixed per model, and the Triton interpreter cannot
     # loop over runtime bounds with numpy 2.
-    for c in range(0, GROUP_COLS, BLOCK):
-        cols = col_start + c + offs
-        mask = (c + offs < GROUP_COLS) & (cols < NUM_COLS)
+    for c in range(0, NUM_COLS, BLOCK):
+        cols = c + offs
+        mask = cols < NUM_COLS
         v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_ROW_MULT:
             v = v * mult
@@ -64,12 +61,44 @@ def _quant_fp8_rows(
     # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
     scale = tl.maximum(tl.math.div_rn(amax_row, _FP8_MAX), _FP32_TINY)
     scale = tl.where(amax_row > 0, scale, 1.0)
-    for c in range(0, GROUP_COLS, BLOCK):
-        cols = col_start + c + offs
-        mask = (c + offs < GROUP_COLS) & (cols < NUM_COLS)
+    for c in range(0, NUM_COLS, BLOCK):
+        cols = c + offs
+        mask = cols < NUM_COLS
         v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_ROW_MULT:
             v = v * mult
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -_FP8_MAX), _FP8_MAX)
         tl.store(dst_ptr + row * stride_dst + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
-    tl.store(scale_ptr + row * stride_scale + group, scale)
+    tl.store(scale_ptr + row * stride_scale, scale)
+
+
+@triton.jit
+def _quant_fp8_groups(
+    src_ptr,
+    row_mult_ptr,
+    dst_ptr,
+    scale_ptr,
+    NUM_COLS: tl.constexpr,
+    stride_src,
+    stride_dst,
+    stride_scale,
+    HAS_ROW_MULT: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    """Per 1x128 group, as `_quant_fp8_rows` per token: program (row, g) quantizes the row's groups
+    g * GROUPS onward as one [GROUPS, 128] tile, loaded once (a program per group moves 128 values, one
+    a thread: too little work to keep HBM busy)."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = cols < NUM_COLS
+    v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROW_MULT:
+        v = v * tl.load(row_mult_ptr + row)
+    amax = tl.max(tl.abs(v), axis=1)
+    # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
+    scale = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP32_TINY)
+    scale = tl.where(amax > 0, scale, 1.0)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -_FP8_MAX), _FP8_MAX)
+    tl.store(dst_ptr + row * stride_dst + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+    tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * 128 < NUM_COLS)
