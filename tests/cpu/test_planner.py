@@ -213,6 +213,33 @@ def test_nearest_bucket_is_a_visible_fallback(tmp_path):
         plan(GPT_OSS_120B, num_tokens=20, device=H200, tuned=table, registry=REGISTRY, strict=True)
 
 
+def test_nearest_row_of_another_tiling_regime_is_not_used(tmp_path):
+    """A row speaks for the regime it was tuned in: DeepSeek-V3's FP8 row at T = 512 (16 tokens an expert,
+    decode-like tiles) must not tile T = 1024 (32 an expert, where the kernel's own rule grows the M tile);
+    within one regime (T = 4096 -> 8192, both prefill) the nearest row still refines the rule."""
+    spec = moekit.preset("deepseek-v3")
+    registry = default_registry()
+    kernel = registry.get("triton_fused")
+    decode_tile = {"block_m": 16, "block_n": 64, "block_k": 128, "group_m": 1, "num_warps": 4, "num_stages": 5}
+    prefill_tile = {"block_m": 64, "block_n": 64, "block_k": 128, "group_m": 4, "num_warps": 4, "num_stages": 4}
+    table = _table(
+        tmp_path,
+        [
+            _row(spec, kernel="triton_fused", config=decode_tile, device=H200.name, tokens=512),
+            _row(spec, kernel="triton_fused", config=prefill_tile, device=H200.name, tokens=4096),
+        ],
+    )
+    at = {t: plan(spec, num_tokens=t, device=H200, tuned=table, registry=registry) for t in (300, 1024, 8192)}
+    assert at[300].source is ConfigSource.TUNED_ROW and at[300].config.as_dict()["num_stages"] == 5  # bucket 512
+    other = at[1024]
+    assert other.source is ConfigSource.REGIME_DEFAULT, other.explain()
+    assert other.config == kernel.default_config(spec, moekit.kernels.base.Problem(1024, H200))
+    assert other.config.as_dict()["block_m"] > 16 and "#row 0" in other.explain()  # names the row it skipped
+    assert at[8192].source is ConfigSource.NEAREST_BUCKET and at[8192].config.as_dict()["group_m"] == 4
+    with pytest.raises(PlanFallbackError, match="another"):
+        plan(spec, num_tokens=1024, device=H200, tuned=table, registry=registry, strict=True)
+
+
 def test_row_for_a_kernel_refused_on_this_device_is_rejected_at_plan_time(tmp_path):
     # A row valid for the spec, but its kernel cannot run on this device (here: the CPU).
     spec = replace(SMALL_120B, activation=moekit.ActivationSpec(moekit.Activation.SILU))

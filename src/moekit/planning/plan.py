@@ -2,8 +2,8 @@
 
 Data flow: (spec, num_tokens, device) -> every registered kernel's `supports` (refusals recorded with
 their reasons) -> the tuned row for (device, Triton version, spec signature, E, K, H, I, token bucket),
-else the nearest bucket's row -> the row is used only if its kernel is among the capable ones (else it
-is recorded as rejected) -> otherwise the highest-priority capable kernel with its default config ->
+else the nearest bucket's row if the kernel's own rule tiles both T alike (same regime) -> the row is
+used only if its kernel is among the capable ones (else it is recorded as rejected) -> otherwise the highest-priority capable kernel with its default config ->
 a frozen `Plan` that says what was chosen, from where, and what was refused.
 
 The invariant: whatever the tables say, the chosen kernel is one that `supports` the spec. A table is
@@ -52,6 +52,9 @@ class ConfigSource(enum.Enum):
     # that token count; only the count of experts with work (E_local of E) differs.
     WHOLE_LAYER_ROW = "tuned row of the whole layer (this rank holds E_local of its experts)"
     DEFAULT = "kernel default (no usable tuned row)"
+    # The nearest bucket's row was tuned where the kernel's own rule tiles differently (another count of
+    # tokens per expert: decode vs prefill tiles); a row speaks only for its regime.
+    REGIME_DEFAULT = "kernel default for this T's regime (the nearest tuned bucket is in another)"
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ def plan(
             rejected.append(RejectedRow(row.origin, f"kernel {row.kernel!r} cannot run here: {why}", row.key))
         elif (reason := row_kernel.validate_config(row.config, spec)) is not None:
             rejected.append(RejectedRow(row.origin, f"config invalid for this spec: {reason}", row.key))
+        elif not exact and _other_regime(row_kernel, spec, problem, row.key.bucket):
+            # As without a row (the first capable kernel's default); the explanation names the row.
+            source, origin = ConfigSource.REGIME_DEFAULT, row.origin
         else:
             chosen, config, origin = row_kernel, row.config, row.origin
             source = ConfigSource.TUNED_ROW if exact else ConfigSource.NEAREST_BUCKET
@@ -190,6 +196,14 @@ def plan(
         what = "rejected tuned rows" if source is ConfigSource.TUNED_ROW else source.value
         raise PlanFallbackError(f"strict planning refused a fallback ({what}):\n{result.explain()}")
     return result
+
+
+def _other_regime(kernel: Kernel, spec: MoESpec, problem: Problem, row_bucket: int) -> bool:
+    """Whether `kernel`'s own rule tiles `problem` differently from the T the row was tuned at: then the
+    row (the best config of another regime, e.g. decode tiles at 16 tokens an expert applied at 32) is
+    no guide, and the rule's config for this T is used instead."""
+    at_row = Problem(num_tokens=row_bucket, device=problem.device)
+    return kernel.default_config(spec, at_row) != kernel.default_config(spec, problem)
 
 
 # Tokens per expert that the one batch-invariant config is chosen at: the default tiles' middle regime
@@ -235,7 +249,7 @@ def plan_batch_invariant(
     problem = Problem(num_tokens=anchor, device=base.device)
     chosen = registry.get(base.kernel)
     source, origin, config = base.source, base.row_origin, base.config
-    if source is ConfigSource.NEAREST_BUCKET:  # a row tuned for another T: the anchor's own default instead
+    if source in (ConfigSource.NEAREST_BUCKET, ConfigSource.REGIME_DEFAULT):  # the anchor's own default instead
         source, origin, config = ConfigSource.DEFAULT, None, chosen.default_config(spec, problem)
     config = chosen.batch_invariant_config(config, spec)
     if config is None:
