@@ -41,6 +41,11 @@ def main() -> int:
         help="run each candidate once, untimed and unchecked: fills the Triton cache (several such processes "
         "in parallel compile on several CPU cores; the timed sweep after them only loads the binaries)",
     )
+    p.add_argument(
+        "--where",
+        default=None,
+        help='time only candidates with these fields, e.g. "block_k=128,num_warps=8" (the default always runs)',
+    )
     args = p.parse_args()
     device = torch.device("cuda")
     spec = cap_experts(preset_at(args.preset), args.experts)
@@ -50,7 +55,7 @@ def main() -> int:
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
     prepared: dict = {}  # time_plan's cache: one prepare_weights per (kernel, spec)
     if args.compile_only:
-        return _compile_only(spec, layer, info, kernel, args.tokens, prepared, device)
+        return _compile_only(spec, layer, info, kernel, args.tokens, args.where, prepared, device)
     ceilings = measure_ceilings(device)
     results = []
     start = time.time()
@@ -65,7 +70,7 @@ def main() -> int:
         expected = fused_moe_reference(x, layer.weights, routing, spec=spec)
         base = replace(plan(spec, num_tokens=t, device=info), kernel="triton_fused")
         timed = []  # (config, record) of the candidates that ran
-        for cfg in kernel.tuning_space(spec, Problem(num_tokens=t, device=info)):
+        for cfg in _candidates(kernel, spec, Problem(num_tokens=t, device=info), args.where):
             chosen = replace(base, config=cfg)
             try:
                 sec, rel = time_plan(chosen, layer, x, logits, expected, prepared, flush, device)
@@ -103,12 +108,21 @@ def main() -> int:
     return 0
 
 
-def _compile_only(spec, layer, info, kernel, tokens: str, prepared: dict, device) -> int:
+def _candidates(kernel, spec, problem, where: str | None) -> list:
+    """`tuning_space`, the default first, then only the candidates whose fields match `where`."""
+    space = list(kernel.tuning_space(spec, problem))
+    if not where:
+        return space
+    wanted = dict(item.split("=", 1) for item in where.split(","))
+    return space[:1] + [c for c in space[1:] if all(str(c.as_dict()[k]) == v for k, v in wanted.items())]
+
+
+def _compile_only(spec, layer, info, kernel, tokens: str, where: str | None, prepared: dict, device) -> int:
     """Each candidate of each T run once (no timing, no check): its kernels compiled into the Triton cache."""
     for t in (int(v) for v in tokens.split(",")):
         x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
         base = replace(plan(spec, num_tokens=t, device=info), kernel="triton_fused")
-        for cfg in kernel.tuning_space(spec, Problem(num_tokens=t, device=info)):
+        for cfg in _candidates(kernel, spec, Problem(num_tokens=t, device=info), where):
             chosen = replace(base, config=cfg)
             try:
                 whole_layer(chosen, layer, prepared_weights(chosen, layer, prepared), x, logits)()

@@ -157,6 +157,7 @@ def _moe_gemm1(
         DOT_FP32,
         MX_NATIVE,
         SWAP_AB,
+        INTERLEAVED and 2 * BLOCK_N <= 128,  # CONCAT tiles hold gate rows and up rows: two scale blocks
         BLOCK_M,
         2 * BLOCK_N,
         BLOCK_K,
@@ -267,6 +268,7 @@ def _moe_gemm2(
         DOT_FP32,
         MX_NATIVE,
         SWAP_AB,
+        BLOCK_N <= 128,  # power-of-two tiles of H's rows: inside one 128-row block up to 128
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,

@@ -63,6 +63,7 @@ def _expert_matmul(
     DOT_FP32: tl.constexpr,
     MX_NATIVE: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    W_ROWS_ONE_SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,6 +77,8 @@ def _expert_matmul(
     Hopper) and the few token rows of a decode step its N side (16), so small batches waste no MMA
     rows. MXFP4 never needs it: `tl.dot_scaled` already puts the upcast weights on the register side,
     and the MXFP4_MMA_WORDS format is always computed that way round.
+    W_ROWS_ONE_SCALE_BLOCK: every row of `w_rows` lies in one 128-row block of FP8 block scales, so a
+    K-step's weight scale is one number (loaded once, folded into A's row scales) instead of a tile.
     MX_NATIVE (bf16 activations, compiled only) selects `tl.dot_scaled` for CHECKPOINT MXFP4 and the
     PTX bf16x2 scaling for MXFP4_MMA_WORDS; otherwise both decode with plain Triton operations
     (interpreter, fp16, fp32). See `mxfp4.py`.
@@ -105,6 +108,9 @@ def _expert_matmul(
         next_scales = _mxfp4_native_scales(
             s_base, w_rows, w_mask, k_begin, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
         )
+    ONE_WS: tl.constexpr = W_FORMAT == WFMT_FP8 and FP8_SCALE == FP8S_BLOCK and W_ROWS_ONE_SCALE_BLOCK
+    if ONE_WS:
+        ws_base = s_base + (tl.min(w_rows, axis=0) // 128) * stride_wsn
     # Constexpr bounds: the interpreter cannot loop over runtime ones (see _quant_fp8_rows).
     for k_rel in range(0, K_STEPS * BLOCK_K, BLOCK_K):
         k0 = k_begin + k_rel
@@ -224,14 +230,22 @@ def _expert_matmul(
                     part = _dot(a_op, w_op, zero, DOT_FP32)
                 # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32
                 # (BLOCK_K <= 128), which is also where block scales along K must be applied.
-                if FP8_SCALE == FP8S_BLOCK:
+                if ONE_WS:
+                    # One FMA an element: the promotion waits for the MMA, so its ALU work is MMA time.
+                    ws_one = tl.load(ws_base + (k0 // 128) * stride_wsk, mask=EVEN_K or k0 < IN_DIM, other=0.0)
+                    if A_QUANT == AQ_GROUP:
+                        ws_one = ws_one * _group_scales(
+                            a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
+                        )
+                    part = part * ws_one
+                elif FP8_SCALE == FP8S_BLOCK:
                     ws = tl.load(
                         s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
                         mask=w_mask if EVEN_K else w_mask & (k0 < IN_DIM),  # no scale past IN_DIM
                         other=0.0,
                     )
                     part = part * (ws[:, None] if SWAP_AB else ws[None, :])
-                if A_QUANT == AQ_GROUP:
+                if A_QUANT == AQ_GROUP and not ONE_WS:
                     part = part * _group_scales(
                         a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
                     )
