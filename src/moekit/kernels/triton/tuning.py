@@ -182,6 +182,9 @@ def tuning_space(
             (32, 64, 64, 4, 8, 4),
             (32, 128, 64, 4, 8, 4),
             (64, 64, 64, 8, 4, 4),
+            # 128-wide K-steps on 32-row tiles: vLLM's H200 table for Mixtral (E 8, N 14336) at 16 - 24
+            # tokens an expert.
+            (32, 64, 128, 4, 4, 3),
         ]
         if mxfp4:  # one M-block per expert decodes each weight tile once, half-empty or not
             tiles += [
@@ -197,6 +200,8 @@ def tuning_space(
             (64, 64, 64, 8, 4, 3),
             (64, 128, 64, 8, 8, 4),
             (128, 64, 64, 8, 4, 4),
+            (128, 128, 64, 8, 8, 3),  # the float prefill default, and one stage deeper
+            (128, 128, 64, 8, 8, 4),
         ]
         if mxfp4:  # 64 rows of w13 a tile (see below)
             tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4)]
