@@ -44,7 +44,8 @@ def main() -> int:
     p.add_argument(
         "--where",
         default=None,
-        help='time only candidates with these fields, e.g. "block_k=128,num_warps=8" (the default always runs)',
+        help='time only candidates with these fields, e.g. "block_k=128,num_warps=8" (the default always '
+        "runs)",
     )
     p.add_argument(
         "--min-gain",

@@ -51,6 +51,7 @@ def compile_gemm(
     split_k: int = 1,
     block_starts: bool = False,
     swap_ab: bool = False,
+    model: str = "gpt-oss",
 ):
     fn = _gemm_module._moe_gemm1 if gemm == 1 else _gemm_module._moe_gemm2
     w_format, w_type = _W[fmt]
@@ -93,6 +94,11 @@ def compile_gemm(
         values.update(HAS_LIMIT=True, LIMIT=7.0)
     else:
         values.update(ROUTE_ON_OUTPUT=True)
+    if model == "deepseek":  # DeepSeek-V3's layer: CONCAT gate/up rows, SiLU, no biases, K = 8
+        values.update(HIDDEN=7168, INTER_SIZE=2048, HAS_BIAS=False)
+        if gemm == 1:
+            values.update(TOP_K=8, INTERLEAVED=False, ACTIVATION=codes.ACT_SILU.value, ALPHA=None)
+            values.update(HAS_LIMIT=False, LIMIT=None)
     signature, constants = {}, {}
     for name in fn.arg_names:
         if name in values:
@@ -226,10 +232,24 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--split-k", type=int, default=1)
     p.add_argument("--swap-ab", action="store_true", help="weight rows on the MMA's M side")
+    p.add_argument(
+        "--model",
+        choices=("gpt-oss", "deepseek"),
+        default="gpt-oss",
+        help="the layer's shape and math: gpt-oss (H = I = 2880, INTERLEAVED, SWIGLU_OAI, biases) or "
+        "deepseek (H = 7168, I = 2048, CONCAT, SiLU, no biases)",
+    )
     args = p.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
     kernel = compile_gemm(
-        args.gemm, args.format, block, args.warps, args.stages, args.split_k, swap_ab=args.swap_ab
+        args.gemm,
+        args.format,
+        block,
+        args.warps,
+        args.stages,
+        args.split_k,
+        swap_ab=args.swap_ab,
+        model=args.model,
     )
     report, props = loop_report(kernel), properties(kernel)
     print(

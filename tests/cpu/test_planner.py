@@ -220,8 +220,22 @@ def test_nearest_row_of_another_tiling_regime_is_not_used(tmp_path):
     spec = moekit.preset("deepseek-v3")
     registry = default_registry()
     kernel = registry.get("triton_fused")
-    decode_tile = {"block_m": 16, "block_n": 64, "block_k": 128, "group_m": 1, "num_warps": 4, "num_stages": 5}
-    prefill_tile = {"block_m": 64, "block_n": 64, "block_k": 128, "group_m": 4, "num_warps": 4, "num_stages": 4}
+    decode_tile = {
+        "block_m": 16,
+        "block_n": 64,
+        "block_k": 128,
+        "group_m": 1,
+        "num_warps": 4,
+        "num_stages": 5,
+    }
+    prefill_tile = {
+        "block_m": 64,
+        "block_n": 64,
+        "block_k": 128,
+        "group_m": 4,
+        "num_warps": 4,
+        "num_stages": 4,
+    }
     table = _table(
         tmp_path,
         [
@@ -230,7 +244,9 @@ def test_nearest_row_of_another_tiling_regime_is_not_used(tmp_path):
         ],
     )
     at = {t: plan(spec, num_tokens=t, device=H200, tuned=table, registry=registry) for t in (300, 1024, 8192)}
-    assert at[300].source is ConfigSource.TUNED_ROW and at[300].config.as_dict()["num_stages"] == 5  # bucket 512
+    assert (
+        at[300].source is ConfigSource.TUNED_ROW and at[300].config.as_dict()["num_stages"] == 5
+    )  # bucket 512
     other = at[1024]
     assert other.source is ConfigSource.REGIME_DEFAULT, other.explain()
     assert other.config == kernel.default_config(spec, moekit.kernels.base.Problem(1024, H200))

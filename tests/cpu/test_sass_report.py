@@ -142,27 +142,41 @@ _FP8_ACTIVATION_TILES = """
 import json
 import sass_report
 out = []
-for fmt, gemm, m, n, k, warps, stages, swap in [
-    ('w8a8', 1, 16, 64, 128, 4, 3, True), ('w8a8', 2, 16, 64, 128, 4, 3, True),  # FP8 decode default
-    ('w8a8', 1, 64, 64, 128, 4, 3, False), ('w8a8', 2, 64, 64, 128, 4, 3, False),
-    ('w8a8', 1, 128, 64, 128, 8, 3, False), ('w8a8', 2, 128, 128, 128, 8, 3, False),  # prefill candidate
-    ('w4a8', 1, 16, 64, 32, 4, 4, False), ('w4a8', 2, 16, 64, 32, 4, 4, False),  # W4A8 decode default
-    ('w4a8', 1, 16, 64, 128, 4, 4, True), ('w4a8', 2, 16, 64, 128, 4, 4, True),
-    ('w4a8', 2, 128, 128, 128, 8, 4, False),
+G, D = 'gpt-oss', 'deepseek'
+for model, fmt, gemm, m, n, k, warps, stages, swap in [
+    (G, 'w8a8', 1, 16, 64, 128, 4, 3, True), (G, 'w8a8', 2, 16, 64, 128, 4, 3, True),  # FP8 decode default
+    (G, 'w8a8', 1, 64, 64, 128, 4, 3, False), (G, 'w8a8', 2, 64, 64, 128, 4, 3, False),
+    # prefill candidates
+    (G, 'w8a8', 1, 128, 64, 128, 8, 3, False), (G, 'w8a8', 2, 128, 128, 128, 8, 3, False),
+    # CONCAT gate/up rows (each half one scale block), and GEMM2 on two blocks
+    (D, 'w8a8', 1, 16, 64, 128, 4, 3, True), (D, 'w8a8', 1, 64, 64, 128, 4, 3, False),
+    (D, 'w8a8', 2, 64, 256, 128, 8, 3, False),
+    (G, 'w4a8', 1, 16, 64, 32, 4, 4, False), (G, 'w4a8', 2, 16, 64, 32, 4, 4, False),  # W4A8 decode default
+    (G, 'w4a8', 1, 16, 64, 128, 4, 4, True), (G, 'w4a8', 2, 16, 64, 128, 4, 4, True),
+    (G, 'w4a8', 2, 128, 128, 128, 8, 4, False),
 ]:
-    kernel = sass_report.compile_gemm(gemm, fmt, (m, n, k), warps, stages, swap_ab=swap)
-    out.append(dict(tile=[fmt, gemm, m, n, k, warps, stages, swap], **sass_report.properties(kernel)))
+    kernel = sass_report.compile_gemm(gemm, fmt, (m, n, k), warps, stages, swap_ab=swap, model=model)
+    fmul = sum(
+        1 for _, t in sass_report.loop_instructions(kernel) if sass_report.unpredicated(t).startswith('FMUL')
+    )
+    out.append(dict(tile=[model, fmt, gemm, m, n, k, warps, stages, swap], k_loop_fmul=fmul,
+                    **sass_report.properties(kernel)))
 print(json.dumps(out))
 """
 
 
 def test_fp8_activation_gemms_compile_for_hopper():
     """W8A8 (DeepSeek-V3's 128x128 blocks) and W4A8 GEMMs with per-1x128 activation scales, in both
-    orientations, compiled for sm_90: they compile (a jit helper returning tensors of different shapes
-    from constexpr branches does not, and the interpreter never notices), nothing spills, and tiles with
-    64 or more weight rows on the MMA's M side (swap_ab) or token rows run FP8 wgmma."""
+    orientations and both gate layouts, compiled for sm_90: they compile (a jit helper returning tensors
+    of different shapes from constexpr branches does not, and the interpreter never notices), nothing
+    spills, tiles with 64 or more weight rows on the MMA's M side (swap_ab) or token rows run FP8 wgmma,
+    and W8A8 promotes each K-step with one FMA an accumulator element."""
     for tile in _compiled_json(["-c", _FP8_ACTIVATION_TILES]):
-        fmt, gemm, m, n, k, warps, stages, swap = tile["tile"]
+        model, fmt, gemm, m, n, k, warps, stages, swap = tile["tile"]
         assert tile["local_memory_ops"] == 0, tile
+        if fmt == "w8a8":  # each K-step's weight scales are a number or two (W_SCALE_BLOCKS): a K-step
+            # promotes with one FMA an element after a few FMULs of scales, not an FMUL + FFMA an element
+            per_thread = m * n * (2 if gemm == 1 else 1) // (32 * warps)  # accumulator elements
+            assert 2 * tile["k_loop_fmul"] <= per_thread, tile
         if swap or m >= 64:
             assert tile["fp8_wgmma"] > 0, tile

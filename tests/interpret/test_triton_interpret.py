@@ -371,7 +371,9 @@ def test_align_methods_agree_bit_for_bit(max_chunks, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("quant", [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128])
 @pytest.mark.parametrize("with_row_mult", [False, True])
-@pytest.mark.parametrize("cols", [200, 1100])  # per group: 2 groups in one program; 9 in two, the second ragged
+@pytest.mark.parametrize(
+    "cols", [200, 1100]
+)  # per group: 2 groups in one program; 9 in two, the second ragged
 def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult, cols):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, cols, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)  # ragged last group
@@ -478,6 +480,58 @@ def test_every_format_with_gemm2_on_its_own_tile(fmt, scale, quant, dtype, why, 
     config = replace(base, gemm2_block_n=64)
     assert config.block_n_gemm2 == 64 and base.block_n_gemm2 == base.block_n
     _check_layer(spec, t=9, seed=21, config=config)
+
+
+@pytest.mark.parametrize(
+    "quant", [ActivationQuant.NONE, ActivationQuant.FP8_PER_GROUP_128], ids=["W8A16", "W8A8"]
+)
+@pytest.mark.parametrize(
+    ("layout", "block_n", "gemm2_block_n", "swap"),
+    [
+        (GateLayout.CONCAT, 64, None, False),  # gate rows, then up rows: each half in one 128-row block
+        (GateLayout.CONCAT, 128, 256, True),  # halves of whole blocks; GEMM2's last 256-row tile half empty
+        (GateLayout.INTERLEAVED, 128, 256, False),  # 256 adjacent w13 rows: two blocks, one per half
+    ],
+    ids=["concat-64", "concat-128-swap-ab", "interleaved-128"],
+)
+def test_fp8_block_scales_as_one_or_two_numbers_a_k_step(quant, layout, block_n, gemm2_block_n, swap):
+    """FP8 block-128 weights with tiles whose rows lie in one or two 128-row scale blocks (each K-step's
+    weight scale then one or two numbers, `_expert_matmul`'s W_SCALE_BLOCKS): I = 256 and H = 384 put
+    every tile's rows in several blocks in turn, each with its own random scale.
+
+    W8A16 (no re-quantization) is compared at fp32's 1e-5. W8A8 re-quantizes GEMM1's output to E4M3,
+    where fp32 sums in another order than the reference's can flip a code by 1/16 (interleaved-128 does:
+    rel L2 5.3e-5 at every tile shape, and before these scale paths existed); it is held to the
+    tolerance moekit gives FP8-activation specs, `tolerance(spec)`."""
+    spec = _spec(
+        fmt=WeightFormat.FP8_E4M3,
+        scale=Fp8Scale.BLOCK_128,
+        quant=quant,
+        h=384,
+        i=256,
+        layout=layout,
+        act=ActivationSpec(Activation.SILU),
+        bias=False,
+    )
+    config = TritonMoEConfig(
+        block_m=16,
+        block_n=block_n,
+        block_k=128,
+        group_m=1,
+        num_warps=4,
+        num_stages=2,
+        swap_ab=swap,
+        gemm2_block_n=gemm2_block_n,
+    )
+    gen = torch.Generator().manual_seed(70 + block_n)
+    weights = _weights(spec, gen)
+    x = torch.randn(7, spec.H, generator=gen)
+    routing = _routing(spec, 7, gen)
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    with _poisoned_allocations():
+        got = triton_fused_moe(x, weights, routing, spec=spec, config=config)
+    exact = quant is ActivationQuant.NONE
+    assert relative_l2_error(got, expected) <= (TOLERANCE[torch.float32] if exact else tolerance(spec))
 
 
 W4A8_QUANTS = [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128]

@@ -3,8 +3,9 @@
 Data flow: (spec, num_tokens, device) -> every registered kernel's `supports` (refusals recorded with
 their reasons) -> the tuned row for (device, Triton version, spec signature, E, K, H, I, token bucket),
 else the nearest bucket's row if the kernel's own rule tiles both T alike (same regime) -> the row is
-used only if its kernel is among the capable ones (else it is recorded as rejected) -> otherwise the highest-priority capable kernel with its default config ->
-a frozen `Plan` that says what was chosen, from where, and what was refused.
+used only if its kernel is among the capable ones (else it is recorded as rejected) -> otherwise the
+highest-priority capable kernel with its default config -> a frozen `Plan` that says what was chosen,
+from where, and what was refused.
 
 The invariant: whatever the tables say, the chosen kernel is one that `supports` the spec. A table is
 advice about speed; a wrong or stale row can make a layer slower, never make it run an incapable kernel.
@@ -249,7 +250,10 @@ def plan_batch_invariant(
     problem = Problem(num_tokens=anchor, device=base.device)
     chosen = registry.get(base.kernel)
     source, origin, config = base.source, base.row_origin, base.config
-    if source in (ConfigSource.NEAREST_BUCKET, ConfigSource.REGIME_DEFAULT):  # the anchor's own default instead
+    if source in (
+        ConfigSource.NEAREST_BUCKET,
+        ConfigSource.REGIME_DEFAULT,
+    ):  # the anchor's own default instead
         source, origin, config = ConfigSource.DEFAULT, None, chosen.default_config(spec, problem)
     config = chosen.batch_invariant_config(config, spec)
     if config is None:

@@ -20,6 +20,16 @@ from moekit.kernels.triton._details.activation import _gated_activation
 from moekit.kernels.triton._details.matmul import _expert_matmul
 
 
+@triton.constexpr_function
+def _scale_blocks_gemm1(interleaved, inter_size, block_n):
+    """`_expert_matmul`'s W_SCALE_BLOCKS for GEMM1's 2 * block_n rows of w13 (block_n a power of two):
+    INTERLEAVED tiles are 2 * block_n adjacent rows, aligned; CONCAT tiles are block_n gate rows then
+    block_n up rows, I further on, each half inside one 128-row block when 128 divides I."""
+    if interleaved:
+        return 1 if 2 * block_n <= 128 else (2 if 2 * block_n == 256 else 0)
+    return 2 if block_n <= 128 and inter_size % 128 == 0 else 0
+
+
 @triton.jit
 def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # Consecutive programs walk GROUP_M M-blocks (mostly of one expert) for the same N-tile, so the
@@ -157,7 +167,7 @@ def _moe_gemm1(
         DOT_FP32,
         MX_NATIVE,
         SWAP_AB,
-        INTERLEAVED and 2 * BLOCK_N <= 128,  # CONCAT tiles hold gate rows and up rows: two scale blocks
+        _scale_blocks_gemm1(INTERLEAVED, INTER_SIZE, BLOCK_N),
         BLOCK_M,
         2 * BLOCK_N,
         BLOCK_K,
@@ -268,7 +278,7 @@ def _moe_gemm2(
         DOT_FP32,
         MX_NATIVE,
         SWAP_AB,
-        BLOCK_N <= 128,  # power-of-two tiles of H's rows: inside one 128-row block up to 128
+        1 if BLOCK_N <= 128 else (2 if BLOCK_N == 256 else 0),  # aligned power-of-two tiles of H's rows
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,

@@ -63,7 +63,7 @@ def _expert_matmul(
     DOT_FP32: tl.constexpr,
     MX_NATIVE: tl.constexpr,
     SWAP_AB: tl.constexpr,
-    W_ROWS_ONE_SCALE_BLOCK: tl.constexpr,
+    W_SCALE_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -77,8 +77,9 @@ def _expert_matmul(
     Hopper) and the few token rows of a decode step its N side (16), so small batches waste no MMA
     rows. MXFP4 never needs it: `tl.dot_scaled` already puts the upcast weights on the register side,
     and the MXFP4_MMA_WORDS format is always computed that way round.
-    W_ROWS_ONE_SCALE_BLOCK: every row of `w_rows` lies in one 128-row block of FP8 block scales, so a
-    K-step's weight scale is one number (loaded once, folded into A's row scales) instead of a tile.
+    W_SCALE_BLOCKS: 1 when every row of `w_rows` lies in one 128-row block of FP8 block scales, 2 when
+    each half of them does (CONCAT's gate rows, then its up rows), 0 otherwise: with 1 or 2 a K-step's
+    weight scales are one or two numbers (folded into A's row scales) instead of a gathered vector.
     MX_NATIVE (bf16 activations, compiled only) selects `tl.dot_scaled` for CHECKPOINT MXFP4 and the
     PTX bf16x2 scaling for MXFP4_MMA_WORDS; otherwise both decode with plain Triton operations
     (interpreter, fp16, fp32). See `mxfp4.py`.
@@ -108,9 +109,17 @@ def _expert_matmul(
         next_scales = _mxfp4_native_scales(
             s_base, w_rows, w_mask, k_begin, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
         )
-    ONE_WS: tl.constexpr = W_FORMAT == WFMT_FP8 and FP8_SCALE == FP8S_BLOCK and W_ROWS_ONE_SCALE_BLOCK
-    if ONE_WS:
-        ws_base = s_base + (tl.min(w_rows, axis=0) // 128) * stride_wsn
+    FEW_WS: tl.constexpr = W_FORMAT == WFMT_FP8 and FP8_SCALE == FP8S_BLOCK and W_SCALE_BLOCKS > 0
+    if FEW_WS:
+        second_half = tl.arange(0, BLOCK_N) >= BLOCK_N // 2
+        first_rows = tl.where(second_half, 2147483647, w_rows)
+        ws_base = s_base + (tl.min(first_rows, axis=0) // 128) * stride_wsn
+        if W_SCALE_BLOCKS == 2:
+            # A ragged last tile may have no row in its second half: read the first half's scale then
+            # (those columns are masked), never a scale row past the weight's.
+            hi_row = tl.min(tl.where(second_half & w_mask, w_rows, 2147483647), axis=0)
+            hi_row = tl.where(hi_row == 2147483647, tl.min(first_rows, axis=0), hi_row)
+            ws_base_hi = s_base + (hi_row // 128) * stride_wsn
     # Constexpr bounds: the interpreter cannot loop over runtime ones (see _quant_fp8_rows).
     for k_rel in range(0, K_STEPS * BLOCK_K, BLOCK_K):
         k0 = k_begin + k_rel
@@ -230,14 +239,19 @@ def _expert_matmul(
                     part = _dot(a_op, w_op, zero, DOT_FP32)
                 # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32
                 # (BLOCK_K <= 128), which is also where block scales along K must be applied.
-                if ONE_WS:
+                if FEW_WS:
                     # One FMA an element: the promotion waits for the MMA, so its ALU work is MMA time.
-                    ws_one = tl.load(ws_base + (k0 // 128) * stride_wsk, mask=EVEN_K or k0 < IN_DIM, other=0.0)
+                    in_k = EVEN_K or k0 < IN_DIM
+                    ws_few = tl.load(ws_base + (k0 // 128) * stride_wsk, mask=in_k, other=0.0)
+                    if W_SCALE_BLOCKS == 2:
+                        ws_hi = tl.load(ws_base_hi + (k0 // 128) * stride_wsk, mask=in_k, other=0.0)
+                        ws_few = tl.where(second_half, ws_hi, ws_few)
+                        ws_few = ws_few[:, None] if SWAP_AB else ws_few[None, :]
                     if A_QUANT == AQ_GROUP:
-                        ws_one = ws_one * _group_scales(
+                        ws_few = ws_few * _group_scales(
                             a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
                         )
-                    part = part * ws_one
+                    part = part * ws_few
                 elif FP8_SCALE == FP8S_BLOCK:
                     ws = tl.load(
                         s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
@@ -245,7 +259,7 @@ def _expert_matmul(
                         other=0.0,
                     )
                     part = part * (ws[:, None] if SWAP_AB else ws[None, :])
-                if A_QUANT == AQ_GROUP and not ONE_WS:
+                if A_QUANT == AQ_GROUP and not FEW_WS:
                     part = part * _group_scales(
                         a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
                     )
