@@ -246,15 +246,15 @@ def tuning_space(
         # SM beyond decode too (T = 512: 8 blocks x 32 N-tiles); split its K as decode does.
         grid += [replace(default, split_k=s) for s in (2, 4)]
     if spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
-        # GEMM1 holds gate and up accumulators plus each K-step's promotion tile: compiled for sm_90
-        # offline (tools/sass_report.py --format w8a8), W8A8 tiles spill from 128 x 128 (256 accumulator
-        # columns) up, 128 x 64 on 8 warps does not, nor does its GEMM2 on 128 rows: twice the M tile of
-        # the 64 x 64 default, for prefill.
+        # Larger tiles for prefill: GEMM1 holds gate and up accumulators plus each K-step's product to
+        # promote. Compiled for sm_90 offline (tools/sass_report.py --model deepseek --format w8a8), none
+        # of these spills since a K-step's weight scales are one or two numbers (W_SCALE_BLOCKS): 128 x 64
+        # (GEMM2 on 128 rows), 64 x 128 and 128 x 128 (255 registers) on 8 warps.
         grid += [
             TritonMoEConfig(
-                block_m=128, block_n=64, block_k=128, group_m=8, num_warps=8, num_stages=st, gemm2_block_n=128
+                block_m=m, block_n=n, block_k=128, group_m=8, num_warps=8, num_stages=st, gemm2_block_n=128
             )
-            for st in (3, 4)
+            for m, n, st in ((128, 64, 3), (128, 64, 4), (64, 128, 3), (128, 128, 3))
         ]
     if per_expert > 32:
         # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
