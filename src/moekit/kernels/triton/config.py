@@ -60,11 +60,14 @@ def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str |
         if reason is not None:
             return f"{spec.weight_format.name} {reason}"
     if reason is None and device is not None and device.kind is DeviceKind.CUDA and _is_w4a8(spec):
-        # The kernel matches the reference under the interpreter; until the GPU suite and the W4A8 vs
-        # W4A16 benchmark have run it on a GPU, the planner does not choose it there.
+        # Correct on an H200 (the GPU suite's W4A8 tests), but its E2M1 -> E4M3 decode costs about 18
+        # instructions an element: 0.31 - 0.35x the W4A16 kernel's speed for gpt-oss-120b at T = 1024 -
+        # 16384 (benchmarks/bench_w4a8.py). Opt-in W4A8 exists to be faster than W4A16; until it is,
+        # the planner takes another capable kernel.
         return (
-            "W4A8 (MXFP4 weights, FP8 activations) is verified only under the Triton interpreter, not yet "
-            "on a GPU; the planner takes another capable kernel (torch_grouped) until it is"
+            "W4A8 (MXFP4 weights, FP8 activations) runs correctly on Hopper but at a third of W4A16's speed "
+            "(its weight decode is not yet cheap), so the Triton path does not take it on CUDA; the planner "
+            "takes another capable kernel (torch_grouped), or drop act_quant for the fast W4A16 path"
         )
     return reason
 
