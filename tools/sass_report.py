@@ -73,6 +73,8 @@ def compile_gemm(
         "route_w_ptr": "*fp32" if gemm == 2 else "constexpr",
         "part_ptr": "*fp32" if split_k > 1 else "constexpr",
     }
+    if gemm == 1:
+        pointers["h_scale_ptr"] = "constexpr"  # GEMM1 quantizes h itself only with QUANT_H (below)
     values = dict(
         HIDDEN=2880,
         INTER_SIZE=2880,
@@ -94,11 +96,17 @@ def compile_gemm(
         values.update(HAS_LIMIT=True, LIMIT=7.0)
     else:
         values.update(ROUTE_ON_OUTPUT=True)
+    if gemm == 1:
+        values.update(QUANT_H=False)
     if model == "deepseek":  # DeepSeek-V3's layer: CONCAT gate/up rows, SiLU, no biases, K = 8
         values.update(HIDDEN=7168, INTER_SIZE=2048, HAS_BIAS=False)
         if gemm == 1:
             values.update(TOP_K=8, INTERLEAVED=False, ACTIVATION=codes.ACT_SILU.value, ALPHA=None)
             values.update(HAS_LIMIT=False, LIMIT=None)
+            # launch.fuses_h_quantization: tiles of one whole 1x128 group of h (128 | I = 2048)
+            if fp8_acts and block[1] == 128 and split_k == 1:
+                values.update(QUANT_H=True)
+                pointers.update(h_ptr="*fp8e4nv", h_scale_ptr="*fp32")
     signature, constants = {}, {}
     for name in fn.arg_names:
         if name in values:

@@ -151,6 +151,7 @@ for model, fmt, gemm, m, n, k, warps, stages, swap in [
     # CONCAT gate/up rows (each half one scale block), and GEMM2 on two blocks
     (D, 'w8a8', 1, 16, 64, 128, 4, 3, True), (D, 'w8a8', 1, 64, 64, 128, 4, 3, False),
     (D, 'w8a8', 2, 64, 256, 128, 8, 3, False),
+    (D, 'w8a8', 1, 64, 128, 128, 8, 3, False),  # one whole group of h a tile: GEMM1 quantizes h (QUANT_H)
     (G, 'w4a8', 1, 16, 64, 32, 4, 4, False), (G, 'w4a8', 2, 16, 64, 32, 4, 4, False),  # W4A8 decode default
     (G, 'w4a8', 1, 16, 64, 128, 4, 4, True), (G, 'w4a8', 2, 16, 64, 128, 4, 4, True),
     (G, 'w4a8', 2, 128, 128, 128, 8, 4, False),

@@ -46,6 +46,7 @@ from moekit import (  # noqa: E402
 )
 from moekit.formats import quantize_fp8_activation  # noqa: E402
 from moekit.kernels.base import DeviceInfo, DeviceKind  # noqa: E402
+from moekit.kernels.triton import launch  # noqa: E402
 from moekit.kernels.triton._details import gemm as _jit  # noqa: E402
 from moekit.kernels.triton._details import mxfp4 as _jit_mxfp4
 from moekit.kernels.triton.align import (  # noqa: E402
@@ -532,6 +533,43 @@ def test_fp8_block_scales_as_one_or_two_numbers_a_k_step(quant, layout, block_n,
         got = triton_fused_moe(x, weights, routing, spec=spec, config=config)
     exact = quant is ActivationQuant.NONE
     assert relative_l2_error(got, expected) <= (TOLERANCE[torch.float32] if exact else tolerance(spec))
+
+
+@pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
+def test_gemm1_quantizing_h_itself_is_bitwise_the_separate_pass(layout, monkeypatch):
+    """With per-1x128 activation quantization and GEMM1 tiles of one whole group (block_n 128, 128 | I),
+    GEMM1's epilogue writes GEMM2's FP8 input itself: the layer must equal, bit for bit, the same tiles
+    with h written in fp32 and quantized by the separate pass (same values, same arithmetic). A tail
+    launch (tail_block_m) writes h from a second GEMM1 launch."""
+    spec = _spec(
+        fmt=WeightFormat.FP8_E4M3,
+        scale=Fp8Scale.BLOCK_128,
+        quant=ActivationQuant.FP8_PER_GROUP_128,
+        h=128,
+        i=256,
+        layout=layout,
+        act=ActivationSpec(Activation.SILU, limit=0.75),
+        bias=layout is GateLayout.INTERLEAVED,
+    )
+    config = TritonMoEConfig(
+        block_m=32, block_n=128, block_k=128, group_m=1, num_warps=4, num_stages=2, tail_block_m=16
+    )
+    assert launch.fuses_h_quantization(spec, config)
+    assert not launch.fuses_h_quantization(spec, replace(config, block_n=64))
+    assert not launch.fuses_h_quantization(spec, replace(config, split_k=2, tail_block_m=None))
+    assert not launch.fuses_h_quantization(replace(spec, act_quant=ActivationQuant.FP8_PER_TOKEN), config)
+    gen = torch.Generator().manual_seed(91)
+    weights = _weights(spec, gen)
+    x = torch.randn(60, spec.H, generator=gen)  # 120 pairs on 6 experts: full blocks and tail blocks
+    routing = _routing(spec, 60, gen)
+    with _poisoned_allocations():
+        fused = triton_fused_moe(x, weights, routing, spec=spec, config=config)
+    monkeypatch.setattr(launch, "fuses_h_quantization", lambda spec, config: False)
+    with _poisoned_allocations():
+        separate = triton_fused_moe(x, weights, routing, spec=spec, config=config)
+    assert torch.equal(fused, separate)
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    assert relative_l2_error(fused, expected) <= tolerance(spec)
 
 
 W4A8_QUANTS = [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128]

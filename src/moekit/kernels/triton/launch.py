@@ -5,8 +5,9 @@ Data flow of `triton_fused_moe` (no host sync anywhere, so the whole call can be
   per spec) and `_check` (the config against the spec; the inputs were checked by the caller,
   `moekit.ops.fused_moe`, before any launch)
   ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device)
-  x -> [W8A8: `quant._quant_fp8_rows` -> fp8 x + scales] -> `gemm._moe_gemm1` -> h [T*K, I]
-    -> [W8A8: `quant._quant_fp8_rows` -> fp8 h + scales] -> `gemm._moe_gemm2` -> y [T*K, H]
+  x -> [W8A8: `quant` -> fp8 x + scales] -> `gemm._moe_gemm1` -> h [T*K, I]
+    -> [W8A8: `quant` -> fp8 h + scales, unless GEMM1 made them (`fuses_h_quantization`)]
+    -> `gemm._moe_gemm2` -> y [T*K, H]
     -> `reduce._moe_sum_k` -> out [T, H] (K == 1 without an expert map: `_moe_gemm2` writes out directly).
 Workspace per call (`workspace_bytes`): h, y and the FP8 copies; nothing is cached between calls.
 """
@@ -113,7 +114,8 @@ _ACTIVATION = {
 
 def workspace_bytes(*, spec: MoESpec, num_tokens: int, split_k: int = 1) -> int:
     """Device memory one call allocates besides `out` (h, y, the FP8 copies for W8A8, and the fp32
-    split-K shares of `config.split_k` > 1)."""
+    split-K shares of `config.split_k` > 1). An upper bound when GEMM1 quantizes h itself
+    (`fuses_h_quantization`: no fp32 h then, only its FP8 copy)."""
     pairs = num_tokens * spec.K
     act = torch.empty((), dtype=spec.act_dtype).element_size()
     params = _KernelParams.of(spec)
@@ -212,6 +214,19 @@ def _check(x, *, spec, config, out) -> None:
         )
     if out is not None and out.device != x.device:
         raise DeviceError(f"x is on {x.device} but out is on {out.device}; move them to one device")
+
+
+def fuses_h_quantization(spec: MoESpec, config: TritonMoEConfig) -> bool:
+    """Whether GEMM1's epilogue writes h as GEMM2's FP8 input (codes + per-1x128 scales) itself: per-group
+    activation quantization, GEMM1 tiles of exactly one group (block_n 128, 128 | I) and no split-K (the
+    shares are summed after GEMM1). Bit for bit the separate pass: same values, same arithmetic
+    (`quant._fp8_group_codes`), without h's fp32 round trip through memory."""
+    return (
+        spec.act_quant is ActivationQuant.FP8_PER_GROUP_128
+        and config.block_n == 128
+        and spec.I % 128 == 0
+        and config.split_k == 1
+    )
 
 
 def _stride(t: torch.Tensor | None, dim: int) -> int:
@@ -350,7 +365,13 @@ def triton_fused_moe(
         HAS_LIMIT=p.has_limit,
         LIMIT=p.limit,
     )
-    h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
+    quant_h = fuses_h_quantization(spec, cfg)
+    if quant_h:
+        h = torch.empty(num_pairs, spec.I, dtype=torch.float8_e4m3fn, device=x.device)
+        h_scale = torch.empty(num_pairs, spec.I // 128, dtype=torch.float32, device=x.device)
+    else:
+        h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
+        h_scale = None
     part1 = (
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
     )
@@ -359,12 +380,15 @@ def triton_fused_moe(
             x_ptr=x,  # [T, H] act dtype or fp8
             x_scale_ptr=x_scale,  # fp32 [T, G] or None
             route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
-            h_ptr=h,  # [T*K, I]
+            h_ptr=h,  # [T*K, I] (fp8 with QUANT_H)
+            h_scale_ptr=h_scale,  # fp32 [T*K, I/128] or None
             part_ptr=part1,  # fp32 [S, T*K, 2I] or None
             stride_xm=x.stride(0),
             stride_xsm=_stride(x_scale, 0),
             stride_xsk=_stride(x_scale, 1),
             stride_hm=h.stride(0),
+            stride_hsm=_stride(h_scale, 0),
+            QUANT_H=quant_h,
             stride_part_split=_stride(part1, 0),
             stride_part_m=_stride(part1, 1),
             TOP_K=top_k,
@@ -393,8 +417,7 @@ def triton_fused_moe(
             **epilogue1,
         )
 
-    h_scale = None
-    if p.a_quant:
+    if p.a_quant and not quant_h:
         h, h_scale = _quantize_rows(h, quant=quant)
     direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
     if split:  # GEMM2's raw shares go to part2; _moe_sum_k finishes them into out

@@ -2,9 +2,10 @@
 
 Data flow of one layer (P = T*K (token, k) pairs, pair p = t*K + k):
   `align.py`: pairs sorted by local expert, each expert padded to BLOCK_M rows
-  -> [`quant._quant_fp8_rows`: x -> fp8 [T, H] + fp32 scales; W8A8 only]
+  -> [`quant._quant_fp8_rows` / `_quant_fp8_groups`: x -> fp8 [T, H] + fp32 scales; W8A8 only]
   -> `_moe_gemm1`: gathered x rows @ w13[e]^T (+ b13) -> gated activation -> h [P, I] (pair order)
-  -> [`quant._quant_fp8_rows`: h -> fp8 [P, I] + scales; W8A8 only]
+     [QUANT_H: h's per-1x128 FP8 codes and scales straight from the epilogue, when a tile is one group]
+  -> [`quant`: h -> fp8 [P, I] + scales; W8A8 without QUANT_H]
   -> `_moe_gemm2`: h rows @ w2[e]^T (+ b2) * router weight -> y [P, H] (pair order)
   -> `reduce._moe_sum_k`: out[t] = sum_k y[t*K + k] in a fixed k order (deterministic, no atomics).
 With SPLIT_K > 1 both GEMMs store raw fp32 shares instead, which `reduce.py` sums and finishes.
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 from moekit.kernels.triton._details.activation import _gated_activation
 from moekit.kernels.triton._details.matmul import _expert_matmul
+from moekit.kernels.triton._details.quant import _fp8_group_codes
 
 
 @triton.constexpr_function
@@ -70,7 +72,8 @@ def _moe_gemm1(
     block_expert_ptr,  # int32 [num_pid_m]
     block_start_ptr,  # int32 [num_pid_m]: first sorted row of each M-block, or None (pid_m * BLOCK_M)
     num_blocks_ptr,  # int32 [1]
-    h_ptr,  # [T*K, I] act dtype (fp32 when W8A8)
+    h_ptr,  # [T*K, I] act dtype (fp32 when W8A8; float8_e4m3fn with QUANT_H)
+    h_scale_ptr,  # fp32 [T*K, I/128] with QUANT_H, else None
     part_ptr,  # fp32 [SPLIT_K, T*K, 2I] raw partial sums when SPLIT_K > 1, else None
     num_pairs,
     num_pid_m,
@@ -84,11 +87,13 @@ def _moe_gemm1(
     stride_wsk,
     stride_be,
     stride_hm,
+    stride_hsm,
     stride_part_split,
     stride_part_m,
     INTER_SIZE: tl.constexpr,
     HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr,
+    QUANT_H: tl.constexpr,
     W_FORMAT: tl.constexpr,
     FP8_SCALE: tl.constexpr,
     A_QUANT: tl.constexpr,
@@ -186,11 +191,16 @@ def _moe_gemm1(
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(
-            h_ptr + pairs[:, None] * stride_hm + offs_n[None, :],
-            out.to(h_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :],
-        )
+        if QUANT_H:  # the tile is one whole 1x128 group of h a row: GEMM2's FP8 input, made here
+            codes, scale = _fp8_group_codes(out)
+            tl.store(h_ptr + pairs[:, None] * stride_hm + offs_n[None, :], codes, mask=row_mask[:, None])
+            tl.store(h_scale_ptr + pairs * stride_hsm + pid_n, scale, mask=row_mask)
+        else:
+            tl.store(
+                h_ptr + pairs[:, None] * stride_hm + offs_n[None, :],
+                out.to(h_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :],
+            )
 
 
 @triton.jit

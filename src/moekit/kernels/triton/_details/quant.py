@@ -2,7 +2,8 @@
 
 Data flow: rows [R, C] (x before GEMM1, h before GEMM2) (* the router weight, INPUT placement) -> per
 row, or per 1x128 group: amax -> scale = max(amax / 448, tiny) -> codes rounded to E4M3 nearest-even
--> float8_e4m3fn [R, C] + fp32 scales [R, G]. Host side: `launch._quantize_rows`.
+-> float8_e4m3fn [R, C] + fp32 scales [R, G]. Host side: `launch._quantize_rows`. GEMM1 quantizes h per
+group in its own epilogue when its tile is whole groups (`_fp8_group_codes`).
 """
 
 import triton
@@ -95,10 +96,19 @@ def _quant_fp8_groups(
     v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_ROW_MULT:
         v = v * tl.load(row_mult_ptr + row)
+    codes, scale = _fp8_group_codes(v)
+    tl.store(dst_ptr + row * stride_dst + cols, codes, mask=mask)
+    tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * 128 < NUM_COLS)
+
+
+@triton.jit
+def _fp8_group_codes(v):
+    """fp32 [R, 128] (one 1x128 group a row; zeros where a row has no value) -> (float8_e4m3fn codes
+    [R, 128], fp32 scales [R]) exactly as moekit.formats: scale = max(amax / 448, tiny), 1 if amax == 0.
+    Shared by the quantization pass and GEMM1's epilogue (`gemm._moe_gemm1` with QUANT_H)."""
     amax = tl.max(tl.abs(v), axis=1)
     # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
     scale = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP32_TINY)
     scale = tl.where(amax > 0, scale, 1.0)
     q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    tl.store(dst_ptr + row * stride_dst + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
-    tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * 128 < NUM_COLS)
+    return _round_to_e4m3(q).to(tl.float8e4nv), scale
