@@ -347,6 +347,36 @@ def test_orientations_match_reference(name, orientation, t):
     _assert_close(got, expected, spec, f"{name} T={t} {orientation}")
 
 
+@pytest.mark.parametrize("tail", [False, True], ids=["one-launch", "tail-launch"])
+def test_gemm1_quantizing_h_itself_is_bitwise_the_separate_pass(tail, monkeypatch):
+    """DeepSeek-V3's W8A8 (E capped at 16) with the 8-warp prefill tiles whose GEMM1 tile is one whole
+    1x128 group of h: GEMM1 then writes GEMM2's FP8 input itself (`launch.fuses_h_quantization`); on the
+    GPU too that must equal, bit for bit, h in fp32 quantized by the separate pass."""
+    from moekit.kernels.triton import launch
+
+    spec = SPECS["deepseek-v3-e16"][0]
+    weights = _weights("deepseek-v3-e16")
+    x, routing = _inputs(spec, 1024, seed=7)
+    for block_m in (64, 128):
+        config = TritonMoEConfig(
+            block_m=block_m,
+            block_n=128,
+            block_k=128,
+            group_m=8,
+            num_warps=8,
+            num_stages=3,
+            gemm2_block_n=128,
+            tail_block_m=block_m // 2 if tail else None,
+        )
+        assert launch.fuses_h_quantization(spec, config)
+        fused = _run(spec, weights, x, routing, config=config)
+        with monkeypatch.context() as patch:
+            patch.setattr(launch, "fuses_h_quantization", lambda spec, config: False)
+            separate = _run(spec, weights, x, routing, config=config)
+        assert torch.equal(fused, separate), f"block_m {block_m}"
+        _assert_close(fused, fused_moe_reference(x, weights, routing, spec=spec), spec, f"block_m {block_m}")
+
+
 W4A8_SPECS = [
     name
     for name, (spec, _) in SPECS.items()
