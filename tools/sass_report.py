@@ -29,6 +29,9 @@ from triton.compiler import ASTSource
 
 from moekit.kernels.triton._details import codes
 from moekit.kernels.triton._details import gemm as _gemm_module
+from moekit.kernels.triton.config import TritonMoEConfig
+from moekit.kernels.triton.launch import fuses_h_quantization
+from moekit.presets import preset
 
 _W = {
     "words": (codes.WFMT_MXFP4_WORDS.value, "*i32"),
@@ -103,8 +106,8 @@ def compile_gemm(
         if gemm == 1:
             values.update(TOP_K=8, INTERLEAVED=False, ACTIVATION=codes.ACT_SILU.value, ALPHA=None)
             values.update(HAS_LIMIT=False, LIMIT=None)
-            # launch.fuses_h_quantization: tiles of one whole 1x128 group of h (128 | I = 2048)
-            if fp8_acts and block[1] == 128 and split_k == 1:
+            tile = TritonMoEConfig(block_m=block[0], block_n=block[1], block_k=block[2], split_k=split_k)
+            if fp8_acts and fuses_h_quantization(preset("deepseek-v3"), tile):  # GEMM1 quantizes h itself
                 values.update(QUANT_H=True)
                 pointers.update(h_ptr="*fp8e4nv", h_scale_ptr="*fp32")
     signature, constants = {}, {}

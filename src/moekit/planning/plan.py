@@ -250,10 +250,8 @@ def plan_batch_invariant(
     problem = Problem(num_tokens=anchor, device=base.device)
     chosen = registry.get(base.kernel)
     source, origin, config = base.source, base.row_origin, base.config
-    if source in (
-        ConfigSource.NEAREST_BUCKET,
-        ConfigSource.REGIME_DEFAULT,
-    ):  # the anchor's own default instead
+    if source in (ConfigSource.NEAREST_BUCKET, ConfigSource.REGIME_DEFAULT):
+        # No row of the anchor's own bucket (a nearest-bucket row was tuned for another T): its default.
         source, origin, config = ConfigSource.DEFAULT, None, chosen.default_config(spec, problem)
     config = chosen.batch_invariant_config(config, spec)
     if config is None:

@@ -23,12 +23,19 @@ from moekit.kernels.triton._details.quant import _fp8_group_codes
 
 
 @triton.constexpr_function
+def _scale_blocks_of_rows(rows):
+    """`_expert_matmul`'s W_SCALE_BLOCKS for a tile of `rows` adjacent weight rows (a power of two, so
+    the tile is aligned to it): one 128-row scale block up to 128 rows, one a half at 256."""
+    return 1 if rows <= 128 else (2 if rows == 256 else 0)
+
+
+@triton.constexpr_function
 def _scale_blocks_gemm1(interleaved, inter_size, block_n):
-    """`_expert_matmul`'s W_SCALE_BLOCKS for GEMM1's 2 * block_n rows of w13 (block_n a power of two):
-    INTERLEAVED tiles are 2 * block_n adjacent rows, aligned; CONCAT tiles are block_n gate rows then
-    block_n up rows, I further on, each half inside one 128-row block when 128 divides I."""
+    """W_SCALE_BLOCKS for GEMM1's 2 * block_n rows of w13: INTERLEAVED tiles are that many adjacent
+    rows; CONCAT tiles are block_n gate rows then block_n up rows, I further on, each half inside one
+    128-row block when 128 divides I."""
     if interleaved:
-        return 1 if 2 * block_n <= 128 else (2 if 2 * block_n == 256 else 0)
+        return _scale_blocks_of_rows(2 * block_n)
     return 2 if block_n <= 128 and inter_size % 128 == 0 else 0
 
 
@@ -288,7 +295,7 @@ def _moe_gemm2(
         DOT_FP32,
         MX_NATIVE,
         SWAP_AB,
-        1 if BLOCK_N <= 128 else (2 if BLOCK_N == 256 else 0),  # aligned power-of-two tiles of H's rows
+        _scale_blocks_of_rows(BLOCK_N),
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,

@@ -22,7 +22,6 @@ from moekit.kernels.triton._details.codes import (
     WFMT_MXFP4_WORDS,
 )
 from moekit.kernels.triton._details.mxfp4 import (
-    _mxfp4_fp8_tile,
     _mxfp4_native_bytes,
     _mxfp4_native_scales,
     _mxfp4_tiles,
@@ -109,16 +108,18 @@ def _expert_matmul(
         next_scales = _mxfp4_native_scales(
             s_base, w_rows, w_mask, k_begin, IN_DIM, stride_wsn, stride_wsk, BLOCK_K
         )
+    # FP8 weights and W4A8 compute each K-step's product on its own and promote it into acc (`_promote`).
+    PROMOTED: tl.constexpr = W_FORMAT == WFMT_FP8 or (W_FORMAT == WFMT_MXFP4 and A_QUANT != AQ_NONE)
     FEW_WS: tl.constexpr = W_FORMAT == WFMT_FP8 and FP8_SCALE == FP8S_BLOCK and W_SCALE_BLOCKS > 0
     if FEW_WS:
         second_half = tl.arange(0, BLOCK_N) >= BLOCK_N // 2
-        first_rows = tl.where(second_half, 2147483647, w_rows)
-        ws_base = s_base + (tl.min(first_rows, axis=0) // 128) * stride_wsn
+        lo_row = tl.min(tl.where(second_half, 2147483647, w_rows), axis=0)
+        ws_base = s_base + (lo_row // 128) * stride_wsn
         if W_SCALE_BLOCKS == 2:
             # A ragged last tile may have no row in its second half: read the first half's scale then
             # (those columns are masked), never a scale row past the weight's.
             hi_row = tl.min(tl.where(second_half & w_mask, w_rows, 2147483647), axis=0)
-            hi_row = tl.where(hi_row == 2147483647, tl.min(first_rows, axis=0), hi_row)
+            hi_row = tl.where(hi_row == 2147483647, lo_row, hi_row)
             ws_base_hi = s_base + (hi_row // 128) * stride_wsn
     # Constexpr bounds: the interpreter cannot loop over runtime ones (see _quant_fp8_rows).
     for k_rel in range(0, K_STEPS * BLOCK_K, BLOCK_K):
@@ -154,10 +155,10 @@ def _expert_matmul(
             if MX_NATIVE:
                 acc = _wait_for_mma(acc)
         elif W_FORMAT == WFMT_MXFP4 and A_QUANT != AQ_NONE:
-            # W4A8: FP8 codes of A times the E2M1 codes (each group's scale folded in relative to the
-            # step's largest, `_mxfp4_fp8_tile`) on the FP8 tensor cores, promoted into fp32 once a step
-            # with that largest scale and A's scales.
-            w_op, w_scale = _mxfp4_fp8_tile(
+            # W4A8: FP8 codes of A times the E2M1 values, each group's scale folded in relative to the
+            # row's largest over the step (`_mxfp4_tiles` with FOLD), in K order as FP8 on the FP8
+            # tensor cores; promoted into fp32 once a step with that largest scale and A's scales.
+            w_low, w_high, w_scale = _mxfp4_tiles(
                 w_base,
                 s_base,
                 w_rows,
@@ -169,17 +170,16 @@ def _expert_matmul(
                 stride_wsk,
                 BLOCK_N,
                 BLOCK_K,
+                True,
             )
+            w_op = tl.reshape(tl.permute(tl.join(w_low, w_high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+            w_op = w_op.to(tl.float8e4nv)
             zero = tl.zeros(acc.shape, dtype=tl.float32)
             if SWAP_AB:
-                part = _dot(tl.trans(w_op), tl.trans(a), zero, DOT_FP32) * w_scale[:, None]
+                part = _dot(tl.trans(w_op), tl.trans(a), zero, DOT_FP32)
             else:
-                part = _dot(a, w_op, zero, DOT_FP32) * w_scale[None, :]
-            if A_QUANT == AQ_GROUP:
-                part = part * _group_scales(
-                    a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
-                )
-            acc += part
+                part = _dot(a, w_op, zero, DOT_FP32)
+            ws = w_scale[:, None] if SWAP_AB else w_scale[None, :]
         elif W_FORMAT == WFMT_MXFP4:
             if MX_NATIVE:
                 packed = _mxfp4_native_bytes(w_base, w_rows, w_mask, k0, IN_DIM, EVEN_K, stride_wn, BLOCK_K)
@@ -239,31 +239,22 @@ def _expert_matmul(
                     part = _dot(a_op, w_op, zero, DOT_FP32)
                 # Hopper accumulates fp8 MMAs with reduced precision: promote each tile into fp32
                 # (BLOCK_K <= 128), which is also where block scales along K must be applied.
-                if FEW_WS:
-                    # One FMA an element: the promotion waits for the MMA, so its ALU work is MMA time.
+                if FEW_WS:  # one or two numbers a K-step, not a gathered vector
                     in_k = EVEN_K or k0 < IN_DIM
-                    ws_few = tl.load(ws_base + (k0 // 128) * stride_wsk, mask=in_k, other=0.0)
+                    ws = tl.load(ws_base + (k0 // 128) * stride_wsk, mask=in_k, other=0.0)
                     if W_SCALE_BLOCKS == 2:
                         ws_hi = tl.load(ws_base_hi + (k0 // 128) * stride_wsk, mask=in_k, other=0.0)
-                        ws_few = tl.where(second_half, ws_hi, ws_few)
-                        ws_few = ws_few[:, None] if SWAP_AB else ws_few[None, :]
-                    if A_QUANT == AQ_GROUP:
-                        ws_few = ws_few * _group_scales(
-                            a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
-                        )
-                    part = part * ws_few
+                        ws = tl.where(second_half, ws_hi, ws)
+                        ws = ws[:, None] if SWAP_AB else ws[None, :]
                 elif FP8_SCALE == FP8S_BLOCK:
                     ws = tl.load(
                         s_base + (w_rows // 128) * stride_wsn + (k0 // 128) * stride_wsk,
                         mask=w_mask if EVEN_K else w_mask & (k0 < IN_DIM),  # no scale past IN_DIM
                         other=0.0,
                     )
-                    part = part * (ws[:, None] if SWAP_AB else ws[None, :])
-                if A_QUANT == AQ_GROUP and not FEW_WS:
-                    part = part * _group_scales(
-                        a_scale_ptr, a_rows, a_mask, k0, IN_DIM, EVEN_K, stride_asm, stride_ask, SWAP_AB
-                    )
-                acc += part
+                    ws = ws[:, None] if SWAP_AB else ws[None, :]
+                else:
+                    ws = 1.0  # per-tensor and per-channel scales apply once, after the loop
             else:
                 w_op = w.to(tl.float32) if DOT_FP32 else w.to(a.dtype)
                 a_op = a.to(tl.float32) if DOT_FP32 else a
@@ -271,6 +262,22 @@ def _expert_matmul(
                     acc = _dot(w_op, tl.trans(a_op), acc, DOT_FP32)
                 else:
                     acc = _dot(a_op, w_op, acc, DOT_FP32)
+        if PROMOTED:  # the step's product and weight scale from its branch above
+            acc = _promote(
+                acc,
+                part,
+                ws,
+                a_scale_ptr,
+                a_rows,
+                a_mask,
+                k0,
+                IN_DIM,
+                EVEN_K,
+                stride_asm,
+                stride_ask,
+                A_QUANT,
+                SWAP_AB,
+            )
     if SWAPPED:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N] for the epilogues
     if W_FORMAT == WFMT_FP8:
@@ -284,7 +291,10 @@ def _expert_matmul(
 
 
 @triton.jit
-def _group_scales(
+def _promote(
+    acc,
+    part,
+    w_scale,
     a_scale_ptr,
     a_rows,
     a_mask,
@@ -293,21 +303,22 @@ def _group_scales(
     EVEN_K: tl.constexpr,
     stride_asm,
     stride_ask,
+    A_QUANT: tl.constexpr,
     SWAP_AB: tl.constexpr,
 ):
-    """The per-1x128-group scales of A's rows for the K-step at k0, shaped to multiply its product
-    ([1, BLOCK_M] swapped, else [BLOCK_M, 1]); 0 past IN_DIM."""
-    sa = tl.load(
-        a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
-        mask=a_mask if EVEN_K else a_mask & (k0 < IN_DIM),
-        other=0.0,
-    )
-    # One return: Triton unifies the types of every return statement, constexpr branches included.
-    if SWAP_AB:
-        shaped = sa[None, :]
-    else:
-        shaped = sa[:, None]
-    return shaped
+    """acc + part * scale: one K-step's fp32 MMA result promoted with its weight scale (a number, or a
+    tile broadcast along the weight rows) times, per 1x128 group, A's scales of that step (0 past
+    IN_DIM). The scales multiply each other first, so the promotion is one FMA an element: it runs after
+    the MMA is waited for, so its ALU work is MMA time."""
+    scale = w_scale
+    if A_QUANT == AQ_GROUP:
+        sa = tl.load(
+            a_scale_ptr + a_rows * stride_asm + (k0 // 128) * stride_ask,
+            mask=a_mask if EVEN_K else a_mask & (k0 < IN_DIM),
+            other=0.0,
+        )
+        scale = scale * (sa[None, :] if SWAP_AB else sa[:, None])  # the product's token axis
+    return acc + part * scale
 
 
 @triton.jit

@@ -54,10 +54,16 @@ def _mxfp4_tiles(
     The low nibble of byte j is element 2j, the high nibble element 2j+1: returning the two halves as
     separate tiles (and splitting A the same way) avoids interleaving them in registers. Scale byte s
     -> 2^(s-127) as the fp32 bits s << 23 (s = 0 gives 0 instead of 2^-127; 0xFF gives Inf, so a NaN
-    scale still poisons its block). With FOLD (W4A8, `_mxfp4_fp8_tile`) each group is scaled by
-    2^(s - s_max) instead, s_max the row's largest byte over the step, and 2^(s_max - 127) is returned
-    for the caller to apply. Bytes and scale groups past the row are masked, and elements past IN_DIM
-    (the ragged tail's padding) are zeroed.
+    scale still poisons its block). With FOLD (W4A8) each group is scaled by 2^(s - s_max) instead,
+    s_max the row's largest byte over the step, and 2^(s_max - 127) is returned for the caller to apply.
+    Bytes and scale groups past the row are masked, and elements past IN_DIM (the ragged tail's padding)
+    are zeroed.
+
+    FOLD's values go to FP8 E4M3 for the FP8 MMA, which then sums the whole step. Every E2M1 value times
+    2^-d is exact in E4M3 for d <= 8, so a step is exact unless one of its groups sits more than 8
+    binades below the row's largest there: its values then round in E4M3, a change under 2^-9 of that
+    largest group's share of the sum (which can still move a code of the re-quantized FP8 intermediate;
+    the layer stays within W4A8's tolerance). With BLOCK_K = 32 the step is one group and always exact.
     """
     GROUPS: tl.constexpr = BLOCK_K // 32  # 16 bytes (32 elements) share a scale
     num_groups: tl.constexpr = (IN_DIM + 31) // 32
@@ -85,39 +91,6 @@ def _mxfp4_tiles(
     even = tl.where((k0 + 2 * j < IN_DIM)[:, None], _e2m1_to_f32(packed & 0xF) * scale, 0.0)
     odd = tl.where((k0 + 2 * j + 1 < IN_DIM)[:, None], _e2m1_to_f32(packed >> 4) * scale, 0.0)
     return even, odd, (row_byte << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_fp8_tile(
-    w_base,
-    s_base,
-    w_rows,
-    w_mask,
-    k0,
-    IN_DIM: tl.constexpr,
-    stride_wn,
-    stride_sn,
-    stride_sk,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """W4A8: rows `w_rows` [BLOCK_N], columns [k0, k0 + BLOCK_K) -> (float8_e4m3fn [BLOCK_K, BLOCK_N] in
-    column order, fp32 [BLOCK_N]): each E2M1 value times 2^(s_g - s_max) in FP8, and 2^(s_max - 127),
-    where s_g is its 32-element group's E8M0 byte and s_max the row's largest over the step
-    (`_mxfp4_tiles` with FOLD).
-
-    The FP8 MMA then sums the whole step, promoted into fp32 once with the row's 2^(s_max - 127). Every
-    E2M1 value times 2^-d is exact in E4M3 for d <= 8, so a step is exact unless one of its groups sits
-    more than 8 binades below the row's largest there: its values then round in E4M3, a change under
-    2^-9 of that largest group's share of the sum (which can still move a code of the re-quantized FP8
-    intermediate; the layer stays within W4A8's tolerance). With BLOCK_K = 32 the step is one group and
-    always exact.
-    """
-    low, high, scale = _mxfp4_tiles(
-        w_base, s_base, w_rows, w_mask, k0, IN_DIM, stride_wn, stride_sn, stride_sk, BLOCK_N, BLOCK_K, True
-    )
-    values = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
-    return values.to(tl.float8e4nv), scale
 
 
 @triton.jit

@@ -58,18 +58,14 @@ def _quant_fp8_rows(
         if HAS_ROW_MULT:
             v = v * mult
         amax = tl.maximum(amax, tl.abs(v))
-    amax_row = tl.max(amax, axis=0)
-    # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
-    scale = tl.maximum(tl.math.div_rn(amax_row, _FP8_MAX), _FP32_TINY)
-    scale = tl.where(amax_row > 0, scale, 1.0)
+    scale = _fp8_scale(tl.max(amax, axis=0))
     for c in range(0, NUM_COLS, BLOCK):
         cols = c + offs
         mask = cols < NUM_COLS
         v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_ROW_MULT:
             v = v * mult
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -_FP8_MAX), _FP8_MAX)
-        tl.store(dst_ptr + row * stride_dst + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+        tl.store(dst_ptr + row * stride_dst + cols, _fp8_codes(v, scale), mask=mask)
     tl.store(scale_ptr + row * stride_scale, scale)
 
 
@@ -106,9 +102,20 @@ def _fp8_group_codes(v):
     """fp32 [R, 128] (one 1x128 group a row; zeros where a row has no value) -> (float8_e4m3fn codes
     [R, 128], fp32 scales [R]) exactly as moekit.formats: scale = max(amax / 448, tiny), 1 if amax == 0.
     Shared by the quantization pass and GEMM1's epilogue (`gemm._moe_gemm1` with QUANT_H)."""
-    amax = tl.max(tl.abs(v), axis=1)
+    scale = _fp8_scale(tl.max(tl.abs(v), axis=1))
+    return _fp8_codes(v, scale[:, None]), scale
+
+
+@triton.jit
+def _fp8_scale(amax):
+    """max(amax / 448, tiny), or 1 where amax == 0: moekit.formats' activation scale."""
     # div_rn: the GPU's default fp32 division is approximate; the reference divides exactly.
     scale = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP32_TINY)
-    scale = tl.where(amax > 0, scale, 1.0)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    return _round_to_e4m3(q).to(tl.float8e4nv), scale
+    return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def _fp8_codes(v, scale):
+    """float8_e4m3fn codes of v / scale, clamped to +-448 and rounded to nearest-even."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -_FP8_MAX), _FP8_MAX)
+    return _round_to_e4m3(q).to(tl.float8e4nv)
