@@ -293,6 +293,12 @@ class MoESpec:
     def uses_expert_map(self) -> bool:
         return self.num_local_experts is not None
 
+    @property
+    def scales_per_128_of_k(self) -> bool:
+        """Whether weight or activation scales change every 128 elements along a GEMM's K (DeepSeek-V3's
+        block scales, per-1x128 activation groups): each 128-wide K-step's product is scaled on its own."""
+        return self.fp8_scale is Fp8Scale.BLOCK_128 or self.act_quant is ActivationQuant.FP8_PER_GROUP_128
+
     def describe(self) -> str:
         fmt = self.weight_format.name + (f"/{self.fp8_scale.name}" if self.fp8_scale else "")
         return (

@@ -193,8 +193,7 @@ class TritonMoEConfig(KernelConfig):
                     f"W4A8 (MXFP4 weights, FP8 activations) promotes each K-step into fp32 (Hopper's FP8 "
                     f"sums are reduced-precision), so block_k must be 32, 64 or 128, got {self.block_k}"
                 )
-        per_128 = spec.fp8_scale is Fp8Scale.BLOCK_128 or spec.act_quant is ActivationQuant.FP8_PER_GROUP_128
-        if per_128 and self.block_k > 128:
+        if spec.scales_per_128_of_k and self.block_k > 128:
             return f"128-wide FP8 scale groups need block_k <= 128, got {self.block_k}"
         if spec.act_quant is not ActivationQuant.NONE and self.block_k < 32:
             return f"FP8 x FP8 dots need block_k >= 32, got {self.block_k}"

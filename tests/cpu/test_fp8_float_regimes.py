@@ -1,0 +1,47 @@
+"""FP8 and float config regimes at shapes no tuned row covers: the default follows tokens per expert and
+the scale layout (never a preset's name), is usable and is in the tuning space that sweeps refine it from."""
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moekit.kernels.triton.tuning import default_config, tuning_space
+from moekit.presets import preset, reshaped
+from moekit.spec import ActivationQuant, Fp8Scale
+
+DEEPSEEK = preset("deepseek-v3")
+PER_CHANNEL = replace(DEEPSEEK, fp8_scale=Fp8Scale.PER_CHANNEL, act_quant=ActivationQuant.FP8_PER_TOKEN)
+DIMS = st.sampled_from([768, 1024, 1536, 2048, 4096, 7168])
+
+
+@st.composite
+def fp8_shapes(draw):
+    experts = draw(st.sampled_from([8, 16, 64, 128, 256]))
+    top_k = draw(st.integers(1, min(8, experts)))
+    base = draw(st.sampled_from([DEEPSEEK, PER_CHANNEL]))
+    return reshaped(base, f"{experts}x{top_k}x{draw(DIMS)}x{draw(DIMS)}")
+
+
+@settings(max_examples=100, deadline=None)
+@given(spec=fp8_shapes(), tokens=st.integers(1, 1 << 15))
+def test_fp8_prefill_default_follows_tokens_per_expert_and_scale_layout(spec, tokens):
+    config = default_config(spec, tokens)
+    assert config.reason_unusable(spec) is None
+    assert config in tuning_space(spec, tokens)
+    prefill = tokens * spec.K / spec.E > 32
+    if prefill and spec.scales_per_128_of_k:  # promoted every K-step: 128 x 64 on 8 warps, tail blocks
+        assert (config.block_m, config.block_n, config.num_warps, config.tail_block_m) == (128, 64, 8, 64)
+    else:
+        assert config.num_warps == 4 and config.tail_block_m is None
+        assert config.block_m == 64 if prefill else config.block_m <= 64
+
+
+def test_only_float_8_warp_tiles_try_gemm2_on_256_rows():
+    bf16 = preset("mixtral-8x7b")
+    for spec in (bf16, reshaped(bf16, "64x6x2048x1408")):
+        space = tuning_space(spec, 256)
+        assert any(c.num_warps == 8 and c.block_n_gemm2 == 256 for c in space)
+        assert all(c.num_warps == 8 for c in space if c.block_n_gemm2 == 256)
+    for t in (256, 4096, 16384):
+        assert all(c.block_n_gemm2 <= 128 for c in tuning_space(DEEPSEEK, t))
