@@ -58,7 +58,7 @@ from moekit.kernels.triton.align import (  # noqa: E402
 )
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
 from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
-from moekit.kernels.triton.tuning import default_config  # noqa: E402
+from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 from moekit.weights import WeightPacking  # noqa: E402
 
@@ -729,6 +729,26 @@ def test_default_configs_run(fields):
     spec = _spec(dtype=torch.float16, **fields)
     for t in (1, 17):
         _check_layer(spec, t=t, config=default_config(spec, t))
+
+
+def test_prefill_defaults_and_wide_gemm2_tiles_run():
+    # Per-128 FP8 prefill (more than 32 pairs an expert): the default's 128-row blocks, its tail launches
+    # and GEMM1 tiles on a ragged last scale group (I = 192); float 8-warp tiles with GEMM2 on 256 rows.
+    fp8 = _spec(
+        fmt=WeightFormat.FP8_E4M3,
+        scale=Fp8Scale.BLOCK_128,
+        quant=ActivationQuant.FP8_PER_GROUP_128,
+        dtype=torch.float16,
+        e=4,
+        h=256,
+        i=192,
+    )
+    config = default_config(fp8, 300)
+    assert (config.block_m, config.num_warps, config.tail_block_m) == (128, 8, 64)
+    _check_layer(fp8, t=300, config=config)  # about 150 pairs an expert: a full block and a tail
+    fp16 = _spec(fmt=WeightFormat.FP16, dtype=torch.float16, e=4, h=256, i=96)
+    wide = next(c for c in tuning_space(fp16, 90) if c.block_n_gemm2 == 256)
+    _check_layer(fp16, t=90, config=wide)
 
 
 # ---------------------------------------------------------------------------------------------------------
