@@ -55,6 +55,7 @@ def compile_gemm(
     block_starts: bool = False,
     swap_ab: bool = False,
     model: str = "gpt-oss",
+    max_registers: int | None = None,
 ):
     fn = _gemm_module._moe_gemm1 if gemm == 1 else _gemm_module._moe_gemm2
     w_format, w_type = _W[fmt]
@@ -132,7 +133,11 @@ def compile_gemm(
         fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constants.items()}, attrs=attrs
     )
     return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+        source, target=GPUTarget("cuda", 90, 32), options=dict(
+            num_warps=warps,
+            num_stages=stages,
+            **({"maxnreg": max_registers} if max_registers is not None else {}),
+        )
     )
 
 
@@ -242,6 +247,7 @@ def main() -> int:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--split-k", type=int, default=1)
+    p.add_argument("--max-registers", type=int, default=None, help="ptxas register cap (max_registers)")
     p.add_argument("--swap-ab", action="store_true", help="weight rows on the MMA's M side")
     p.add_argument(
         "--model",
@@ -261,6 +267,7 @@ def main() -> int:
         args.split_k,
         swap_ab=args.swap_ab,
         model=args.model,
+        max_registers=args.max_registers,
     )
     report, props = loop_report(kernel), properties(kernel)
     print(
