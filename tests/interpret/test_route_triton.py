@@ -1,8 +1,8 @@
-"""The one-launch softmax routing (`moekit.kernels.triton.route`) against the torch twin
-(`moekit.routing.route_torch`, what `moekit.route` runs off CUDA): identical ids, weights within fp32
-rounding. On the CPU under TRITON_INTERPRET=1 (set by conftest.py); on a GPU the same tests run compiled
-and are marked `gpu`, and test_interpreter_suite.py also runs them interpreted in a child pytest with
-CUDA hidden."""
+"""The one-launch routings (`moekit.kernels.triton.route`: softmax, DeepSeek-V3's grouped sigmoid)
+against the torch twin (`moekit.routing.route_torch`, what `moekit.route` runs off CUDA): identical ids,
+weights within fp32 rounding. On the CPU under TRITON_INTERPRET=1 (set by conftest.py); on a GPU the
+same tests run compiled and are marked `gpu`, and test_interpreter_suite.py also runs them interpreted
+in a child pytest with CUDA hidden."""
 
 import pytest
 import torch
@@ -10,7 +10,12 @@ import torch
 pytest.importorskip("triton")
 
 from moekit import NonFiniteError, RoutingMethod, RoutingSpec, route  # noqa: E402
-from moekit.kernels.triton.route import MAX_EXPERTS, fast_route_supported, route_softmax  # noqa: E402
+from moekit.kernels.triton.route import (  # noqa: E402
+    MAX_EXPERTS,
+    fast_route_supported,
+    route_sigmoid_grouped,
+    route_softmax,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Compiled on a CUDA machine, so `pytest -m gpu` runs them there; interpreted anywhere else.
@@ -107,17 +112,71 @@ def test_zero_tokens_and_strided_logits():
 def test_what_stays_on_the_torch_path():
     from moekit import preset
 
-    assert not fast_route_supported(preset("deepseek-v3").routing, 256)
+    assert not fast_route_supported(preset("deepseek-v3").routing, 256)  # route_sigmoid_grouped: direct
     assert not fast_route_supported(SPECS[0], MAX_EXPERTS + 1)
     assert fast_route_supported(SPECS[0], 128) and fast_route_supported(SPECS[1], MAX_EXPERTS)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_route_uses_the_fast_path_on_cuda_at_gpt_oss_shape():
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(16384, 128, generator=gen).to(torch.bfloat16)
-    got = route(logits.cuda(), top_k=4, spec=SPECS[0])
-    want = route(logits, top_k=4, spec=SPECS[0])
-    assert torch.equal(got.ids.cpu(), want.ids)
-    torch.testing.assert_close(got.weights.cpu(), want.weights, rtol=2e-6, atol=1e-7)
+def _grouped(n_group=None, topk_group=None, bias=False, scaling=1.0):
+    return RoutingSpec(
+        method=RoutingMethod.SIGMOID_GROUPED,
+        n_group=n_group,
+        topk_group=topk_group,
+        has_correction_bias=bias,
+        routed_scaling_factor=scaling,
+    )
+
+
+GROUPED = {
+    # name: (spec, T, E, K, why)
+    "deepseek-v3": (_grouped(8, 4, True, 2.5), 70, 256, 8, "8 groups of 32, 4 kept, bias, scaled"),
+    "no-groups": (_grouped(bias=True), 33, 64, 6, "n_group None: top K over every expert"),
+    "one-a-group": (_grouped(16, 5, False), 20, 16, 3, "groups of one expert: the group score is that one"),
+    "ragged": (_grouped(4, 2, True), 41, 60, 4, "E = 60, not a power of two; groups of 15"),
+    "too-few-kept": (_grouped(8, 1, True), 17, 16, 4, "2 experts kept, K = 4: masked ones fill in at -inf"),
+}
+
+
+def _grouped_case(name, dtype=torch.float32, seed=0):
+    spec, t, e, k, _ = GROUPED[name]
+    gen = torch.Generator().manual_seed(seed + t)
+    logits = (2 * torch.randn(t, e, generator=gen)).to(dtype)
+    bias = (0.1 * torch.randn(e, generator=gen)) if spec.has_correction_bias else None
+    return spec, k, logits, bias
+
+
+def _torch_grouped(logits, k, spec, bias):
+    cpu_bias = None if bias is None else bias.cpu()
+    r = route(logits.cpu(), top_k=k, spec=spec, correction_bias=cpu_bias, check_values=False)
+    return r.weights, r.ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_grouped_sigmoid_matches_the_torch_path(name, dtype):
+    spec, k, logits, bias = _grouped_case(name, dtype)
+    weights, ids = route_sigmoid_grouped(
+        logits.to(DEVICE), top_k=k, spec=spec, correction_bias=None if bias is None else bias.to(DEVICE)
+    )
+    want_w, want_ids = _torch_grouped(logits, k, spec, bias)
+    assert torch.equal(ids.cpu(), want_ids), GROUPED[name][4]
+    torch.testing.assert_close(weights.cpu(), want_w, rtol=2e-6, atol=1e-7)
+
+
+def test_grouped_sigmoid_ties_and_non_finite_logits_as_torch():
+    """Integer logits tie within and across groups (lower index wins, group and expert); a token with a
+    NaN or an infinity gets NaN weights and the twin's ids; the others keep theirs."""
+    spec, k = _grouped(4, 2, True), 5
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randint(-1, 2, (48, 32), generator=gen).float()
+    logits[3, 7] = float("nan")
+    logits[5, :] = float("inf")
+    logits[9, 20] = -float("inf")
+    bias = torch.zeros(32)
+    bias[::5] = 0.5  # ties broken by the bias in some groups only
+    on_device = dict(top_k=k, spec=spec, correction_bias=bias.to(DEVICE))
+    weights, ids = route_sigmoid_grouped(logits.to(DEVICE), **on_device)
+    want_w, want_ids = _torch_grouped(logits, k, spec, bias)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want_w, rtol=2e-6, atol=1e-7, equal_nan=True)
+    assert weights[[3, 5, 9]].isnan().all() and not weights[[0, 1, 2, 4]].isnan().any()

@@ -1,7 +1,8 @@
-"""Triton JIT code of the softmax routings (host side: `route.py`).
+"""Triton JIT code of the one-launch routings (host side: `route.py`): the softmax ones and DeepSeek-V3's
+group-limited sigmoid.
 
 Data flow: router logits [T, E] -> top-K ids and weights in one launch, where the torch ops of
-`moekit.routing` take a sort, a gather, a softmax and casts.
+`moekit.routing` take sorts, gathers, a softmax or sigmoid, masks and casts.
 
 Selection orders experts exactly as `moekit.routing` does (a stable descending sort): on an int32 key
 that is monotone in the fp32 score, with -0 equal to +0, every NaN above every number, and ties going to
@@ -36,6 +37,17 @@ def _softmax_rows(x, columns):
 
 
 @triton.jit
+def _take_best(key, columns, values):
+    """Per row: the highest `key` (the lowest column among ties), its `values` entry, the one-hot of that
+    column, and `key` with it struck out (so that the next call takes the runner-up)."""
+    best = tl.max(key, 1)
+    pick = tl.min(tl.where(key == best[:, None], columns[None, :], 2**30), 1)
+    hit = columns[None, :] == pick[:, None]
+    value = tl.sum(tl.where(hit, values, 0.0), 1)
+    return pick, value, hit, tl.where(hit, _INT_MIN, key)
+
+
+@triton.jit
 def _route_softmax(
     logits_ptr,  # [T, E] any float dtype
     weights_ptr,  # out fp32 [T, K]
@@ -66,13 +78,9 @@ def _route_softmax(
     chosen_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(key, 1)
-        pick = tl.min(tl.where(key == best[:, None], e[None, :], BLOCK_E), 1)  # lowest index among ties
-        hit = e[None, :] == pick[:, None]
-        value = tl.sum(tl.where(hit, score, 0.0), 1)
+        pick, value, _, key = _take_best(key, e, score)
         chosen_ids = tl.where(kk[None, :] == k, pick[:, None], chosen_ids)
         chosen = tl.where(kk[None, :] == k, value[:, None], chosen)
-        key = tl.where(hit, _INT_MIN, key)
     selected = (kk < TOP_K)[None, :]
     used = (rows < num_tokens)[:, None] & selected
     if SOFTMAX_FIRST:
@@ -82,5 +90,77 @@ def _route_softmax(
         chosen = _softmax_rows(chosen, selected)
     chosen = tl.where(poisoned[:, None], float("nan"), chosen)
     out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
+    tl.store(weights_ptr + out, chosen * scaling, mask=used)
+    tl.store(ids_ptr + out, chosen_ids, mask=used)
+
+
+@triton.jit
+def _route_sigmoid_grouped(
+    logits_ptr,  # [T, E] any float dtype
+    bias_ptr,  # [E] any float dtype (the correction bias), or None
+    weights_ptr,  # out fp32 [T, K]
+    ids_ptr,  # out int32 [T, K]
+    num_tokens,
+    stride_lt,
+    scaling,  # routed_scaling_factor
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # next power of two >= TOP_K
+    N_GROUP: tl.constexpr,  # 1: no group limit
+    TOPK_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # next power of two >= N_GROUP
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """DeepSeek-V3's routing as `moekit.routing._sigmoid_grouped` computes it: choose on sigmoid + bias,
+    only among the experts of the TOPK_GROUP groups whose best two choices sum highest (the others at
+    -inf, as the torch twin masks them), then weigh by the unbiased sigmoid, renormalized over the K."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    experts = (e < NUM_EXPERTS)[None, :]
+    live = (rows < num_tokens)[:, None] & experts
+    logit = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + e[None, :], mask=live, other=0.0)
+    logit = logit.to(tl.float32)
+    non_finite = (logit != logit) | (tl.abs(logit) == float("inf"))
+    poisoned = tl.max(tl.where(live & non_finite, 1, 0), 1) > 0  # [BLOCK_T]
+    score = tl.sigmoid(logit)
+    choice = score
+    if bias_ptr is not None:
+        choice = choice + tl.load(bias_ptr + e, mask=e < NUM_EXPERTS, other=0.0).to(tl.float32)[None, :]
+    if N_GROUP > 1:
+        PER_GROUP: tl.constexpr = NUM_EXPERTS // N_GROUP
+        group_of = e // PER_GROUP
+        g = tl.arange(0, BLOCK_G)
+        group_score = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
+        for i in tl.static_range(N_GROUP):
+            key = _order_key(choice, experts & (group_of == i)[None, :])
+            _, total, _, key = _take_best(key, e, choice)
+            if PER_GROUP > 1:  # the group's best two, summed in the twin's order
+                _, second, _, key = _take_best(key, e, choice)
+                total = total + second
+            group_score = tl.where(g[None, :] == i, total[:, None], group_score)
+        group_key = _order_key(group_score, (g < N_GROUP)[None, :])
+        kept = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            _, _, hit, group_key = _take_best(group_key, g, group_score)
+            kept = tl.where(hit, 1, kept)
+        allowed = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+        for i in tl.static_range(N_GROUP):
+            kept_i = tl.max(tl.where(g[None, :] == i, kept, 0), 1)  # [BLOCK_T]
+            allowed = tl.where((group_of == i)[None, :] & (kept_i[:, None] > 0), 1, allowed)
+        choice = tl.where(allowed > 0, choice, -float("inf"))
+    key = _order_key(choice, experts)
+    kk = tl.arange(0, BLOCK_K)
+    chosen_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pick, value, _, key = _take_best(key, e, score)
+        chosen_ids = tl.where(kk[None, :] == k, pick[:, None], chosen_ids)
+        chosen = tl.where(kk[None, :] == k, value[:, None], chosen)
+    selected = (kk < TOP_K)[None, :]
+    chosen = chosen / tl.sum(tl.where(selected, chosen, 0.0), 1)[:, None]
+    chosen = tl.where(poisoned[:, None], float("nan"), chosen)
+    out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
+    used = (rows < num_tokens)[:, None] & selected
     tl.store(weights_ptr + out, chosen * scaling, mask=used)
     tl.store(ids_ptr + out, chosen_ids, mask=used)
