@@ -111,6 +111,34 @@ def compile_gemm(
             if fp8_acts and fuses_h_quantization(preset("deepseek-v3"), tile):  # GEMM1 quantizes h itself
                 values.update(QUANT_H=True)
                 pointers.update(h_ptr="*fp8e4nv", h_scale_ptr="*fp32")
+    if fmt in _MXFP4:
+        values["stride_wsn"] = 1  # N-major scales, as prepare_weights stores them
+    return compile_for_hopper(
+        fn,
+        values=values,
+        pointers=pointers,
+        warps=warps,
+        stages=stages,
+        max_registers=max_registers,
+        unaligned=("num_pairs", "num_pid_m"),
+    )
+
+
+def compile_for_hopper(
+    fn,
+    *,
+    values: dict,
+    pointers: dict[str, str],
+    warps: int,
+    stages: int,
+    max_registers: int | None = None,
+    floats: tuple[str, ...] = (),
+    unaligned: tuple[str, ...] = (),
+):
+    """`triton.compile` of jit function `fn` for sm_90: `values` are its constexprs, `pointers` its
+    pointer types ("constexpr" for an absent one), `floats` its fp32 scalars, every other argument an
+    i32. Pointers and ints other than `unaligned` are specialized as multiples of 16, as gpt-oss's
+    launches are."""
     signature, constants = {}, {}
     for name in fn.arg_names:
         if name in values:
@@ -119,26 +147,21 @@ def compile_gemm(
             signature[name] = pointers[name]
             if pointers[name] == "constexpr":
                 constants[name] = None
-        elif name == "stride_wsn" and fmt in _MXFP4:  # N-major scales, as prepare_weights stores them
-            signature[name], constants[name] = "constexpr", 1
         else:
-            signature[name] = "i32"
-    attrs = {  # what the launch specializes on: pointers and gpt-oss strides are multiples of 16
+            signature[name] = "fp32" if name in floats else "i32"
+    attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
-        if signature[name] != "constexpr" and name not in ("num_pairs", "num_pid_m")
+        if signature[name] not in ("constexpr", "fp32") and name not in unaligned
     }
     index = {name: i for i, name in enumerate(fn.arg_names)}
     source = ASTSource(
         fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constants.items()}, attrs=attrs
     )
-    return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options=dict(
-            num_warps=warps,
-            num_stages=stages,
-            **({"maxnreg": max_registers} if max_registers is not None else {}),
-        )
-    )
+    options = dict(num_warps=warps, num_stages=stages)
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _tool(name: str) -> str:

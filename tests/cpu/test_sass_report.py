@@ -181,3 +181,38 @@ def test_fp8_activation_gemms_compile_for_hopper():
             assert 2 * tile["k_loop_fmul"] <= per_thread, tile
         if swap or m >= 64:
             assert tile["fp8_wgmma"] > 0, tile
+
+
+_ROUTE_KERNELS = """
+import json, re
+import sass_report
+from moekit.kernels.triton._details import route
+from moekit.presets import preset
+
+def facts(kernel):
+    ops = [sass_report.unpredicated(t) for _, t in sass_report.all_instructions(kernel)]
+    return dict(instructions=len(ops), local_memory_ops=sum(1 for o in ops if re.match(r"(LDL|STL)\\b", o)),
+                barriers=sum(1 for o in ops if o.startswith("BAR")))
+
+routing = preset("deepseek-v3").routing
+pointers = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
+common = dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_K=8, BLOCK_E=256)
+grouped = sass_report.compile_for_hopper(
+    route._route_sigmoid_grouped, values=dict(common, N_GROUP=routing.n_group, TOPK_GROUP=routing.topk_group,
+    BLOCK_G=routing.n_group, BLOCK_T=1), pointers=pointers, warps=1, stages=1, floats=("scaling",),
+    unaligned=("num_tokens", "stride_lt"))
+softmax = sass_report.compile_for_hopper(
+    route._route_softmax, values=dict(NUM_EXPERTS=128, TOP_K=4, BLOCK_K=4, BLOCK_E=128, BLOCK_T=32,
+    SOFTMAX_FIRST=False, RENORMALIZE=True), pointers=pointers, warps=4, stages=1, floats=("scaling",),
+    unaligned=("num_tokens", "stride_lt"))
+print(json.dumps(dict(grouped=facts(grouped), softmax=facts(softmax))))
+"""
+
+
+def test_route_kernels_compile_for_hopper_without_spills():
+    """The one-launch routes as `route.py` launches them, compiled for sm_90: DeepSeek-V3's grouped
+    sigmoid (one token on one warp) keeps its serial reductions in the warp (no barrier) and neither
+    route spills."""
+    got = _compiled_json(["-c", _ROUTE_KERNELS])
+    assert got["grouped"]["local_memory_ops"] == 0 and got["grouped"]["barriers"] == 0, got
+    assert got["softmax"]["local_memory_ops"] == 0, got

@@ -48,6 +48,58 @@ def _take_best(key, columns, values):
 
 
 @triton.jit
+def _load_scores(
+    logits_ptr, num_tokens, stride_lt, NUM_EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """This program's rows, the expert columns, the [1, BLOCK_E] mask of real experts, the rows' logits in
+    fp32 (0 outside) and which rows hold a non-finite logit (their weights become NaN)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    experts = (e < NUM_EXPERTS)[None, :]
+    live = (rows < num_tokens)[:, None] & experts
+    logit = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + e[None, :], mask=live, other=0.0)
+    logit = logit.to(tl.float32)
+    non_finite = (logit != logit) | (tl.abs(logit) == float("inf"))
+    poisoned = tl.max(tl.where(live & non_finite, 1, 0), 1) > 0  # [BLOCK_T]
+    return rows, e, experts, logit, poisoned
+
+
+@triton.jit
+def _top_k(key, e, values, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The TOP_K best columns of `key` in order (ids [BLOCK_T, BLOCK_K]) and their `values`."""
+    kk = tl.arange(0, BLOCK_K)
+    chosen_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pick, value, _, key = _take_best(key, e, values)
+        chosen_ids = tl.where(kk[None, :] == k, pick[:, None], chosen_ids)
+        chosen = tl.where(kk[None, :] == k, value[:, None], chosen)
+    return chosen_ids, chosen
+
+
+@triton.jit
+def _store_route(
+    weights_ptr,
+    ids_ptr,
+    rows,
+    num_tokens,
+    chosen,
+    chosen_ids,
+    poisoned,
+    scaling,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Weights (NaN for poisoned rows) * scaling and ids of the rows' first TOP_K columns."""
+    kk = tl.arange(0, BLOCK_K)
+    chosen = tl.where(poisoned[:, None], float("nan"), chosen)
+    out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
+    used = (rows < num_tokens)[:, None] & (kk < TOP_K)[None, :]
+    tl.store(weights_ptr + out, chosen * scaling, mask=used)
+    tl.store(ids_ptr + out, chosen_ids, mask=used)
+
+
+@triton.jit
 def _route_softmax(
     logits_ptr,  # [T, E] any float dtype
     weights_ptr,  # out fp32 [T, K]
@@ -63,35 +115,21 @@ def _route_softmax(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)
-    experts = (e < NUM_EXPERTS)[None, :]
-    live = (rows < num_tokens)[:, None] & experts
-    score = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + e[None, :], mask=live, other=0.0)
-    score = score.to(tl.float32)
-    non_finite = (score != score) | (tl.abs(score) == float("inf"))
-    poisoned = tl.max(tl.where(live & non_finite, 1, 0), 1) > 0  # [BLOCK_T]
+    rows, e, experts, score, poisoned = _load_scores(
+        logits_ptr, num_tokens, stride_lt, NUM_EXPERTS, BLOCK_T, BLOCK_E
+    )
     if SOFTMAX_FIRST:
         score = _softmax_rows(score, experts)
-    key = _order_key(score, experts)
-    kk = tl.arange(0, BLOCK_K)
-    chosen_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        pick, value, _, key = _take_best(key, e, score)
-        chosen_ids = tl.where(kk[None, :] == k, pick[:, None], chosen_ids)
-        chosen = tl.where(kk[None, :] == k, value[:, None], chosen)
-    selected = (kk < TOP_K)[None, :]
-    used = (rows < num_tokens)[:, None] & selected
+    chosen_ids, chosen = _top_k(_order_key(score, experts), e, score, TOP_K, BLOCK_T, BLOCK_K)
+    selected = (tl.arange(0, BLOCK_K) < TOP_K)[None, :]
     if SOFTMAX_FIRST:
         if RENORMALIZE:
             chosen = chosen / tl.sum(tl.where(selected, chosen, 0.0), 1)[:, None]
     else:
         chosen = _softmax_rows(chosen, selected)
-    chosen = tl.where(poisoned[:, None], float("nan"), chosen)
-    out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
-    tl.store(weights_ptr + out, chosen * scaling, mask=used)
-    tl.store(ids_ptr + out, chosen_ids, mask=used)
+    _store_route(
+        weights_ptr, ids_ptr, rows, num_tokens, chosen, chosen_ids, poisoned, scaling, TOP_K, BLOCK_K
+    )
 
 
 @triton.jit
@@ -115,14 +153,9 @@ def _route_sigmoid_grouped(
     """DeepSeek-V3's routing as `moekit.routing._sigmoid_grouped` computes it: choose on sigmoid + bias,
     only among the experts of the TOPK_GROUP groups whose best two choices sum highest (the others at
     -inf, as the torch twin masks them), then weigh by the unbiased sigmoid, renormalized over the K."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)
-    experts = (e < NUM_EXPERTS)[None, :]
-    live = (rows < num_tokens)[:, None] & experts
-    logit = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + e[None, :], mask=live, other=0.0)
-    logit = logit.to(tl.float32)
-    non_finite = (logit != logit) | (tl.abs(logit) == float("inf"))
-    poisoned = tl.max(tl.where(live & non_finite, 1, 0), 1) > 0  # [BLOCK_T]
+    rows, e, experts, logit, poisoned = _load_scores(
+        logits_ptr, num_tokens, stride_lt, NUM_EXPERTS, BLOCK_T, BLOCK_E
+    )
     score = tl.sigmoid(logit)
     choice = score
     if bias_ptr is not None:
@@ -149,18 +182,9 @@ def _route_sigmoid_grouped(
             kept_i = tl.max(tl.where(g[None, :] == i, kept, 0), 1)  # [BLOCK_T]
             allowed = tl.where((group_of == i)[None, :] & (kept_i[:, None] > 0), 1, allowed)
         choice = tl.where(allowed > 0, choice, -float("inf"))
-    key = _order_key(choice, experts)
-    kk = tl.arange(0, BLOCK_K)
-    chosen_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        pick, value, _, key = _take_best(key, e, score)
-        chosen_ids = tl.where(kk[None, :] == k, pick[:, None], chosen_ids)
-        chosen = tl.where(kk[None, :] == k, value[:, None], chosen)
-    selected = (kk < TOP_K)[None, :]
+    chosen_ids, chosen = _top_k(_order_key(choice, experts), e, score, TOP_K, BLOCK_T, BLOCK_K)
+    selected = (tl.arange(0, BLOCK_K) < TOP_K)[None, :]
     chosen = chosen / tl.sum(tl.where(selected, chosen, 0.0), 1)[:, None]
-    chosen = tl.where(poisoned[:, None], float("nan"), chosen)
-    out = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
-    used = (rows < num_tokens)[:, None] & selected
-    tl.store(weights_ptr + out, chosen * scaling, mask=used)
-    tl.store(ids_ptr + out, chosen_ids, mask=used)
+    _store_route(
+        weights_ptr, ids_ptr, rows, num_tokens, chosen, chosen_ids, poisoned, scaling, TOP_K, BLOCK_K
+    )
