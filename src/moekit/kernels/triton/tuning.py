@@ -200,8 +200,10 @@ def tuning_space(
             (32, 128, 64, 4, 8, 4),
             (64, 64, 64, 8, 4, 4),
             # 128-wide K-steps on 32-row tiles: vLLM's H200 table for Mixtral (E 8, N 14336) at 16 - 24
-            # tokens an expert.
+            # tokens an expert; on 64-row tiles, 8 warps, 4 stages and no M-grouping at 32 (T = 128), where
+            # it ran 1 % ahead of moekit's best (H200, bench_vs_vllm.py).
             (32, 64, 128, 4, 4, 3),
+            (64, 64, 128, 1, 8, 4),
         ]
         if mxfp4:  # one M-block per expert decodes each weight tile once, half-empty or not
             tiles += [
@@ -219,6 +221,9 @@ def tuning_space(
             (128, 64, 64, 8, 4, 4),
             (128, 128, 64, 8, 8, 3),  # the float prefill default, and one stage deeper
             (128, 128, 64, 8, 8, 4),
+            # vLLM's H200 tile for Mixtral at 64 - 512 tokens an expert (M-groups of 16), 1.4 % ahead of
+            # moekit's best at T = 512 (H200, bench_vs_vllm.py)
+            (128, 128, 64, 16, 8, 4),
         ]
         if mxfp4:  # 64 rows of w13 a tile (see below)
             tiles += [(128, 32, 64, 8, 4, 3), (128, 32, 64, 8, 4, 4)]
@@ -241,9 +246,10 @@ def tuning_space(
     # the size of GEMM1's operand, which halves the activation rows GEMM2 re-reads per weight row.
     gemm2_rows = {(64, 4): (None, 128), (32, 4): (64, 128)}
     if not spec.weight_format.is_quantized:
-        # 8-warp float tiles: GEMM2 also on 256 rows (vLLM's 128 x 256 prefill tile for Mixtral on an H200):
-        # half the programs, one wave fewer where few experts leave GEMM2 about two waves.
-        gemm2_rows[(128, 8)] = (None, 256)
+        # 8-warp float tiles: GEMM2 also on twice their rows (vLLM's H200 tiles for Mixtral: 128 x 256 for
+        # prefill, 64 x 128 at 32 tokens an expert): half the programs, one wave fewer where few experts
+        # leave GEMM2 about two waves.
+        gemm2_rows.update({(128, 8): (None, 256), (64, 8): (None, 128)})
     grid = [
         TritonMoEConfig(
             block_m=m,
