@@ -209,14 +209,20 @@ def unpredicated(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text)
 
 
+def _resources(kernel) -> dict[str, int]:
+    """REG, STACK, SHARED and LOCAL bytes or counts of a compiled kernel (cuobjdump -res-usage)."""
+    usage = _cuobjdump(kernel, "-res-usage")
+    return {name: int(value) for name, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
+
+
 def loop_report(kernel) -> dict:
     body = [unpredicated(t).split()[0] for _, t in loop_instructions(kernel)]
-    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(kernel, "-res-usage")))
+    resources = _resources(kernel)
     return {
         "loop_instructions": len(body),
         "opcodes": collections.Counter(body).most_common(),
-        "registers": int(resources.get("REG", 0)),
-        "local_bytes": int(resources.get("LOCAL", 0)),
+        "registers": resources.get("REG", 0),
+        "local_bytes": resources.get("LOCAL", 0),
         "shared_bytes": kernel.metadata.shared,
     }
 
@@ -242,19 +248,30 @@ def decoded_pairs_per_thread(gemm: int, block: tuple[int, int, int], warps: int)
     return rows * block[2] // (2 * 32 * warps)
 
 
+def kernel_facts(kernel, instructions: list[tuple[int, str]] | None = None) -> dict:
+    """Whole-kernel facts of any compiled kernel, looped or not: `local_bytes` / `local_memory_ops`
+    (spills: LDL / STL anywhere), `registers`, `instructions` and CTA-wide `barriers` (BAR)."""
+    instructions = all_instructions(kernel) if instructions is None else instructions
+    ops = [unpredicated(t) for _, t in instructions]
+    resources = _resources(kernel)
+    return {
+        "local_bytes": resources.get("LOCAL", 0),
+        "local_memory_ops": sum(1 for op in ops if re.match(r"(LDL|STL)\b", op)),
+        "registers": resources.get("REG", 0),
+        "instructions": len(ops),
+        "barriers": sum(1 for op in ops if op.startswith("BAR")),
+    }
+
+
 def properties(kernel) -> dict:
-    """What the H200 speed of a compiled GEMM rests on, read from its SASS and resource usage:
-    `local_bytes` / `local_memory_ops` (spills: LDL / STL anywhere in the kernel), the K-loop's
+    """What the H200 speed of a compiled GEMM rests on: `kernel_facts` (spills, registers), the K-loop's
     `loop_instructions` and its wgmma by operand source (`register_a_wgmma`, `shared_a_wgmma`), those on
     FP8 operands (`fp8_wgmma`) among them."""
     instructions = all_instructions(kernel)
     loop = loop_instructions(kernel, instructions)
-    resources = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump(kernel, "-res-usage")))
     register_a, shared_a = _wgmma_operands(loop)
     return {
-        "local_bytes": int(resources.get("LOCAL", 0)),
-        "local_memory_ops": sum(1 for _, t in instructions if re.match(r"(LDL|STL)\b", unpredicated(t))),
-        "registers": int(resources.get("REG", 0)),
+        **kernel_facts(kernel, instructions),
         "loop_instructions": len(loop),
         "register_a_wgmma": register_a,
         "shared_a_wgmma": shared_a,

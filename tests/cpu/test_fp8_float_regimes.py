@@ -6,25 +6,20 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from layer_shapes import reshaped_specs
 from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.presets import preset, reshaped
 from moekit.spec import ActivationQuant, Fp8Scale
 
 DEEPSEEK = preset("deepseek-v3")
 PER_CHANNEL = replace(DEEPSEEK, fp8_scale=Fp8Scale.PER_CHANNEL, act_quant=ActivationQuant.FP8_PER_TOKEN)
-DIMS = st.sampled_from([768, 1024, 1536, 2048, 4096, 7168])
-
-
-@st.composite
-def fp8_shapes(draw):
-    experts = draw(st.sampled_from([8, 16, 64, 128, 256]))
-    top_k = draw(st.integers(1, min(8, experts)))
-    base = draw(st.sampled_from([DEEPSEEK, PER_CHANNEL]))
-    return reshaped(base, f"{experts}x{top_k}x{draw(DIMS)}x{draw(DIMS)}")
+FP8_SHAPES = reshaped_specs(
+    bases=[DEEPSEEK, PER_CHANNEL], experts=[8, 16, 64, 128, 256], dims=[768, 1024, 1536, 2048, 4096, 7168]
+)
 
 
 @settings(max_examples=100, deadline=None)
-@given(spec=fp8_shapes(), tokens=st.integers(1, 1 << 15))
+@given(spec=FP8_SHAPES, tokens=st.integers(1, 1 << 15))
 def test_fp8_prefill_default_follows_tokens_per_expert_and_scale_layout(spec, tokens):
     config = default_config(spec, tokens)
     assert config.reason_unusable(spec) is None

@@ -8,24 +8,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from layer_shapes import reshaped_specs
 from moekit.errors import SpecError
 from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.presets import preset, preset_at, reshaped
 
 GPT_OSS = preset("gpt-oss-120b")
 # Multiples of 64: the word packing's row rule holds for 2 * I and for H (`mxfp4_words.rows_reason`).
-DIMS = st.sampled_from([768, 1024, 1408, 1536, 2048, 2880, 4096, 7168, 14336])
-
-
-@st.composite
-def shapes(draw):
-    experts = draw(st.sampled_from([8, 16, 32, 60, 64, 128, 256]))
-    top_k = draw(st.integers(1, min(8, experts)))
-    return reshaped(GPT_OSS, f"{experts}x{top_k}x{draw(DIMS)}x{draw(DIMS)}")
+SHAPES = reshaped_specs(
+    bases=[GPT_OSS],
+    experts=[8, 16, 32, 60, 64, 128, 256],
+    dims=[768, 1024, 1408, 1536, 2048, 2880, 4096, 7168, 14336],
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(spec=shapes(), tokens=st.integers(1, 1 << 16))
+@given(spec=SHAPES, tokens=st.integers(1, 1 << 16))
 def test_default_is_usable_and_swept(spec, tokens):
     config = default_config(spec, tokens)
     assert config.reason_unusable(spec) is None
@@ -37,7 +35,7 @@ def test_default_is_usable_and_swept(spec, tokens):
 
 
 @settings(max_examples=100, deadline=None)
-@given(spec=shapes(), tokens=st.integers(1, 1 << 16))
+@given(spec=SHAPES, tokens=st.integers(1, 1 << 16))
 def test_tiles_grow_with_tokens_per_expert(spec, tokens):
     small, large = default_config(spec, tokens), default_config(spec, tokens * 8)
     assert large.block_m >= small.block_m

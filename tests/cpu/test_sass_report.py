@@ -184,15 +184,10 @@ def test_fp8_activation_gemms_compile_for_hopper():
 
 
 _ROUTE_KERNELS = """
-import json, re
+import json
 import sass_report
 from moekit.kernels.triton._details import route
 from moekit.presets import preset
-
-def facts(kernel):
-    ops = [sass_report.unpredicated(t) for _, t in sass_report.all_instructions(kernel)]
-    return dict(instructions=len(ops), local_memory_ops=sum(1 for o in ops if re.match(r"(LDL|STL)\\b", o)),
-                barriers=sum(1 for o in ops if o.startswith("BAR")))
 
 routing = preset("deepseek-v3").routing
 pointers = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
@@ -205,7 +200,7 @@ softmax = sass_report.compile_for_hopper(
     route._route_softmax, values=dict(NUM_EXPERTS=128, TOP_K=4, BLOCK_K=4, BLOCK_E=128, BLOCK_T=32,
     SOFTMAX_FIRST=False, RENORMALIZE=True), pointers=pointers, warps=4, stages=1, floats=("scaling",),
     unaligned=("num_tokens", "stride_lt"))
-print(json.dumps(dict(grouped=facts(grouped), softmax=facts(softmax))))
+print(json.dumps(dict(grouped=sass_report.kernel_facts(grouped), softmax=sass_report.kernel_facts(softmax))))
 """
 
 

@@ -28,10 +28,11 @@ SPECS = [
 ]
 
 
-def _torch_route(logits, top_k, spec):
-    """The torch path whatever the device: route() on a CPU copy (values unchecked, so that non-finite
+def _torch_route(logits, top_k, spec, bias=None):
+    """The torch path whatever the device: route() on CPU copies (values unchecked, so that non-finite
     logits reach the twin's NaN rule instead of route's NonFiniteError)."""
-    r = route(logits.cpu(), top_k=top_k, spec=spec, check_values=False)
+    cpu_bias = None if bias is None else bias.cpu()
+    r = route(logits.cpu(), top_k=top_k, spec=spec, correction_bias=cpu_bias, check_values=False)
     return r.weights, r.ids
 
 
@@ -145,12 +146,6 @@ def _grouped_case(name, dtype=torch.float32, seed=0):
     return spec, k, logits, bias
 
 
-def _torch_grouped(logits, k, spec, bias):
-    cpu_bias = None if bias is None else bias.cpu()
-    r = route(logits.cpu(), top_k=k, spec=spec, correction_bias=cpu_bias, check_values=False)
-    return r.weights, r.ids
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(GROUPED))
 def test_grouped_sigmoid_matches_the_torch_path(name, dtype):
@@ -158,7 +153,7 @@ def test_grouped_sigmoid_matches_the_torch_path(name, dtype):
     weights, ids = route_sigmoid_grouped(
         logits.to(DEVICE), top_k=k, spec=spec, correction_bias=None if bias is None else bias.to(DEVICE)
     )
-    want_w, want_ids = _torch_grouped(logits, k, spec, bias)
+    want_w, want_ids = _torch_route(logits, k, spec, bias)
     assert torch.equal(ids.cpu(), want_ids), GROUPED[name][4]
     torch.testing.assert_close(weights.cpu(), want_w, rtol=2e-6, atol=1e-7)
 
@@ -176,7 +171,7 @@ def test_grouped_sigmoid_ties_and_non_finite_logits_as_torch():
     bias[::5] = 0.5  # ties broken by the bias in some groups only
     on_device = dict(top_k=k, spec=spec, correction_bias=bias.to(DEVICE))
     weights, ids = route_sigmoid_grouped(logits.to(DEVICE), **on_device)
-    want_w, want_ids = _torch_grouped(logits, k, spec, bias)
+    want_w, want_ids = _torch_route(logits, k, spec, bias)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(weights.cpu(), want_w, rtol=2e-6, atol=1e-7, equal_nan=True)
     assert weights[[3, 5, 9]].isnan().all() and not weights[[0, 1, 2, 4]].isnan().any()

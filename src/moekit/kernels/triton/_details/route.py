@@ -78,6 +78,13 @@ def _top_k(key, e, values, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def _renormalized(chosen, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's first TOP_K weights divided by their sum."""
+    selected = (tl.arange(0, BLOCK_K) < TOP_K)[None, :]
+    return chosen / tl.sum(tl.where(selected, chosen, 0.0), 1)[:, None]
+
+
+@triton.jit
 def _store_route(
     weights_ptr,
     ids_ptr,
@@ -121,12 +128,11 @@ def _route_softmax(
     if SOFTMAX_FIRST:
         score = _softmax_rows(score, experts)
     chosen_ids, chosen = _top_k(_order_key(score, experts), e, score, TOP_K, BLOCK_T, BLOCK_K)
-    selected = (tl.arange(0, BLOCK_K) < TOP_K)[None, :]
     if SOFTMAX_FIRST:
         if RENORMALIZE:
-            chosen = chosen / tl.sum(tl.where(selected, chosen, 0.0), 1)[:, None]
+            chosen = _renormalized(chosen, TOP_K, BLOCK_K)
     else:
-        chosen = _softmax_rows(chosen, selected)
+        chosen = _softmax_rows(chosen, (tl.arange(0, BLOCK_K) < TOP_K)[None, :])
     _store_route(
         weights_ptr, ids_ptr, rows, num_tokens, chosen, chosen_ids, poisoned, scaling, TOP_K, BLOCK_K
     )
@@ -173,18 +179,13 @@ def _route_sigmoid_grouped(
                 total = total + second
             group_score = tl.where(g[None, :] == i, total[:, None], group_score)
         group_key = _order_key(group_score, (g < N_GROUP)[None, :])
-        kept = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
-        for _ in tl.static_range(TOPK_GROUP):
-            _, _, hit, group_key = _take_best(group_key, g, group_score)
-            kept = tl.where(hit, 1, kept)
         allowed = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
-        for i in tl.static_range(N_GROUP):
-            kept_i = tl.max(tl.where(g[None, :] == i, kept, 0), 1)  # [BLOCK_T]
-            allowed = tl.where((group_of == i)[None, :] & (kept_i[:, None] > 0), 1, allowed)
+        for _ in tl.static_range(TOPK_GROUP):  # each kept group's experts, by the group's index
+            kept, _, _, group_key = _take_best(group_key, g, group_score)
+            allowed = tl.where(group_of[None, :] == kept[:, None], 1, allowed)
         choice = tl.where(allowed > 0, choice, -float("inf"))
     chosen_ids, chosen = _top_k(_order_key(choice, experts), e, score, TOP_K, BLOCK_T, BLOCK_K)
-    selected = (tl.arange(0, BLOCK_K) < TOP_K)[None, :]
-    chosen = chosen / tl.sum(tl.where(selected, chosen, 0.0), 1)[:, None]
+    chosen = _renormalized(chosen, TOP_K, BLOCK_K)
     _store_route(
         weights_ptr, ids_ptr, rows, num_tokens, chosen, chosen_ids, poisoned, scaling, TOP_K, BLOCK_K
     )
