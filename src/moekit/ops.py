@@ -7,8 +7,8 @@ plan, ids, the expert map, MXFP4 scale bytes, the weights' packing against the c
 launch -> one typed `Launch` -> the kernel's `run`. Value checks (expert ids, expert map, scale bytes,
 finite router logits) read device memory; they are skipped while a CUDA graph is being captured, so a
 captured forward has no host synchronization. Routing: logits -> `checks.check_route` (and the finite
-check) -> on CUDA with a softmax routing the one-launch Triton route, otherwise the torch twin
-(`moekit.routing.route_torch`); both follow the non-finite-logits contract of `moekit.routing`.
+check) -> on CUDA with E <= 1024 the one-launch Triton route of any routing method, otherwise the torch
+twin (`moekit.routing.route_torch`); both follow the non-finite-logits contract of `moekit.routing`.
 """
 
 from __future__ import annotations
@@ -157,9 +157,11 @@ def route(
 ) -> RoutingResult:
     """Select `top_k` experts per token from router logits `[T, E]` as `spec` says.
 
-    CUDA logits and a softmax routing: one Triton launch, where the torch ops took 13 us at T = 1 and
-    95 us of sorting at T = 16384 (measured on an H200, gpt-oss-120b). Same ids as the torch twin,
-    weights within a few fp32 ulps. Anything else: the torch twin.
+    CUDA logits and E <= 1024, any routing method: one Triton launch, one token a warp
+    (`moekit.kernels.triton.route`), where the torch ops sort and mask in many launches (measured on an
+    H200: DeepSeek-V3's grouped sigmoid 4.8 us at T = 1 and 64 us at T = 16384 against 85 and 1,017 us;
+    gpt-oss-120b's softmax 2.0 and 11.7 us against 29.5 and 154 us). Same ids as the torch twin, weights
+    within a few fp32 ulps. Anything else: the torch twin.
 
     Non-finite logits (NaN, +-inf) raise `NonFiniteError`; the check syncs with the device, so it is
     skipped with `check_values=False` and while a CUDA graph is being captured, where such a token gets
@@ -178,7 +180,9 @@ def route_checked(
     if logits.is_cuda:
         triton_route = _triton_route_module()
         if triton_route is not None and triton_route.fast_route_supported(spec, logits.shape[1]):
-            weights, ids = triton_route.route_softmax(logits, top_k=top_k, spec=spec)
+            weights, ids = triton_route.route_one_launch(
+                logits, top_k=top_k, spec=spec, correction_bias=correction_bias
+            )
             return RoutingResult(weights=weights, ids=ids)
     return route_torch(logits, top_k=top_k, spec=spec, correction_bias=correction_bias)
 

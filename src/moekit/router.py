@@ -39,18 +39,19 @@ def compute_router_logits(
 
 
 def batch_invariant_routing_reason(spec: MoESpec, device: torch.device) -> str | None:
-    """Why this layer's routing would not be per token on `device` (None: it is). On CUDA only the
-    one-launch Triton route computes each token's top-k in one program; the torch twin's reductions
-    are tiled by the kernel launcher, by T."""
+    """Why this layer's routing would not be per token on `device` (None: it is). On CUDA the one-launch
+    Triton route (every routing method, E <= its MAX_EXPERTS) computes each token in its own program, one
+    warp; the torch twin's reductions and sorts are tiled by the kernel launcher, by T, so a wider router
+    is refused."""
     if device.type != "cuda":
         return None
     try:
-        from moekit.kernels.triton.route import fast_route_supported
+        from moekit.kernels.triton.route import MAX_EXPERTS, fast_route_supported
     except ImportError:
         return "Triton is not installed, and the torch routing's reductions are tiled by T on CUDA"
     if fast_route_supported(spec.routing, spec.E):
         return None
     return (
         f"routing {spec.routing.method.name} with E={spec.E} runs through torch reductions tiled by T on "
-        "CUDA, not the per-token Triton route (softmax routings, E <= 1024)"
+        f"CUDA, not the per-token Triton route (E <= {MAX_EXPERTS})"
     )

@@ -4,8 +4,8 @@ weights `[T, K]`, int32 ids `[T, K]`).
 Data flow: logits (any float dtype) are upcast to fp32, scored per `RoutingSpec.method`, the top K
 experts are selected with ties going to the lower expert index, weights are normalized per method and
 multiplied by `routed_scaling_factor` (the only place it is applied). `moekit.route` (in `moekit.ops`)
-checks the arguments and picks this or a fast route: on CUDA the softmax methods run as one Triton
-launch (`moekit.kernels.triton.route`) with the same ids and weights within a few fp32 ulps.
+checks the arguments and picks this or a fast route: on CUDA every method runs as one Triton launch for
+E <= 1024 (`moekit.kernels.triton.route`) with the same ids and weights within a few fp32 ulps.
 
 Ties: `torch.topk` does not promise an order among equal values, so selection is done on a key that
 breaks ties by index: a stable descending sort keeps the lower index first among equal scores.

@@ -3,7 +3,8 @@
 Data flow: preset specs -> `plan_batch_invariant` for a fake H200 (planning reads no device) at every
 bucket 1 ... 16384 -> one config, no split-K, no tail blocks, and `explain` says so; the default plans of
 the same buckets differ (the test is not vacuous). CPU: no kernel can promise it, and the layer says so
-when it is built. The router's fixed-shape matmuls give each row the same bits at every T.
+when it is built. The router's fixed-shape matmuls give each row the same bits at every T. On CUDA the
+routing is per token for every method up to the one-launch route's E bound; a wider router is refused.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from moekit import MoESpec, SpecError, UnsupportedSpecError, preset
 from moekit.kernels.base import DeviceInfo, DeviceKind
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.planning.plan import batch_invariant_tokens, plan, plan_batch_invariant
+from moekit.presets import reshaped
 from moekit.router import batch_invariant_routing_reason, compute_router_logits
 from moekit.synthetic import random_layer
 
 pytest.importorskip("triton")
+from moekit.kernels.triton.route import MAX_EXPERTS  # noqa: E402
+
 H200 = DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0))
 BUCKETS = tuple(2**i for i in range(15))
 PRESETS = ("gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
@@ -65,12 +69,22 @@ def test_option_must_be_a_bool() -> None:
     assert PlanOptions().batch_invariant is False
 
 
-def test_torch_routing_on_cuda_is_refused_for_batch_invariance() -> None:
+def test_routing_on_cuda_is_per_token_up_to_the_widest_triton_route() -> None:
+    """On CUDA every routing method up to the one-launch route's MAX_EXPERTS runs one token a program
+    (DeepSeek-V3's grouped sigmoid included); a wider router would run on the torch twin, whose
+    reductions are tiled by T, and is refused with a reason that names its method and E."""
     cuda = torch.device("cuda", 0)
     grouped = preset("deepseek-v3")
-    assert "SIGMOID_GROUPED" in batch_invariant_routing_reason(grouped, cuda)
+    assert batch_invariant_routing_reason(grouped, cuda) is None
+    assert batch_invariant_routing_reason(reshaped(grouped, f"{MAX_EXPERTS}x8x7168x2048"), cuda) is None
     assert batch_invariant_routing_reason(preset("gpt-oss-20b"), cuda) is None
-    assert batch_invariant_routing_reason(grouped, torch.device("cpu")) is None
+    wide_grouped = reshaped(grouped, "2048x8x7168x2048")  # still 8 groups (of 256), 4 kept
+    wide_softmax = reshaped(preset("qwen3-30b-a3b"), "2048x8x2048x768")
+    assert wide_grouped.routing.n_group == 8 and wide_grouped.routing.has_correction_bias
+    for wide in (wide_grouped, wide_softmax):
+        why = batch_invariant_routing_reason(wide, cuda)
+        assert why is not None and f"{wide.routing.method.name} with E=2048" in why, why
+        assert batch_invariant_routing_reason(wide, torch.device("cpu")) is None
 
 
 def test_batch_invariant_router_rows_do_not_depend_on_t() -> None:

@@ -187,27 +187,31 @@ _ROUTE_KERNELS = """
 import json
 import sass_report
 from moekit.kernels.triton._details import route
+from moekit.kernels.triton.route import MAX_EXPERTS, TOKENS_A_PROGRAM, WARPS_A_PROGRAM
 from moekit.presets import preset
 
 routing = preset("deepseek-v3").routing
 pointers = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
-common = dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_K=8, BLOCK_E=256)
+launch = dict(pointers=pointers, warps=WARPS_A_PROGRAM, stages=1, floats=("scaling",),
+              unaligned=("num_tokens", "stride_lt"))
+common = dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_K=8, BLOCK_E=256, BLOCK_T=TOKENS_A_PROGRAM)
 grouped = sass_report.compile_for_hopper(
     route._route_sigmoid_grouped, values=dict(common, N_GROUP=routing.n_group, TOPK_GROUP=routing.topk_group,
-    BLOCK_G=routing.n_group, BLOCK_T=1), pointers=pointers, warps=1, stages=1, floats=("scaling",),
-    unaligned=("num_tokens", "stride_lt"))
-softmax = sass_report.compile_for_hopper(
-    route._route_softmax, values=dict(NUM_EXPERTS=128, TOP_K=4, BLOCK_K=4, BLOCK_E=128, BLOCK_T=32,
-    SOFTMAX_FIRST=False, RENORMALIZE=True), pointers=pointers, warps=4, stages=1, floats=("scaling",),
-    unaligned=("num_tokens", "stride_lt"))
-print(json.dumps(dict(grouped=sass_report.kernel_facts(grouped), softmax=sass_report.kernel_facts(softmax))))
+    BLOCK_G=routing.n_group), **launch)
+softmax = {}
+for e, k, first in ((128, 4, False), (128, 8, True), (MAX_EXPERTS, 8, True)):  # gpt-oss, Qwen3, the widest
+    softmax[f"E={e} K={k}"] = sass_report.kernel_facts(sass_report.compile_for_hopper(
+        route._route_softmax, values=dict(NUM_EXPERTS=e, TOP_K=k, BLOCK_K=k, BLOCK_E=e,
+        BLOCK_T=TOKENS_A_PROGRAM, SOFTMAX_FIRST=first, RENORMALIZE=True), **launch))
+print(json.dumps(dict(grouped=sass_report.kernel_facts(grouped), softmax=softmax)))
 """
 
 
 def test_route_kernels_compile_for_hopper_without_spills():
-    """The one-launch routes as `route.py` launches them, compiled for sm_90: DeepSeek-V3's grouped
-    sigmoid (one token on one warp) keeps its serial reductions in the warp (no barrier) and neither
-    route spills."""
+    """The one-launch routes at `route.py`'s launch geometry (one token a program, one warp), compiled for
+    sm_90: DeepSeek-V3's grouped sigmoid and the softmax routes of gpt-oss (E 128, K 4), Qwen3 (E 128,
+    K 8: the 32-token four-warp tile spilled there) and the widest router the route takes (MAX_EXPERTS
+    scores in one warp) keep their serial reductions in the warp (no barrier) and do not spill."""
     got = _compiled_json(["-c", _ROUTE_KERNELS])
-    assert got["grouped"]["local_memory_ops"] == 0 and got["grouped"]["barriers"] == 0, got
-    assert got["softmax"]["local_memory_ops"] == 0, got
+    for facts in (got["grouped"], *got["softmax"].values()):
+        assert facts["local_memory_ops"] == 0 and facts["barriers"] == 0, got

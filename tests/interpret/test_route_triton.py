@@ -13,6 +13,7 @@ from moekit import NonFiniteError, RoutingMethod, RoutingSpec, route  # noqa: E4
 from moekit.kernels.triton.route import (  # noqa: E402
     MAX_EXPERTS,
     fast_route_supported,
+    route_one_launch,
     route_sigmoid_grouped,
     route_softmax,
 )
@@ -111,9 +112,13 @@ def test_zero_tokens_and_strided_logits():
 
 
 def test_what_stays_on_the_torch_path():
+    """Every method takes the one-launch route up to MAX_EXPERTS (DeepSeek-V3's grouped sigmoid
+    included); only wider routers stay on the torch twin."""
     from moekit import preset
 
-    assert not fast_route_supported(preset("deepseek-v3").routing, 256)  # route_sigmoid_grouped: direct
+    grouped = preset("deepseek-v3").routing
+    assert fast_route_supported(grouped, 256) and fast_route_supported(grouped, MAX_EXPERTS)
+    assert not fast_route_supported(grouped, 2 * MAX_EXPERTS)
     assert not fast_route_supported(SPECS[0], MAX_EXPERTS + 1)
     assert fast_route_supported(SPECS[0], 128) and fast_route_supported(SPECS[1], MAX_EXPERTS)
 
@@ -175,3 +180,27 @@ def test_grouped_sigmoid_ties_and_non_finite_logits_as_torch():
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(weights.cpu(), want_w, rtol=2e-6, atol=1e-7, equal_nan=True)
     assert weights[[3, 5, 9]].isnan().all() and not weights[[0, 1, 2, 4]].isnan().any()
+
+
+WIDEST = {
+    # name: (spec, K, why)
+    "softmax_topk": (SPECS[1], 8, "softmax over 1024 experts in one warp, 32 scores a thread"),
+    "topk_softmax": (SPECS[0], 4, "selection before the softmax, at the widest E"),
+    "grouped": (_grouped(8, 4, True, 2.5), 8, "DeepSeek-V3's groups and bias at E = 1024: groups of 128"),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDEST))
+def test_route_one_launch_at_the_widest_e_matches_the_torch_path(name):
+    """`route_one_launch` (what `moekit.route` runs on CUDA) picks each method's kernel and holds
+    MAX_EXPERTS scores of a token in one program."""
+    spec, k, why = WIDEST[name]
+    gen = torch.Generator().manual_seed(9)
+    logits = (2 * torch.randn(5, MAX_EXPERTS, generator=gen)).to(torch.bfloat16)
+    bias = (0.1 * torch.randn(MAX_EXPERTS, generator=gen)) if spec.has_correction_bias else None
+    weights, ids = route_one_launch(
+        logits.to(DEVICE), top_k=k, spec=spec, correction_bias=None if bias is None else bias.to(DEVICE)
+    )
+    want_w, want_ids = _torch_route(logits, k, spec, bias)
+    assert torch.equal(ids.cpu(), want_ids), why
+    torch.testing.assert_close(weights.cpu(), want_w, rtol=2e-6, atol=1e-7)

@@ -4,7 +4,8 @@ Data flow: `kernel.TritonFusedKernel` (what the planner sees) -> `config` (what 
 config type and its checks) and `tuning` (default configs, tuning spaces) -> `launch.triton_fused_moe`
 -> `align.align_routing` groups the (token, k) pairs by expert on the device -> the kernels under
 `_details/` run the two grouped GEMMs (`gemm`, with the K-loop in `matmul`), the FP8 activation
-quantization (`quant`) and the fixed-order sums (`reduce`). `route` is the one-launch softmax routing.
+quantization (`quant`) and the fixed-order sums (`reduce`). `route` is the one-launch routing
+(softmax methods and DeepSeek-V3's grouped sigmoid).
 """
 
 from moekit.kernels.triton.config import TRITON_CAPABILITIES, TritonMoEConfig, triton_supports

@@ -1,5 +1,5 @@
-"""Host side of the one-launch routings (`_details.route`): `moekit.ops.route` runs the softmax ones for
-CUDA logits (`fast_route_supported`); `moekit.routing.route_torch` is their torch twin.
+"""Host side of the one-launch routings (`_details.route`): `moekit.ops.route` runs them for CUDA logits
+(`fast_route_supported`); `moekit.routing.route_torch` is their torch twin.
 
 Data flow: logits [T, E] -> softmax routings: (SOFTMAX_TOPK: softmax over E) -> the top K by `_order_key`
 -> weights (TOPK_SOFTMAX: softmax over the K; SOFTMAX_TOPK: optionally renormalized); SIGMOID_GROUPED:
@@ -7,7 +7,8 @@ sigmoid (+ correction bias) -> the best `topk_group` of `n_group` groups (sum of
 -> the top K among their experts -> the unbiased sigmoid renormalized over the K. Then
 * routed_scaling_factor. Ids are exactly those of the torch path. Weights agree with it to a few fp32
 ulps (another exp), and so can the order of two experts whose scores are within those ulps. A token with
-a non-finite logit gets NaN weights, as in the torch path (`moekit.routing`'s contract).
+a non-finite logit gets NaN weights, as in the torch path (`moekit.routing`'s contract). Every launch
+computes each token in its own program, so a token's route never depends on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -18,39 +19,47 @@ import triton
 from moekit.kernels.triton._details import route as _jit_route
 from moekit.spec import RoutingMethod, RoutingSpec
 
-# One program holds a [BLOCK_T, BLOCK_E] tile of scores: wider routers stay on the torch path.
+# One warp holds a token's E scores, E / 32 a thread. At E = 1024 the sm_90 code of the softmax routes
+# takes 96 - 200 registers (K = 1 ... 64) and does not spill; the grouped route's takes 161 - 247 and,
+# at K = 8 with 8 groups, stores and reloads one 8-byte value once a token. Wider routers stay on the
+# torch path.
 MAX_EXPERTS = 1024
-_TILE_ELEMENTS = 4096
+
+# The launch geometry of every route and every E: one token a program, on one warp. The routes are chains
+# of serial reductions over E (each of the K picks; the grouped route's 2 * n_group group picks and
+# topk_group kept groups), which in one warp stay in the warp: no barrier. Tiles of several tokens on
+# four warps put a CTA barrier in every reduction (15 - 156 a program at sm_90) and spill: the softmax
+# route's 32-token tile at E = 128, K = 8 (Qwen3's router) with 369 local loads and stores, its tiles at
+# K = 16 with E = 128 - 512 with a few. On an H200 (graph replay, L2 flushed, T = 1 ... 16384) one token
+# a warp took 4.8 - 64.3 us for DeepSeek-V3's grouped route (16 tokens on 4 warps: 43.8 - 136.7 us)
+# and 1.6 - 11.7 us for gpt-oss-120b's TOPK_SOFTMAX (32 tokens on 4 warps: 4.7 - 12.6 us).
+TOKENS_A_PROGRAM = 1
+WARPS_A_PROGRAM = 1
 
 
 def fast_route_supported(spec: RoutingSpec, num_experts: int) -> bool:
-    """Whether `moekit.route` takes the one-launch route. Not SIGMOID_GROUPED: `route_sigmoid_grouped`
-    matches the torch twin, but its H200 times (74 us at T = 1, 202 us at T = 16384 against about 800 us
-    of torch sorting) are of a four-warp launch; its one-warp launch has not been timed against the twin."""
-    return spec.method is not RoutingMethod.SIGMOID_GROUPED and num_experts <= MAX_EXPERTS
+    """Whether `moekit.route` takes the one-launch route (`route_one_launch`): every routing method, for
+    E <= MAX_EXPERTS. Each launch matches the torch twin (ids bit for bit, weights within 2e-6) and is
+    faster than it at every T measured on an H200 (graph replay, L2 flushed, T = 1 ... 16384):
+    DeepSeek-V3's grouped sigmoid (E 256, K 8, 8 groups, 4 kept, correction bias) takes 4.8 us at
+    T = 1 and 64.3 us at T = 16384 where the torch twin takes 85.2 and 1,017 us (16 - 22x faster at
+    every T); gpt-oss-120b's TOPK_SOFTMAX (E 128, K 4) 2.0 and 11.7 us where the twin takes 29.5 and
+    154 us (13 - 20x)."""
+    return num_experts <= MAX_EXPERTS
 
 
 def _launch(
-    kernel,
-    logits: torch.Tensor,
-    top_k: int,
-    spec: RoutingSpec,
-    method_args: dict[str, object],
-    *,
-    one_token_a_warp: bool,
+    kernel, logits: torch.Tensor, top_k: int, spec: RoutingSpec, method_args: dict[str, object]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 weights [T, K], int32 ids [T, K]) from one launch of a route `kernel`: the arguments every
-    route takes, plus its own `method_args`. A program holds [BLOCK_T, BLOCK_E] scores: one token on one
-    warp, or as many tokens as fill 4096 scores on four warps."""
+    """(fp32 weights [T, K], int32 ids [T, K]) from one launch of a route `kernel` at the one geometry
+    (TOKENS_A_PROGRAM on WARPS_A_PROGRAM): the arguments every route takes, plus its own `method_args`."""
     num_tokens, num_experts = logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    block_e = triton.next_power_of_2(num_experts)
-    block_t = 1 if one_token_a_warp else max(1, min(64, _TILE_ELEMENTS // block_e))
-    kernel[(triton.cdiv(num_tokens, block_t),)](
+    kernel[(triton.cdiv(num_tokens, TOKENS_A_PROGRAM),)](
         logits_ptr=logits,  # [T, E]
         weights_ptr=weights,  # fp32 [T, K]
         ids_ptr=ids,  # int32 [T, K]
@@ -60,12 +69,22 @@ def _launch(
         NUM_EXPERTS=num_experts,
         TOP_K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
-        num_warps=1 if one_token_a_warp else 4,
+        BLOCK_T=TOKENS_A_PROGRAM,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        num_warps=WARPS_A_PROGRAM,
         **method_args,
     )
     return weights, ids
+
+
+def route_one_launch(
+    logits: torch.Tensor, *, top_k: int, spec: RoutingSpec, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 weights [T, K], int32 ids [T, K]) of any routing `fast_route_supported` accepts, in one launch;
+    the caller checked the arguments (`moekit.checks.check_route`)."""
+    if spec.method is RoutingMethod.SIGMOID_GROUPED:
+        return route_sigmoid_grouped(logits, top_k=top_k, spec=spec, correction_bias=correction_bias)
+    return route_softmax(logits, top_k=top_k, spec=spec)
 
 
 def route_sigmoid_grouped(
@@ -80,10 +99,7 @@ def route_sigmoid_grouped(
         "TOPK_GROUP": spec.topk_group or 1,
         "BLOCK_G": triton.next_power_of_2(n_group),
     }
-    # Some 30 serial reductions over E (group scores, groups, the top K): on one warp a token's stay in the
-    # warp. Four warps on 16 tokens compiled for sm_90 to 17,000 instructions with 224 barriers and
-    # spills (74 us at T = 1 on an H200); one warp on one token to 1,900, no barrier, no spill.
-    return _launch(_jit_route._route_sigmoid_grouped, logits, top_k, spec, grouping, one_token_a_warp=True)
+    return _launch(_jit_route._route_sigmoid_grouped, logits, top_k, spec, grouping)
 
 
 def route_softmax(
@@ -91,4 +107,4 @@ def route_softmax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 weights [T, K], int32 ids [T, K]) of a softmax routing; the caller checked the arguments."""
     order = {"SOFTMAX_FIRST": spec.method is RoutingMethod.SOFTMAX_TOPK, "RENORMALIZE": spec.renormalize}
-    return _launch(_jit_route._route_softmax, logits, top_k, spec, order, one_token_a_warp=False)
+    return _launch(_jit_route._route_softmax, logits, top_k, spec, order)
