@@ -164,6 +164,71 @@ def compile_for_hopper(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_wgmma_fp8_for_hopper(gemm: int, *, block_m: int = 64, stages: int = 4, hidden=7168, inter=2048):
+    """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1, or 2 with `block_m` 128 or 64 rows) compiled for sm_90
+    at a layer's H and I, with the launcher's register budgets."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moekit.kernels.triton import wgmma_fp8 as host
+    from moekit.kernels.triton._details import codes, wgmma_fp8_gemm1, wgmma_fp8_gemm2
+
+    def descriptor(block: list[int]) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+        return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+
+    weight = descriptor([host.TILE_N, host.TILE_K])
+    constants = dict(
+        HIDDEN=hidden,
+        INTER_SIZE=inter,
+        GROUP_M=8,
+        NUM_STAGES=stages,
+        MATH_REGISTERS=host.MATH_REGISTERS,
+        LOAD_REGISTERS=host.LOAD_REGISTERS,
+    )
+    if gemm == 1:
+        fn = wgmma_fp8_gemm1._fp8_gemm1
+        pointers = dict(
+            x_desc=descriptor([host.GEMM1_ROWS, host.TILE_K]),
+            w_desc=weight,
+            x_scale_ptr="*fp32",
+            w_scale_ptr="*fp32",
+            h_ptr="*fp8e4nv",
+            h_scale_ptr="*fp32",
+            block_expert_ptr="*i32",
+            num_blocks_ptr="*i32",
+        )
+        constants.update(ACTIVATION=codes.ACT_SILU.value, ALPHA=0.0, HAS_LIMIT=False, LIMIT=0.0)
+    else:
+        fn = wgmma_fp8_gemm2._fp8_gemm2
+        pointers = dict(
+            h_desc=descriptor([block_m, host.TILE_K]),
+            w_desc=weight,
+            h_scale_ptr="*fp32",
+            w_scale_ptr="*fp32",
+            sorted_pairs_ptr="*i32",
+            route_w_ptr="*fp32",
+            y_ptr="*bf16",
+            block_expert_ptr="*i32",
+            block_start_ptr="*i32",
+            num_blocks_ptr="*i32",
+        )
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names
+    }
+    source = GluonASTSource(fn, signature, constants, {})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def wgmma_waits(instructions: list[tuple[int, str]]) -> list[int]:
+    """The group counts of every `wgmma.wait_group` (WARPGROUP.DEPBAR.LE gsb0, N) among `instructions`."""
+    return [
+        int(m.group(1), 16)
+        for _, t in instructions
+        if (m := re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", t))
+    ]
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 

@@ -151,6 +151,15 @@ def _weights(name: str) -> ExpertWeights:
     return _WEIGHTS[name]
 
 
+def scrambled_expert_map(num_experts: int, owned: int, *, seed: int) -> torch.Tensor:
+    """int32 [E]: `owned` random experts mapped to local ids in scrambled order, the rest -1."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    chosen = torch.randperm(num_experts, generator=gen, device=DEVICE)[:owned]
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=DEVICE)
+    expert_map[chosen] = torch.randperm(owned, generator=gen, device=DEVICE).to(torch.int32)
+    return expert_map
+
+
 def _inputs(spec: MoESpec, t: int, *, seed: int) -> tuple[torch.Tensor, RoutingResult]:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn(t, spec.H, generator=gen, device=DEVICE).to(spec.act_dtype)
@@ -240,10 +249,7 @@ def test_expert_map(t):
     # This rank owns 16 of gpt-oss-20b's 32 experts, in scrambled order; the rest contribute zero.
     base = SPECS["gpt-oss-20b"][0]
     spec = replace(base, num_local_experts=16)
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    owned = torch.randperm(base.E, generator=gen, device=DEVICE)[:16]
-    expert_map = torch.full((base.E,), -1, dtype=torch.int32, device=DEVICE)
-    expert_map[owned] = torch.randperm(16, generator=gen, device=DEVICE).to(torch.int32)
+    expert_map = scrambled_expert_map(base.E, 16, seed=3)
     weights = _gpu_weights(spec, seed=11)
     x, routing = _inputs(spec, t, seed=t)
     got = _run(spec, weights, x, routing, expert_map=expert_map)

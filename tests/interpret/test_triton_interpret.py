@@ -49,11 +49,13 @@ from moekit.kernels.base import DeviceInfo, DeviceKind  # noqa: E402
 from moekit.kernels.triton import launch  # noqa: E402
 from moekit.kernels.triton._details import gemm as _jit  # noqa: E402
 from moekit.kernels.triton._details import mxfp4 as _jit_mxfp4
+from moekit.kernels.triton._details import quant as _jit_quant  # noqa: E402
 from moekit.kernels.triton.align import (  # noqa: E402
     ONE_PROGRAM_MAX_PAIRS,
     AlignMethod,
     align_routing,
     max_blocks_bound,
+    pair_rows,
     split_tail_blocks,
 )
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
@@ -393,6 +395,49 @@ def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult, cols):
     ref = quantize_fp8_activation(x if mult is None else x * mult[:, None], quant=quant)
     assert torch.equal(scale, ref.scale)
     assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))  # -0 included
+
+
+@pytest.mark.parametrize(("t", "k", "e", "e_local"), [(1, 1, 4, 4), (13, 3, 8, 8), (40, 4, 8, 5)])
+def test_sorted_quantization_puts_each_pair_in_its_row(t, k, e, e_local):
+    # The WGMMA_FP8 engine's input: token t's per-group FP8 codes and scales in the sorted row of every
+    # kept pair (t, k) (`pair_rows` inverts sorted_pair_ids), bit for bit the token-order quantization.
+    gen = torch.Generator().manual_seed(t)
+    cols = 384
+    x = torch.randn(t, cols, generator=gen) * torch.logspace(-2, 2, t).unsqueeze(1)
+    ids = torch.randint(0, e, (t, k), generator=gen, dtype=torch.int32)
+    ids[0, 0] = e + 3  # out of range: dropped
+    expert_map = None
+    if e_local < e:
+        expert_map = torch.full((e,), -1, dtype=torch.int32)
+        expert_map[torch.randperm(e, generator=gen)[:e_local]] = torch.randperm(e_local, generator=gen).int()
+    aligned = align_routing(ids, num_local_experts=e_local, block_m=16, expert_map=expert_map)
+    rows = aligned.max_blocks * 16
+    xq = torch.full((rows, cols), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN codes
+    xs = torch.full((rows, cols // 128), math.nan)
+    _jit_quant._quant_fp8_groups_sorted[(t, 1)](
+        x,
+        aligned.pair_expert,
+        pair_rows(aligned),
+        xq,
+        xs,
+        NUM_COLS=cols,
+        stride_src=x.stride(0),
+        stride_dst=xq.stride(0),
+        stride_scale=xs.stride(0),
+        TOP_K=k,
+        GROUPS=4,
+    )
+    expected = quantize_fp8_activation(x, quant=ActivationQuant.FP8_PER_GROUP_128)
+    kept = 0
+    for pair in range(t * k):
+        if aligned.pair_expert[pair] < 0:
+            continue
+        kept += 1
+        row = int(pair_rows(aligned)[pair])
+        assert int(aligned.sorted_pair_ids[row]) == pair
+        assert torch.equal(xq[row].view(torch.uint8), expected.data[pair // k].view(torch.uint8))
+        assert torch.equal(xs[row], expected.scale[pair // k])
+    assert kept == int((aligned.pair_expert >= 0).sum()) and kept < t * k  # the dropped pair
 
 
 # ---------------------------------------------------------------------------------------------------------

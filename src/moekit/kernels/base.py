@@ -205,7 +205,11 @@ class KernelConfig:
     """Base of every kernel's config type; subclasses are frozen dataclasses validated in __post_init__."""
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as JSON values: an enum field as its member's name."""
+        return {
+            name: value.name if isinstance(value, enum.Enum) else value
+            for name, value in dataclasses.asdict(self).items()
+        }
 
 
 def config_from_dict(config_type: type[KernelConfig], data: object, *, kernel: str) -> KernelConfig:
@@ -218,6 +222,16 @@ def config_from_dict(config_type: type[KernelConfig], data: object, *, kernel: s
         raise TunedTableError(
             f"config for kernel {kernel!r} has unknown fields {unknown}; known: {sorted(names)}"
         )
+    for field in dataclasses.fields(config_type):
+        members = type(field.default).__members__ if isinstance(field.default, enum.Enum) else None
+        if members is not None and field.name in data:  # enums are stored by member name
+            value = data[field.name]
+            if not isinstance(value, str) or value not in members:
+                raise TunedTableError(
+                    f"config for kernel {kernel!r}: {field.name} must be one of {list(members)}, "
+                    f"got {value!r}"
+                )
+            data = {**data, field.name: members[value]}
     try:
         return config_type(**data)
     except (TypeError, ValueError) as err:

@@ -365,3 +365,18 @@ def _split_tail_blocks_torch(
             max_tail,
         ),
     )
+
+
+def pair_rows(aligned: AlignedRouting) -> torch.Tensor:
+    """int32 [T*K]: the row of `aligned.sorted_pair_ids` that holds each kept pair (the inverse
+    permutation; entries of dropped pairs are left unwritten: read them only where `pair_expert` >= 0)."""
+    rows = torch.empty(aligned.num_pairs, dtype=torch.int32, device=aligned.sorted_pair_ids.device)
+    if aligned.max_blocks > 0:
+        _jit_align._pair_rows[(aligned.max_blocks,)](
+            sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [max_blocks * block_m]
+            num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+            pair_rows_ptr=rows,  # int32 [T*K]
+            num_pairs=aligned.num_pairs,
+            BLOCK_M=aligned.block_m,
+        )
+    return rows

@@ -9,6 +9,7 @@ MXFP4 word path's warp count) -> the launch (`launch.py`), which asserts both ag
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass, replace
 
@@ -17,6 +18,7 @@ import torch
 from moekit.errors import SpecError
 from moekit.formats.mxfp4_words import rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
+from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -91,6 +93,20 @@ def words_reason(spec: MoESpec) -> str | None:
     return None
 
 
+class MatmulEngine(enum.Enum):
+    """How a config's GEMMs are written."""
+
+    TL_DOT = "Triton tl.dot kernels (every spec)"
+    # Block-128 W8A8 only (`wgmma_fp8.wgmma_fp8_reason`): Gluon wgmma with each K-step's scaling overlapped
+    # with the next step's MMA, a TMA producer warp, 64-row GEMM1 and 128-row GEMM2 blocks.
+    WGMMA_FP8 = "Gluon wgmma kernels with overlapped FP8 promotion (block-128 W8A8, sm_90)"
+
+
+# The one tiling the WGMMA_FP8 engine runs (its kernels fix the rest): GEMM2's 128-row blocks with
+# 64-row tails, 128 x 128 weight tiles, one 128-deep scale group a K-step, 4-warp warpgroups.
+WGMMA_FP8_TILES = dict(block_m=128, tail_block_m=64, block_n=128, block_k=128, num_warps=4, split_k=1)
+
+
 _POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
 
 
@@ -133,6 +149,7 @@ class TritonMoEConfig(KernelConfig):
     # block_m // 2, or None: an expert's last `tail_block_m` pairs or fewer run as a block of that size in
     # a second launch of each GEMM instead of padding a full block_m block (half its MMA rows wasted).
     tail_block_m: int | None = None
+    engine: MatmulEngine = MatmulEngine.TL_DOT
 
     @property
     def block_n_gemm2(self) -> int:
@@ -175,6 +192,16 @@ class TritonMoEConfig(KernelConfig):
                 f"TritonMoEConfig.tail_block_m needs split_k=1 (tail blocks are for large batches), got "
                 f"split_k={self.split_k}; drop one of them"
             )
+        if not isinstance(self.engine, MatmulEngine):
+            raise SpecError(f"TritonMoEConfig.engine must be a MatmulEngine, got {self.engine!r}")
+        if self.engine is MatmulEngine.WGMMA_FP8:
+            fixed = {name: getattr(self, name) for name in WGMMA_FP8_TILES}
+            if fixed != WGMMA_FP8_TILES or self.gemm2_block_n not in (None, 128) or self.swap_ab:
+                raise SpecError(
+                    f"the WGMMA_FP8 engine runs one tiling, {WGMMA_FP8_TILES} (gemm2_block_n None or "
+                    f"128, no swap_ab; group_m and num_stages free), got {fixed}, "
+                    f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
+                )
         _check_int(
             "max_registers",
             self.max_registers,
@@ -185,6 +212,9 @@ class TritonMoEConfig(KernelConfig):
 
     def reason_unusable(self, spec: MoESpec) -> str | None:
         """None if this config can compute `spec`, else why not."""
+        if self.engine is MatmulEngine.WGMMA_FP8:
+            reason = wgmma_fp8_reason(spec)
+            return None if reason is None else f"the WGMMA_FP8 engine cannot compute this spec: {reason}"
         if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
             return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
         if spec.weight_format is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:

@@ -29,6 +29,11 @@ def n_major(scales: torch.Tensor) -> torch.Tensor:
     return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
+def _hopper(problem: Problem) -> bool:
+    """Whether the problem's device is sm_90 (the WGMMA_FP8 engine's only target)."""
+    return problem.device.compute_capability == (9, 0)
+
+
 class TritonFusedKernel(Kernel):
     name = "triton_fused"
     priority = 100
@@ -39,11 +44,14 @@ class TritonFusedKernel(Kernel):
         return triton_supports(spec, device=problem.device)
 
     def default_config(self, spec: MoESpec, problem: Problem) -> TritonMoEConfig:
-        return default_config(spec, problem.num_tokens, problem.device.multiprocessors)
+        return default_config(
+            spec, problem.num_tokens, problem.device.multiprocessors, hopper=_hopper(problem)
+        )
 
     def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[TritonMoEConfig, ...]:
         """`tuning.tuning_space`: the default plus a short list per regime of tokens per expert."""
-        return tuning_space(spec, problem.num_tokens, problem.device.multiprocessors)
+        sms = problem.device.multiprocessors
+        return tuning_space(spec, problem.num_tokens, sms, hopper=_hopper(problem))
 
     def prepare_weights(self, weights: ExpertWeights, spec: MoESpec) -> ExpertWeights:
         """MXFP4 only (other formats are read as they are), once at load time:

@@ -25,9 +25,11 @@ from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
 from moekit.kernels.triton._details import codes
 from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
 from moekit.kernels.triton._details.quant import _quant_fp8_groups, _quant_fp8_rows
-from moekit.kernels.triton._details.reduce import _moe_gemm1_splits, _moe_sum_k
+from moekit.kernels.triton._details.reduce import _moe_gemm1_splits
 from moekit.kernels.triton.align import BlockList, align_routing, split_tail_blocks
-from moekit.kernels.triton.config import TritonMoEConfig, triton_supports
+from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig, triton_supports
+from moekit.kernels.triton.sum_k import sum_shares
+from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_moe
 from moekit.routing import RoutingResult
 from moekit.spec import (
     Activation,
@@ -212,6 +214,14 @@ def _check(x, *, spec, config, out) -> None:
             f"out must be [T, H={spec.H}] {spec.act_dtype} with contiguous rows, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
+    if config.engine is MatmulEngine.WGMMA_FP8 and (
+        x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0)
+    ):
+        where = x.device if x.device.type != "cuda" else torch.cuda.get_device_name(x.device)
+        raise DeviceError(
+            f"the WGMMA_FP8 engine runs Hopper (sm_90) wgmma and TMA only, not on {where}; use a "
+            f"TritonMoEConfig with engine=MatmulEngine.TL_DOT"
+        )
     if out is not None and out.device != x.device:
         raise DeviceError(f"x is on {x.device} but out is on {out.device}; move them to one device")
 
@@ -305,6 +315,17 @@ def triton_fused_moe(
         out = torch.empty(num_tokens, spec.H, dtype=spec.act_dtype, device=x.device)
     if num_tokens == 0:
         return out
+    if config.engine is MatmulEngine.WGMMA_FP8:
+        return wgmma_fp8_moe(
+            x,
+            weights,
+            routing,
+            spec=spec,
+            num_stages=config.num_stages,
+            group_m=config.group_m,
+            expert_map=expert_map,
+            out=out,
+        )
     p = _KernelParams.of(spec)
     cfg = config
     tail = cfg.tail_block_m
@@ -447,22 +468,14 @@ def triton_fused_moe(
         )
     if split or not direct:
         shares = part2 if split else y.unsqueeze(0)  # [S, T*K, H]
-        block_h = min(1024, triton.next_power_of_2(spec.H))
-        _moe_sum_k[(num_tokens, triton.cdiv(spec.H, block_h))](
-            y_ptr=shares,  # [S, T*K, H]: GEMM2's raw fp32 shares, or its finished rows
-            pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
-            b_ptr=w2.bias if split else None,  # [E_local, H] or None
-            route_w_ptr=route_w if split and p.route_on_output else None,  # fp32 [T*K]
-            out_ptr=out,  # [T, H]
-            stride_ys=shares.stride(0),
-            stride_ym=shares.stride(1),
+        sum_shares(
+            shares,
+            aligned=aligned,
+            out=out,
+            spec=spec,
+            finish=split,
+            bias=w2.bias if split else None,
             stride_be=w2.stride_be,
-            stride_om=out.stride(0),
-            HIDDEN=spec.H,
-            TOP_K=top_k,
-            SHARES=shares.shape[0],
-            HAS_BIAS=split and p.has_bias,
-            ROUTE_ON_OUTPUT=split and p.route_on_output,
-            BLOCK_H=block_h,
+            route_w=route_w if split and p.route_on_output else None,
         )
     return out

@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import torch
 
-from moekit.kernels.triton.config import TritonMoEConfig
+from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig
+from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 
 
@@ -30,6 +31,14 @@ def _experts_hit(spec: MoESpec, num_tokens: int) -> int:
     its T * K picks, E_local / E of them local, at most E_local."""
     local_pairs = max(num_tokens, 1) * spec.K * spec.E_local / spec.E
     return max(1, min(math.ceil(local_pairs), spec.E_local))
+
+
+# Block-128 W8A8 from this many tokens an expert takes the WGMMA_FP8 engine on Hopper. On an H200 (whole
+# layer, graph replay, L2 flushed) against the tl.dot tiles: -0.5 % at 32 tokens an expert (fewer rows an
+# expert leave its 64-row blocks mostly padding), -0.3 to +6 % at 64 - 96, +4 to +9 % at 128 - 768, for
+# DeepSeek-V3 (E 256, H 7168, I 2048) and held-out shapes (E 128 / 64, H 4096 / 2048, I 1536 / 1280).
+WGMMA_MIN_TOKENS_PER_EXPERT = 64
+WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_FP8)
 
 
 # Streaming multiprocessors of the parts the thresholds below were measured on (H100 SXM, H200), assumed
@@ -110,8 +119,11 @@ def _w4a8_tiles(per_expert: float) -> tuple[TritonMoEConfig, ...]:
     )
 
 
-def default_config(spec: MoESpec, num_tokens: int, multiprocessors: int | None = None) -> TritonMoEConfig:
+def default_config(
+    spec: MoESpec, num_tokens: int, multiprocessors: int | None = None, *, hopper: bool = False
+) -> TritonMoEConfig:
     """A capable config without tuning: tiles grow with the tokens each expert sees on average.
+    `hopper`: the device is sm_90, where block-128 W8A8 prefill takes the WGMMA_FP8 engine.
 
     Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed); the tuned rows of
     `moekit/planning/tables/h200.json` refine it per model and T.
@@ -138,6 +150,8 @@ def default_config(spec: MoESpec, num_tokens: int, multiprocessors: int | None =
             return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
         if per_expert <= 32 or not spec.scales_per_128_of_k:
             return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+        if hopper and per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT and wgmma_fp8_reason(spec) is None:
+            return WGMMA_FP8_DEFAULT
         # Prefill with per-128 scales: 128 x 64 tiles on 8 warps, four stages, GEMM2 on 128 rows, each
         # expert's odd half-block apart. On an H200 the fastest, or within 2.3 % of it, at 64 - 512 tokens
         # an expert for DeepSeek-V3 (E 256, H 7168, I 2048) and for a held-out shape (E 128, H 4096,
@@ -164,7 +178,7 @@ def default_config(spec: MoESpec, num_tokens: int, multiprocessors: int | None =
 
 
 def tuning_space(
-    spec: MoESpec, num_tokens: int, multiprocessors: int | None = None
+    spec: MoESpec, num_tokens: int, multiprocessors: int | None = None, *, hopper: bool = False
 ) -> tuple[TritonMoEConfig, ...]:
     """`default_config` first, then tiles for the regime of tokens per expert, from H200 sweeps
     (benchmarks/sweep_configs.py): decode streams weights (16-row M tiles, deeper pipelines, both
@@ -174,7 +188,8 @@ def tuning_space(
     mxfp4 = spec.weight_format is WeightFormat.MXFP4
     if mxfp4 and spec.act_quant is not ActivationQuant.NONE:
         return _w4a8_tiles(per_expert)
-    default = default_config(spec, num_tokens, multiprocessors)
+    default = default_config(spec, num_tokens, multiprocessors, hopper=hopper)
+    dot_default = default_config(spec, num_tokens, multiprocessors)  # split-K variants are tl.dot's
     # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     if per_expert <= 8:
         tiles = [
@@ -268,11 +283,11 @@ def tuning_space(
     if num_tokens * spec.K <= 32:
         # A decode step of few pairs hits at most that many experts: T = 1 of gpt-oss-120b runs 4 x 45
         # GEMM1 programs on 132 SMs. Split-K multiplies the programs (and weight bytes in flight).
-        grid += [replace(default, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
-    elif _gemm2_programs(spec, num_tokens, default) < 2 * (multiprocessors or _MEASURED_SMS):
+        grid += [replace(dot_default, split_k=s, gemm2_block_n=n2) for s in (2, 3, 4) for n2 in (None, 128)]
+    elif _gemm2_programs(spec, num_tokens, dot_default) < 2 * (multiprocessors or _MEASURED_SMS):
         # Few experts with long K (Mixtral-sized: 8 experts, I = 14336) leave GEMM2 under two programs an
         # SM beyond decode too (T = 512: 8 blocks x 32 N-tiles); split its K as decode does.
-        grid += [replace(default, split_k=s, tail_block_m=None) for s in (2, 4)]  # tails need whole K
+        grid += [replace(dot_default, split_k=s, tail_block_m=None) for s in (2, 4)]  # tails need whole K
     if spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
         # Larger tiles for prefill: GEMM1 holds gate and up accumulators plus each K-step's product to
         # promote. Compiled for sm_90 offline (tools/sass_report.py --model deepseek --format w8a8), none
@@ -284,10 +299,17 @@ def tuning_space(
             )
             for m, n, st in ((128, 64, 3), (128, 64, 4), (64, 128, 3), (128, 128, 3))
         ]
+    if hopper and spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
+        # The WGMMA_FP8 engine's free knobs (it refuses specs it cannot compute: dropped below).
+        grid += [replace(WGMMA_FP8_DEFAULT, group_m=g, num_stages=st) for g in (1, 8) for st in (3, 4)]
     if per_expert > 32:
         # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
         # at T = 2048 - 16384 on an H200.
-        grid += [replace(c, tail_block_m=c.block_m // 2) for c in grid if c.block_m >= 64 and c.split_k == 1]
+        grid += [
+            replace(c, tail_block_m=c.block_m // 2)
+            for c in grid
+            if c.block_m >= 64 and c.split_k == 1 and c.engine is MatmulEngine.TL_DOT
+        ]
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
     # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200:
     # not swept.

@@ -243,3 +243,20 @@ def _split_tail_blocks(
         live = (i < max_big) & (owner < NUM_LOCAL)
         tl.store(big_start_ptr + i, first + i * 2 * TAIL_M, mask=live)
         tl.store(big_expert_ptr + i, owner, mask=live)
+
+
+@triton.jit
+def _pair_rows(
+    sorted_pairs_ptr,  # int32 [max_blocks * BLOCK_M]
+    num_blocks_ptr,  # int32 [1]
+    pair_rows_ptr,  # out int32 [P]: the sorted row of each kept pair (dropped pairs are not written)
+    num_pairs,
+    BLOCK_M: tl.constexpr,
+):
+    """The inverse of `sorted_pair_ids` over the valid M-blocks: one program per block."""
+    block = tl.program_id(0)
+    if block >= tl.load(num_blocks_ptr):
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    tl.store(pair_rows_ptr + pairs, rows, mask=pairs < num_pairs)

@@ -98,6 +98,37 @@ def _quant_fp8_groups(
 
 
 @triton.jit
+def _quant_fp8_groups_sorted(
+    src_ptr,  # [T, C] float rows (tokens)
+    pair_expert_ptr,  # int32 [T*K]: local expert of each pair, -1 if dropped
+    pair_rows_ptr,  # int32 [T*K]: sorted row of each kept pair
+    dst_ptr,  # float8_e4m3fn [R, C]
+    scale_ptr,  # fp32 [R, G]
+    NUM_COLS: tl.constexpr,
+    stride_src,
+    stride_dst,
+    stride_scale,
+    TOP_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    """`_quant_fp8_groups` of token t (program (t, g)), stored into the sorted row of each of its kept
+    pairs: the grouped GEMM then reads its rows whole (TMA), and each token is read and quantized once.
+    Padding rows are not written: a row's products never reach another row, and no kernel stores them."""
+    token = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = cols < NUM_COLS
+    v = tl.load(src_ptr + token * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+    codes, scale = _fp8_group_codes(v)
+    for k in tl.static_range(TOP_K):
+        pair = token * TOP_K + k
+        kept = tl.load(pair_expert_ptr + pair) >= 0
+        row = tl.load(pair_rows_ptr + pair, mask=kept, other=0).to(tl.int64)
+        tl.store(dst_ptr + row * stride_dst + cols, codes, mask=mask & kept)
+        tl.store(scale_ptr + row * stride_scale + groups, scale, mask=(groups * 128 < NUM_COLS) & kept)
+
+
+@triton.jit
 def _fp8_group_codes(v):
     """fp32 [R, 128] (one 1x128 group a row; zeros where a row has no value) -> (float8_e4m3fn codes
     [R, 128], fp32 scales [R]) exactly as moekit.formats: scale = max(amax / 448, tiny), 1 if amax == 0.

@@ -1,0 +1,202 @@
+"""The block-128 FP8 prefill path (DeepSeek-V3's W8A8): Gluon wgmma GEMMs with overlapped promotion.
+
+Data flow of `wgmma_fp8_moe` (no host sync; graph-capturable):
+  ids -> `align_routing` at 64 rows (GEMM1's M-blocks) and `split_tail_blocks` (GEMM2's 128-row blocks
+  plus each expert's odd last 64-row block)
+  x -> `_quant_fp8_groups_sorted` -> x fp8 [R, H] + scales, in the sorted rows (TMA reads them whole)
+  -> `_fp8_gemm1` -> h fp8 [R, I] + scales (activation and h's 1x128 quantization in its epilogue)
+  -> `_fp8_gemm2` (128-row blocks, then 64-row tails) -> y [T*K, H] * router weight
+  -> `sum_k.sum_top_k` -> out [T, H].
+Which specs and configs it takes is `wgmma_fp8_reason`; the planner offers it only where that is None.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import triton
+from moekit.kernels.triton._details.codes import ACT_SILU
+from moekit.kernels.triton._details.quant import _quant_fp8_groups_sorted
+from moekit.kernels.triton.align import AlignedRouting, BlockList, align_routing, pair_rows, split_tail_blocks
+from moekit.kernels.triton.sum_k import sum_top_k
+from moekit.routing import RoutingResult
+from moekit.spec import Activation, ActivationQuant, Fp8Scale, GateLayout, MoESpec, RouterWeightPlacement
+from moekit.weights import ExpertWeights
+
+TILE_K = 128  # one scale group a K-step
+TILE_N = 128  # one weight scale block (and one h scale group) a tile
+GEMM1_ROWS = 64  # one M-block of GEMM1: the gate and the up warpgroup each hold 64 x 128
+# setmaxnreg budgets: the math warpgroups hold the accumulator, the retired and the in-flight
+# product (3 x 64 fp32 a thread); the one-warp TMA producer needs few.
+MATH_REGISTERS = 232
+LOAD_REGISTERS = 40
+
+
+@dataclass(frozen=True)
+class _Gluon:
+    """The Gluon pieces the launch needs, imported once."""
+
+    gl: object  # triton.experimental.gluon.language
+    tensor_descriptor: type  # host-side TMA descriptor
+    gemm1: object  # `_details.wgmma_fp8_gemm1._fp8_gemm1`
+    gemm2: object  # `_details.wgmma_fp8_gemm2._fp8_gemm2`
+
+
+@functools.cache
+def _gluon_hopper() -> _Gluon | None:
+    """The Gluon kernels and descriptor type, or None where this Triton has no Gluon Hopper support."""
+    try:
+        from moekit.kernels.triton._details import wgmma_fp8_gemm1, wgmma_fp8_gemm2
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError:
+        return None
+    return _Gluon(gl, TensorDescriptor, wgmma_fp8_gemm1._fp8_gemm1, wgmma_fp8_gemm2._fp8_gemm2)
+
+
+def wgmma_fp8_reason(spec: MoESpec) -> str | None:
+    """None if the Gluon block-128 FP8 path computes `spec` (shapes and math), else why not."""
+    if spec.fp8_scale is not Fp8Scale.BLOCK_128 or spec.act_quant is not ActivationQuant.FP8_PER_GROUP_128:
+        return "it is the block-128 W8A8 path (FP8 128x128 weight blocks, 1x128 activation groups)"
+    if spec.act_dtype is not torch.bfloat16:
+        return f"it takes bf16 activations, got {spec.act_dtype}"
+    if spec.has_bias or spec.gate_layout is not GateLayout.CONCAT:
+        return "its GEMM1 epilogue takes concatenated gate/up rows without bias"
+    if spec.activation.kind is not Activation.SILU or spec.activation.limit is not None:
+        return "its GEMM1 epilogue computes plain SiLU(gate) * up"
+    if spec.router_weight_placement is not RouterWeightPlacement.OUTPUT:
+        return "it applies the router weight to GEMM2's output"
+    for name, size in (("H", spec.H), ("I", spec.I)):
+        if size % (2 * TILE_K):
+            return (
+                f"its K-loop runs two 128-deep steps at a time: {name} must be a multiple of 256, got {size}"
+            )
+    if _gluon_hopper() is None:
+        return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
+    return None
+
+
+def _fp8_rows(tensor: torch.Tensor, rows: int):
+    """A TMA descriptor of fp8 `tensor` [R, C] read in [rows, 128] tiles."""
+    gluon = _gluon_hopper()
+    block = [rows, TILE_K]
+    layout = gluon.gl.NVMMASharedLayout.get_default_for(block, gluon.gl.float8e4nv)
+    return gluon.tensor_descriptor.from_tensor(tensor, block, layout)
+
+
+def wgmma_fp8_moe(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    num_stages: int,
+    group_m: int,
+    expert_map: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE layer of `spec` into `out` [T, H] (T > 0); the caller checked the inputs, the spec
+    (`wgmma_fp8_reason`) and the device (sm_90)."""
+    gluon = _gluon_hopper()
+    aligned = align_routing(
+        routing.ids, num_local_experts=spec.E_local, block_m=GEMM1_ROWS, expert_map=expert_map
+    )
+    xq, xs = _sorted_fp8_rows(x if x.stride(1) == 1 else x.contiguous(), aligned, spec=spec)
+    rows = xq.shape[0]
+    h = torch.empty(rows, spec.I, dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(rows, spec.I // TILE_K, dtype=torch.float32, device=x.device)
+    s13, s2 = weights.w13_scale, weights.w2_scale  # fp32 [E_local, 2I/128, H/128], [E_local, H/128, I/128]
+    tuning = dict(
+        GROUP_M=group_m,
+        NUM_STAGES=num_stages,
+        MATH_REGISTERS=MATH_REGISTERS,
+        LOAD_REGISTERS=LOAD_REGISTERS,
+        num_warps=4,
+    )
+    gluon.gemm1[(aligned.max_blocks * (spec.I // TILE_N),)](
+        x_desc=_fp8_rows(xq, GEMM1_ROWS),  # fp8 [R, H]
+        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), TILE_N),  # fp8 [E_local * 2I, H]
+        x_scale_ptr=xs,  # fp32 [R, H/128]
+        w_scale_ptr=s13,
+        h_ptr=h,  # fp8 [R, I]
+        h_scale_ptr=hs,  # fp32 [R, I/128]
+        block_expert_ptr=aligned.block_expert,  # int32 [max_blocks]
+        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+        num_pid_m=aligned.max_blocks,
+        stride_xsm=xs.stride(0),
+        stride_wse=s13.stride(0),
+        stride_wsn=s13.stride(1),
+        stride_wsk=s13.stride(2),
+        stride_hm=h.stride(0),
+        stride_hsm=hs.stride(0),
+        HIDDEN=spec.H,
+        INTER_SIZE=spec.I,
+        ACTIVATION=ACT_SILU.value,
+        ALPHA=0.0,
+        HAS_LIMIT=False,
+        LIMIT=0.0,
+        **tuning,
+    )
+    y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
+    w2 = _fp8_rows(weights.w2.reshape(-1, spec.I), TILE_N)  # fp8 [E_local * H, I]
+    for blocks in split_tail_blocks(aligned):  # 128-row blocks, then each expert's odd 64-row tail
+        if blocks.max_blocks == 0:
+            continue
+        gluon.gemm2[(blocks.max_blocks * (spec.H // TILE_N),)](
+            h_desc=_fp8_rows(h, blocks.block_m),  # fp8 [R, I]
+            w_desc=w2,
+            h_scale_ptr=hs,  # fp32 [R, I/128]
+            w_scale_ptr=s2,
+            sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [R]
+            route_w_ptr=routing.weights.contiguous().view(-1),  # fp32 [T*K]
+            y_ptr=y,  # [T*K, H]
+            **_block_args(blocks),
+            num_pairs=aligned.num_pairs,
+            stride_hsm=hs.stride(0),
+            stride_wse=s2.stride(0),
+            stride_wsn=s2.stride(1),
+            stride_wsk=s2.stride(2),
+            stride_ym=y.stride(0),
+            HIDDEN=spec.H,
+            INTER_SIZE=spec.I,
+            **tuning,
+        )
+    return sum_top_k(y, aligned=aligned, out=out, spec=spec)
+
+
+def _block_args(blocks: BlockList) -> dict:
+    return dict(
+        block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
+        block_start_ptr=blocks.block_start,  # int32 [max_blocks]
+        num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
+        num_pid_m=blocks.max_blocks,
+    )
+
+
+def _sorted_fp8_rows(
+    x: torch.Tensor, aligned: AlignedRouting, *, spec: MoESpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's per-1x128 FP8 codes [R, H] and scales [R, H/128] in the alignment's sorted rows (each token
+    quantized once, stored at each of its kept pairs' rows; padding rows left unwritten)."""
+    rows = aligned.max_blocks * aligned.block_m
+    xq = torch.empty(rows, spec.H, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(rows, spec.H // TILE_K, dtype=torch.float32, device=x.device)
+    groups = spec.H // TILE_K
+    groups_per_program = min(8, triton.next_power_of_2(groups))
+    _quant_fp8_groups_sorted[(x.shape[0], triton.cdiv(groups, groups_per_program))](
+        src_ptr=x,  # [T, H]
+        pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
+        pair_rows_ptr=pair_rows(aligned),  # int32 [T*K]
+        dst_ptr=xq,  # fp8 [R, H]
+        scale_ptr=xs,  # fp32 [R, H/128]
+        NUM_COLS=spec.H,
+        stride_src=x.stride(0),
+        stride_dst=xq.stride(0),
+        stride_scale=xs.stride(0),
+        TOP_K=spec.K,
+        GROUPS=groups_per_program,
+    )
+    return xq, xs

@@ -1,0 +1,158 @@
+"""The WGMMA_FP8 engine's rules on the CPU: which specs and configs it takes, when the planner picks it,
+its tuned-table form, the refusal off sm_90, and its Gluon kernels compiled for sm_90 (no GPU needed).
+Its numbers against the reference are GPU tests (tests/gpu/test_wgmma_fp8_gpu.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from layer_shapes import reshaped_specs  # noqa: E402
+from moekit import (  # noqa: E402
+    Activation,
+    ActivationQuant,
+    ActivationSpec,
+    DeviceError,
+    RouterWeightPlacement,
+    SpecError,
+    TunedTableError,
+    preset,
+)
+from moekit.kernels.base import config_from_dict  # noqa: E402
+from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
+from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.tuning import (  # noqa: E402
+    WGMMA_FP8_DEFAULT,
+    WGMMA_MIN_TOKENS_PER_EXPERT,
+    default_config,
+    tuning_space,
+)
+from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason  # noqa: E402
+from moekit.synthetic import random_batch, random_layer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+DEEPSEEK = preset("deepseek-v3")
+
+
+def test_takes_block_128_w8a8_and_refuses_other_math_with_the_reason():
+    assert wgmma_fp8_reason(DEEPSEEK) is None
+    assert WGMMA_FP8_DEFAULT.reason_unusable(DEEPSEEK) is None
+    refusals = {
+        "block-128": preset("qwen3-30b-a3b"),
+        "bf16 activations": replace(DEEPSEEK, act_dtype=torch.float16),
+        "SiLU": replace(DEEPSEEK, activation=ActivationSpec(Activation.GELU)),
+        "router weight": replace(DEEPSEEK, top_k=1, router_weight_placement=RouterWeightPlacement.INPUT),
+        "I must be a multiple of 256": replace(DEEPSEEK, intermediate_size=1920),
+        "H must be a multiple of 256": replace(DEEPSEEK, hidden_size=7296),
+        "1x128 activation": replace(DEEPSEEK, act_quant=ActivationQuant.FP8_PER_TOKEN),
+    }
+    for words, spec in refusals.items():
+        reason = WGMMA_FP8_DEFAULT.reason_unusable(spec)
+        assert reason is not None and words in reason, (words, reason)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(block_m=64),
+        dict(tail_block_m=None),
+        dict(block_n=64),
+        dict(split_k=2, tail_block_m=None),
+        dict(gemm2_block_n=256),
+        dict(swap_ab=True),
+        dict(num_warps=8),
+    ],
+)
+def test_refuses_any_other_tiling(change):
+    with pytest.raises(SpecError):  # the engine's rule, or a field rule that comes first
+        replace(WGMMA_FP8_DEFAULT, **change)
+
+
+def test_engine_must_be_the_enum():
+    with pytest.raises(SpecError, match="MatmulEngine"):
+        TritonMoEConfig(engine="WGMMA_FP8")
+
+
+def test_tuned_table_form_round_trips_and_bad_names_are_refused():
+    raw = json.loads(json.dumps(WGMMA_FP8_DEFAULT.as_dict()))
+    assert raw["engine"] == "WGMMA_FP8"
+    assert config_from_dict(TritonMoEConfig, raw, kernel="triton_fused") == WGMMA_FP8_DEFAULT
+    old_row = {k: v for k, v in TritonMoEConfig().as_dict().items() if k != "engine"}
+    assert config_from_dict(TritonMoEConfig, old_row, kernel="triton_fused").engine is MatmulEngine.TL_DOT
+    for bad in ("wgmma", 3, None):
+        with pytest.raises(TunedTableError, match="engine must be one of"):
+            config_from_dict(TritonMoEConfig, {**raw, "engine": bad}, kernel="triton_fused")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    spec=reshaped_specs([DEEPSEEK], experts=[16, 64, 256], dims=[256, 512, 1408, 2048, 2880, 7168]),
+    tokens=st.integers(1, 40000),
+    hopper=st.booleans(),
+)
+def test_default_takes_the_engine_only_on_hopper_for_prefill_and_only_where_it_computes(spec, tokens, hopper):
+    config = default_config(spec, tokens, 132, hopper=hopper)
+    assert config.reason_unusable(spec) is None
+    per_expert = tokens * spec.K / spec.E
+    wanted = hopper and per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT and wgmma_fp8_reason(spec) is None
+    assert (config.engine is MatmulEngine.WGMMA_FP8) == wanted
+    space = tuning_space(spec, tokens, 132, hopper=hopper)
+    assert all(c.reason_unusable(spec) is None for c in space)
+    if not hopper:
+        assert all(c.engine is MatmulEngine.TL_DOT for c in space)
+
+
+def test_off_sm90_the_launch_refuses_before_any_kernel():
+    layer = random_layer(replace(DEEPSEEK, num_experts=16, hidden_size=256, intermediate_size=256))
+    spec = layer.spec
+    x, _, routing = random_batch(spec, 3, correction_bias=layer.correction_bias, seed=0)
+    with pytest.raises(DeviceError, match="sm_90"):
+        triton_fused_moe(x, layer.weights, routing, spec=spec, config=WGMMA_FP8_DEFAULT)
+
+
+_COMPILE = """
+import json, sass_report as r
+out = {}
+for gemm, rows in ((1, 64), (2, 128), (2, 64)):
+    kernel = r.compile_wgmma_fp8_for_hopper(gemm, block_m=rows)
+    instructions = r.all_instructions(kernel)
+    out[f"{gemm}/{rows}"] = {
+        **r.kernel_facts(kernel, instructions),
+        "waits": sorted(set(r.wgmma_waits(instructions))),
+        "fp8_wgmma": sum(1 for _, t in instructions if r.unpredicated(t).startswith("QGMMA")),
+        "shared": kernel.metadata.shared,
+    }
+print(json.dumps(out))
+"""
+
+
+def test_gluon_kernels_compile_for_sm90_without_spills_and_keep_one_mma_in_flight():
+    # What the engine's speed rests on: no spill, the whole ring in shared memory (232,448 bytes on
+    # sm_90), and a wait that leaves one wgmma group in flight (DEPBAR.LE gsb0, 0x1) while the retired
+    # product is scaled; waits for 0 only are the tl.dot schedule this engine replaces.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tools"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, fact in facts.items():
+        assert fact["local_bytes"] == 0 and fact["local_memory_ops"] == 0, (name, fact)
+        assert fact["shared"] <= 232448, (name, fact)
+        assert 1 in fact["waits"], (name, fact)
+        assert fact["fp8_wgmma"] > 0, (name, fact)
+
+
+def test_engine_tiles_are_the_documented_ones():
+    assert {k: getattr(WGMMA_FP8_DEFAULT, k) for k in WGMMA_FP8_TILES} == WGMMA_FP8_TILES
+    assert WGMMA_FP8_DEFAULT.engine is MatmulEngine.WGMMA_FP8

@@ -1,0 +1,164 @@
+"""The WGMMA_FP8 engine (Gluon block-128 W8A8 GEMMs) on an sm_90 GPU, against the reference.
+
+Data flow per case: a block-128 W8A8 spec (DeepSeek-V3's math at reduced and full shapes) -> random FP8
+weights and scales drawn on the GPU -> routing (softmax top-k, or DeepSeek's grouped route, or ids
+skewed onto few experts so that most experts are empty and a few get many tails) -> `triton_fused_moe`
+with the engine's config into a NaN-poisoned `out` -> relative L2 error against `fused_moe_reference`,
+and the same layer through the tl.dot engine. Also: an expert map, CUDA-graph capture and replay, and
+the planner taking the engine for prefill on this device.
+"""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gpu_only import skip_unless_compiled_gpu
+
+skip_unless_compiled_gpu()
+
+from test_triton_gpu import _gpu_weights, _inputs, scrambled_expert_map  # noqa: E402
+
+from moekit import MoESpec, RoutingResult, fused_moe_reference, preset  # noqa: E402
+from moekit.app.bench import capture_graph  # noqa: E402
+from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
+from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.tuning import WGMMA_FP8_DEFAULT, default_config  # noqa: E402
+from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason  # noqa: E402
+from moekit.reference import relative_l2_error, tolerance  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.get_device_capability() != (9, 0), reason="the WGMMA_FP8 engine targets sm_90 only"
+    ),
+]
+DEVICE = torch.device("cuda")
+
+SPECS = {
+    "deepseek-v3-e16": replace(preset("deepseek-v3"), num_experts=16),
+    # A held-out shape: 64 experts, top-6, H 2048, I 1280 (odd number of 64-row GEMM1 N-tiles, 5 h groups)
+    "small-e64": replace(
+        preset("deepseek-v3"), num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1280
+    ),
+}
+CONFIGS = {
+    "default": WGMMA_FP8_DEFAULT,
+    "stages3-group1": replace(WGMMA_FP8_DEFAULT, num_stages=3, group_m=1),
+}
+
+
+def _spec_inputs(name: str, t: int, *, seed: int):
+    """The spec and its tokens and routing (DeepSeek's grouped route at the spec's expert count)."""
+    spec = SPECS[name]
+    return spec, *_inputs(spec, t, seed=seed)
+
+
+def _run(spec: MoESpec, weights, x, routing, config, *, expert_map=None) -> torch.Tensor:
+    out = torch.full((x.shape[0], spec.H), math.nan, dtype=spec.act_dtype, device=DEVICE)
+    got = triton_fused_moe(x, weights, routing, spec=spec, config=config, expert_map=expert_map, out=out)
+    assert got is out
+    return got
+
+
+def _assert_close(got, expected, spec, what):
+    assert torch.isfinite(got).all(), f"non-finite output: {what}"
+    err = relative_l2_error(got, expected)
+    assert err <= tolerance(spec), f"rel L2 {err:.2e} > {tolerance(spec):g}: {what}"
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 333, 1024, 4096])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_matches_reference(name, config, t):
+    spec, x, routing = _spec_inputs(name, t, seed=t)
+    assert wgmma_fp8_reason(spec) is None
+    weights = _gpu_weights(spec, seed=len(name))
+    got = _run(spec, weights, x, routing, CONFIGS[config])
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    _assert_close(got, expected, spec, f"{name} {config} T={t}")
+    # The tl.dot engine computes the same products, scales and quantizations.
+    dot = _run(spec, weights, x, routing, default_config(spec, t))
+    assert relative_l2_error(got, dot) <= tolerance(spec)
+
+
+@pytest.mark.parametrize("t", [200, 3000])
+def test_skewed_routing_with_empty_experts_and_tails(t):
+    # Every token picks the same 6 of 64 experts, in its own order: 58 experts get nothing, the 6 get
+    # t pairs each, long runs of 64-row blocks (GEMM2's 128-row blocks plus a 64-row tail when odd).
+    spec = SPECS["small-e64"]
+    weights = _gpu_weights(spec, seed=3)
+    gen = torch.Generator(device=DEVICE).manual_seed(t)
+    x = torch.randn(t, spec.H, generator=gen, device=DEVICE).to(spec.act_dtype)
+    hot = torch.tensor([1, 4, 7, 11, 40, 63], device=DEVICE)
+    order = torch.rand(t, spec.K, generator=gen, device=DEVICE).argsort(dim=1)
+    routing = RoutingResult(
+        weights=torch.rand(t, spec.K, generator=gen, device=DEVICE), ids=hot[order].to(torch.int32)
+    )
+    got = _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT)
+    _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, f"skewed T={t}")
+
+
+@pytest.mark.parametrize("t", [7, 1500])
+def test_expert_map(t):
+    # This rank owns 8 of 16 experts in scrambled order; pairs routed elsewhere contribute zero.
+    base = SPECS["deepseek-v3-e16"]
+    spec = replace(base, num_local_experts=8)
+    expert_map = scrambled_expert_map(base.E, 8, seed=5)
+    weights = _gpu_weights(spec, seed=9)
+    _, x, routing = _spec_inputs("deepseek-v3-e16", t, seed=t)
+    got = _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT, expert_map=expert_map)
+    expected = fused_moe_reference(x, weights, routing, spec=spec, expert_map=expert_map)
+    _assert_close(got, expected, spec, f"expert map T={t}")
+
+
+def test_cuda_graph_capture_and_replay():
+    spec = SPECS["deepseek-v3-e16"]
+    weights = _gpu_weights(spec, seed=2)
+    t = 777
+    _, x, routing = _spec_inputs("deepseek-v3-e16", t, seed=1)
+    static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
+    static_out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
+
+    def layer():
+        static_routing = RoutingResult(weights=static_w, ids=static_ids)
+        triton_fused_moe(
+            static_x, weights, static_routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=static_out
+        )
+
+    graph, _ = capture_graph(layer, DEVICE)  # compiled outside the capture, then captured once
+    for seed in (11, 12):
+        _, x, routing = _spec_inputs("deepseek-v3-e16", t, seed=seed)
+        static_x.copy_(x)
+        static_w.copy_(routing.weights)
+        static_ids.copy_(routing.ids)
+        static_out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(static_out, fused_moe_reference(x, weights, routing, spec=spec), spec, f"seed {seed}")
+
+
+def test_full_deepseek_shape_matches_reference():
+    # The real expert count and shapes (256 experts, H 7168, I 2048) at a prefill size.
+    spec = preset("deepseek-v3")
+    weights = _gpu_weights(spec, seed=4)
+    x, routing = _inputs(spec, 4096, seed=4)
+    got = _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT)
+    _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, "deepseek-v3 T=4096")
+
+
+def test_planner_takes_the_engine_for_prefill_here():
+    from moekit.kernels.base import DeviceInfo, DeviceKind, Problem
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    spec = preset("deepseek-v3")
+    props = torch.cuda.get_device_properties(DEVICE)
+    info = DeviceInfo(DeviceKind.CUDA, props.name, (props.major, props.minor), props.multi_processor_count)
+    prefill = TritonFusedKernel().default_config(spec, Problem(num_tokens=16384, device=info))
+    decode = TritonFusedKernel().default_config(spec, Problem(num_tokens=16, device=info))
+    assert prefill.engine is MatmulEngine.WGMMA_FP8
+    assert decode.engine is MatmulEngine.TL_DOT
+    assert TritonMoEConfig(**WGMMA_FP8_TILES, engine=MatmulEngine.WGMMA_FP8) == replace(
+        WGMMA_FP8_DEFAULT, group_m=1, num_stages=3
+    )
