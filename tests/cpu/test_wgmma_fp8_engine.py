@@ -156,3 +156,27 @@ def test_gluon_kernels_compile_for_sm90_without_spills_and_keep_one_mma_in_fligh
 def test_engine_tiles_are_the_documented_ones():
     assert {k: getattr(WGMMA_FP8_DEFAULT, k) for k in WGMMA_FP8_TILES} == WGMMA_FP8_TILES
     assert WGMMA_FP8_DEFAULT.engine is MatmulEngine.WGMMA_FP8
+
+
+def test_batch_invariant_plans_keep_to_the_tl_dot_engine():
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    kernel = TritonFusedKernel()
+    assert kernel.batch_invariant_config(WGMMA_FP8_DEFAULT, DEEPSEEK) is None
+    dot = default_config(DEEPSEEK, 1024, 132, hopper=True)  # the batch-invariant anchor: 32 an expert
+    assert dot.engine is MatmulEngine.TL_DOT and kernel.batch_invariant_config(dot, DEEPSEEK) is not None
+
+
+def test_workspace_counts_the_sorted_rows():
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    pairs = 16384 * DEEPSEEK.K
+    got = TritonFusedKernel().workspace_bytes(DEEPSEEK, 16384, WGMMA_FP8_DEFAULT)
+    # at least the sorted x and h codes of every pair, and y
+    assert got >= pairs * (DEEPSEEK.H + DEEPSEEK.I) + pairs * DEEPSEEK.H * 2
+    assert (
+        got
+        < 1.2 * (pairs + 64 * DEEPSEEK.E) * (DEEPSEEK.H + DEEPSEEK.I) * 1.04
+        + pairs * DEEPSEEK.H * 2
+        + 64 * pairs
+    )

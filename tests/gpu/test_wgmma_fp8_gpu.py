@@ -162,3 +162,22 @@ def test_planner_takes_the_engine_for_prefill_here():
     assert TritonMoEConfig(**WGMMA_FP8_TILES, engine=MatmulEngine.WGMMA_FP8) == replace(
         WGMMA_FP8_DEFAULT, group_m=1, num_stages=3
     )
+
+
+def test_workspace_prediction_holds():
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    spec = SPECS["small-e64"]
+    weights = _gpu_weights(spec, seed=6)
+    t = 3000
+    _, x, routing = _spec_inputs("small-e64", t, seed=6)
+    out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
+    triton_fused_moe(x, weights, routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=out)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    triton_fused_moe(x, weights, routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=out)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    predicted = TritonFusedKernel().workspace_bytes(spec, t, WGMMA_FP8_DEFAULT)
+    assert 0.5 * predicted <= peak <= 1.1 * predicted, (peak, predicted)

@@ -17,9 +17,16 @@ import torch
 from moekit.formats.mxfp4_words import pack_mma_words, scales_reason
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.triton.align import max_blocks_bound
-from moekit.kernels.triton.config import TRITON_CAPABILITIES, TritonMoEConfig, triton_supports, words_reason
+from moekit.kernels.triton.config import (
+    TRITON_CAPABILITIES,
+    MatmulEngine,
+    TritonMoEConfig,
+    triton_supports,
+    words_reason,
+)
 from moekit.kernels.triton.launch import triton_fused_moe, workspace_bytes
 from moekit.kernels.triton.tuning import default_config, tuning_space
+from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_workspace_bytes
 from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
 
@@ -90,8 +97,9 @@ class TritonFusedKernel(Kernel):
         BLOCK_K steps in one order, a row's dot never reads another row, and the top-k sum adds a
         token's K rows in a fixed order; with one config for every T only split-K (shares chosen per T)
         and tail blocks (a second, smaller M tile for some rows) would make a row's arithmetic depend
-        on the batch."""
-        if not isinstance(config, TritonMoEConfig):
+        on the batch. None for the WGMMA_FP8 engine: it always runs 64-row tails, and its rows' bitwise
+        independence of the batch is not verified (the planner then takes the tl.dot default)."""
+        if not isinstance(config, TritonMoEConfig) or config.engine is not MatmulEngine.TL_DOT:
             return None
         return dataclasses.replace(config, split_k=1, tail_block_m=None)
 
@@ -105,6 +113,8 @@ class TritonFusedKernel(Kernel):
         return pairs, blocks
 
     def workspace_bytes(self, spec: MoESpec, num_tokens: int, config: KernelConfig | None = None) -> int:
+        if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_FP8:
+            return wgmma_fp8_workspace_bytes(spec, num_tokens)
         splits = config.split_k if isinstance(config, TritonMoEConfig) else 1
         return workspace_bytes(spec=spec, num_tokens=num_tokens, split_k=splits)
 

@@ -20,7 +20,14 @@ import torch
 import triton
 from moekit.kernels.triton._details.codes import ACT_SILU
 from moekit.kernels.triton._details.quant import _quant_fp8_groups_sorted
-from moekit.kernels.triton.align import AlignedRouting, BlockList, align_routing, pair_rows, split_tail_blocks
+from moekit.kernels.triton.align import (
+    AlignedRouting,
+    BlockList,
+    align_routing,
+    max_blocks_bound,
+    pair_rows,
+    split_tail_blocks,
+)
 from moekit.kernels.triton.sum_k import sum_top_k
 from moekit.routing import RoutingResult
 from moekit.spec import Activation, ActivationQuant, Fp8Scale, GateLayout, MoESpec, RouterWeightPlacement
@@ -77,6 +84,16 @@ def wgmma_fp8_reason(spec: MoESpec) -> str | None:
     if _gluon_hopper() is None:
         return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
     return None
+
+
+def wgmma_fp8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
+    """Device memory one `wgmma_fp8_moe` call allocates besides `out`: x's and h's FP8 codes and scales in
+    the sorted rows (at most `max_blocks_bound` 64-row blocks), y, and the routing metadata."""
+    pairs = num_tokens * spec.K
+    rows = GEMM1_ROWS * max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=GEMM1_ROWS)
+    sorted_rows = rows * (spec.H + spec.I) * (1 + 4 / TILE_K)  # codes + fp32 scales per 128
+    y = pairs * spec.H * torch.empty((), dtype=spec.act_dtype).element_size()
+    return int(sorted_rows) + y + 16 * pairs + 4 * rows
 
 
 def _fp8_rows(tensor: torch.Tensor, rows: int):
