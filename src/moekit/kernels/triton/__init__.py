@@ -4,16 +4,19 @@ Data flow: `kernel.TritonFusedKernel` (what the planner sees) -> `config` (what 
 config type and its checks) and `tuning` (default configs, tuning spaces) -> `launch.triton_fused_moe`
 -> `align.align_routing` groups the (token, k) pairs by expert on the device -> the kernels under
 `_details/` run the two grouped GEMMs (`gemm`, with the K-loop in `matmul`), the FP8 activation
-quantization (`quant`) and the fixed-order sums (`reduce`). `route` is the one-launch routing
-(softmax methods and DeepSeek-V3's grouped sigmoid).
+quantization (`quant`) and the fixed-order sums (`reduce`, launched by `sum_k`). A config whose
+`engine` is `MatmulEngine.WGMMA_FP8` (block-128 W8A8 prefill on sm_90) runs `wgmma_fp8.wgmma_fp8_moe`
+instead: Gluon GEMMs under `_details/wgmma_fp8*`. `route` is the one-launch routing (softmax methods and
+DeepSeek-V3's grouped sigmoid).
 """
 
-from moekit.kernels.triton.config import TRITON_CAPABILITIES, TritonMoEConfig, triton_supports
+from moekit.kernels.triton.config import TRITON_CAPABILITIES, MatmulEngine, TritonMoEConfig, triton_supports
 from moekit.kernels.triton.launch import triton_fused_moe, workspace_bytes
 from moekit.kernels.triton.tuning import default_config
 
 __all__ = [
     "TRITON_CAPABILITIES",
+    "MatmulEngine",
     "TritonMoEConfig",
     "default_config",
     "triton_fused_moe",
