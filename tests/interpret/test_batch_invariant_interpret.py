@@ -2,7 +2,7 @@
 
 Data flow: a tiny random layer (fp32 and fp16 activations: the interpreter's bf16 arithmetic is broken)
 -> `FusedMoE(options=PlanOptions(batch_invariant=True))` with the Triton kernel registered for the CPU
--> one fixed token alone, then at the first, middle and last position of batches of T = 7, 64, 150 other
+-> one fixed token alone, then at the first, middle and last position of batches of T = 7, 40, 130 other
 random tokens (router, routing, both GEMMs, the top-k sum) -> its output row bitwise equal every time.
 
 The interpreter computes `tl.dot` with numpy's matmul, whose BLAS gives a row different last bits by its
@@ -107,7 +107,7 @@ def test_a_tokens_output_is_bitwise_the_same_at_every_t_and_position(name: str, 
     with torch.no_grad():
         alone = moe(token)[0]
         assert torch.isfinite(alone).all() and alone.abs().max() > 0
-        for num_tokens in (7, 64, 150):
+        for num_tokens in (7, 40, 130):  # buckets 8, 64 and 256
             others = torch.randn(num_tokens, spec.H, generator=gen).to(spec.act_dtype)
             for pos in (0, num_tokens // 2, num_tokens - 1):
                 batch = others.clone()

@@ -43,7 +43,7 @@ def _torch_route(logits, top_k, spec, bias=None):
     [
         (1, 128, 4, torch.bfloat16),
         (37, 6, 2, torch.float32),
-        (130, 100, 8, torch.float16),
+        (34, 100, 8, torch.float16),  # more tokens than a warp has lanes, a program each
         (5, 3, 3, torch.float32),
     ],
 )
@@ -135,7 +135,7 @@ def _grouped(n_group=None, topk_group=None, bias=False, scaling=1.0):
 
 GROUPED = {
     # name: (spec, T, E, K, why)
-    "deepseek-v3": (_grouped(8, 4, True, 2.5), 70, 256, 8, "8 groups of 32, 4 kept, bias, scaled"),
+    "deepseek-v3": (_grouped(8, 4, True, 2.5), 19, 256, 8, "8 groups of 32, 4 kept, bias, scaled"),
     "no-groups": (_grouped(bias=True), 33, 64, 6, "n_group None: top K over every expert"),
     "one-a-group": (_grouped(16, 5, False), 20, 16, 3, "groups of one expert: the group score is that one"),
     "ragged": (_grouped(4, 2, True), 41, 60, 4, "E = 60, not a power of two; groups of 15"),
