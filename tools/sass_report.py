@@ -94,6 +94,7 @@ def compile_gemm(
         BLOCK_K=block[2],
         GROUP_M=1,
         SPLIT_K=split_k,
+        PDL=True,  # as launched on Hopper (`moekit.kernels.triton.pdl.pdl_args`)
     )
     if gemm == 1:
         values.update(TOP_K=4, INTERLEAVED=True, ROUTE_ON_INPUT=False, ACTIVATION=3, ALPHA=1.702)

@@ -194,7 +194,7 @@ routing = preset("deepseek-v3").routing
 pointers = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
 launch = dict(pointers=pointers, warps=WARPS_A_PROGRAM, stages=1, floats=("scaling",),
               unaligned=("num_tokens", "stride_lt"))
-common = dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_K=8, BLOCK_E=256, BLOCK_T=TOKENS_A_PROGRAM)
+common = dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_K=8, BLOCK_E=256, BLOCK_T=TOKENS_A_PROGRAM, PDL=True)
 grouped = sass_report.compile_for_hopper(
     route._route_sigmoid_grouped, values=dict(common, N_GROUP=routing.n_group, TOPK_GROUP=routing.topk_group,
     BLOCK_G=routing.n_group), **launch)
@@ -202,7 +202,7 @@ softmax = {}
 for e, k, first in ((128, 4, False), (128, 8, True), (MAX_EXPERTS, 8, True)):  # gpt-oss, Qwen3, the widest
     softmax[f"E={e} K={k}"] = sass_report.kernel_facts(sass_report.compile_for_hopper(
         route._route_softmax, values=dict(NUM_EXPERTS=e, TOP_K=k, BLOCK_K=k, BLOCK_E=e,
-        BLOCK_T=TOKENS_A_PROGRAM, SOFTMAX_FIRST=first, RENORMALIZE=True), **launch))
+        BLOCK_T=TOKENS_A_PROGRAM, SOFTMAX_FIRST=first, RENORMALIZE=True, PDL=True), **launch))
 print(json.dumps(dict(grouped=sass_report.kernel_facts(grouped), softmax=softmax)))
 """
 

@@ -38,6 +38,7 @@ import torch
 import triton
 from moekit.errors import ShapeError
 from moekit.kernels.triton._details import align as _jit_align
+from moekit.kernels.triton.pdl import pdl_args
 
 # One program sorts at most this many pairs (bitonic sort in registers); larger batches are chunked.
 ONE_PROGRAM_MAX_PAIRS = 1024
@@ -149,6 +150,7 @@ def _align_chunked(
     ids = ids if ids.is_contiguous() else ids.contiguous()
     num_warps = 8 if sub * block_e > 4096 else 4
     _jit_align._align_count[(num_chunks,)](
+        **pdl_args(device),
         ids_ptr=ids,  # int32 [T, K] = [P]
         pair_expert_ptr=out["pair_expert"],  # int32 [P]
         rank_ptr=rank,  # int32 [P]
@@ -161,6 +163,7 @@ def _align_chunked(
         num_warps=num_warps,
     )
     _jit_align._align_finish[(1,)](
+        **pdl_args(device),
         chunk_counts_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E], counts -> first ranks
         sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * BLOCK_M]
         num_blocks_ptr=out["num_valid_blocks"],  # int32 [1]
@@ -176,6 +179,7 @@ def _align_chunked(
         num_warps=num_warps,
     )
     _jit_align._align_scatter[(num_chunks,)](
+        **pdl_args(device),
         pair_expert_ptr=out["pair_expert"],  # int32 [P]
         rank_ptr=rank,  # int32 [P]
         chunk_first_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E]
@@ -206,6 +210,7 @@ def _align_one_program(
     seg_start = torch.empty(e_local + 1, dtype=torch.int32, device=device)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     _jit_align._align_pairs[(1,)](
+        **pdl_args(device),
         ids_ptr=ids,  # int32 [T, K] = [P]
         pair_expert_ptr=out["pair_expert"],  # int32 [P]
         sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * block_m]
@@ -312,6 +317,7 @@ def split_tail_blocks(
     num_big = torch.empty(1, dtype=torch.int32, device=device)
     num_tail = torch.empty(1, dtype=torch.int32, device=device)
     _jit_align._split_tail_blocks[(1,)](
+        **pdl_args(device),
         expert_offsets_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
         expert_counts_ptr=aligned.expert_counts,  # int32 [E_local]
         big_start_ptr=big_start,
@@ -373,6 +379,7 @@ def pair_rows(aligned: AlignedRouting) -> torch.Tensor:
     rows = torch.empty(aligned.num_pairs, dtype=torch.int32, device=aligned.sorted_pair_ids.device)
     if aligned.max_blocks > 0:
         _jit_align._pair_rows[(aligned.max_blocks,)](
+            **pdl_args(aligned.sorted_pair_ids.device),
             sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [max_blocks * block_m]
             num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
             pair_rows_ptr=rows,  # int32 [T*K]

@@ -28,6 +28,7 @@ from moekit.kernels.triton._details.quant import _quant_fp8_groups, _quant_fp8_r
 from moekit.kernels.triton._details.reduce import _moe_gemm1_splits
 from moekit.kernels.triton.align import BlockList, align_routing, split_tail_blocks
 from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig, triton_supports
+from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.sum_k import sum_shares
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_moe
 from moekit.routing import RoutingResult
@@ -256,6 +257,7 @@ def _quantize_rows(
     if per_group:  # a program quantizes up to 8 adjacent groups of a row (1024 values, 8 a thread)
         groups_per_program = min(8, triton.next_power_of_2(groups))
         _quant_fp8_groups[(rows, triton.cdiv(groups, groups_per_program))](
+            **pdl_args(src.device),
             src_ptr=src,  # [R, C]
             row_mult_ptr=row_mult,  # fp32 [R] or None
             dst_ptr=data,  # fp8 [R, C]
@@ -269,6 +271,7 @@ def _quantize_rows(
         )
         return data, scale
     _quant_fp8_rows[(rows,)](
+        **pdl_args(src.device),
         src_ptr=src,  # [R, C]
         row_mult_ptr=row_mult,  # fp32 [R] or None
         dst_ptr=data,  # fp8 [R, C]
@@ -398,6 +401,7 @@ def triton_fused_moe(
     )
     for blocks in block_lists:
         _moe_gemm1[(blocks.max_blocks * triton.cdiv(spec.I, cfg.block_n), splits)](
+            **pdl_args(x.device),
             x_ptr=x,  # [T, H] act dtype or fp8
             x_scale_ptr=x_scale,  # fp32 [T, G] or None
             route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
@@ -422,6 +426,7 @@ def triton_fused_moe(
     if split:
         block_fin = min(1024, triton.next_power_of_2(spec.I))
         _moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
+            **pdl_args(x.device),
             part_ptr=part1,  # fp32 [S, T*K, 2I]
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
             b_ptr=w13.bias,  # [E_local, 2I] or None
@@ -449,6 +454,7 @@ def triton_fused_moe(
     block_n2 = cfg.block_n_gemm2
     for blocks in block_lists:
         _moe_gemm2[(blocks.max_blocks * triton.cdiv(spec.H, block_n2), splits)](
+            **pdl_args(x.device),
             h_ptr=h,  # [T*K, I] act dtype or fp8
             h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
             route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]

@@ -17,6 +17,7 @@ import torch
 
 import triton
 from moekit.kernels.triton._details import route as _jit_route
+from moekit.kernels.triton.pdl import pdl_args
 from moekit.spec import RoutingMethod, RoutingSpec
 
 # One warp holds a token's E scores, E / 32 a thread. At E = 1024 the sm_90 code of the softmax routes
@@ -60,6 +61,7 @@ def _launch(
         return weights, ids
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     kernel[(triton.cdiv(num_tokens, TOKENS_A_PROGRAM),)](
+        **pdl_args(logits.device),
         logits_ptr=logits,  # [T, E]
         weights_ptr=weights,  # fp32 [T, K]
         ids_ptr=ids,  # int32 [T, K]

@@ -11,6 +11,7 @@ import torch
 import triton
 from moekit.kernels.triton._details.reduce import _moe_sum_k
 from moekit.kernels.triton.align import AlignedRouting
+from moekit.kernels.triton.pdl import pdl_args
 from moekit.spec import MoESpec
 
 
@@ -44,6 +45,7 @@ def sum_shares(
     fp32 shares, finished here with the bias and router weight (`finish`)."""
     block_h = min(1024, triton.next_power_of_2(spec.H))
     _moe_sum_k[(out.shape[0], triton.cdiv(spec.H, block_h))](
+        **pdl_args(out.device),
         y_ptr=shares,  # [S, T*K, H]: GEMM2's raw fp32 shares, or its finished rows
         pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
         b_ptr=bias,  # [E_local, H] or None

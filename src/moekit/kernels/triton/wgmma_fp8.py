@@ -28,6 +28,7 @@ from moekit.kernels.triton.align import (
     pair_rows,
     split_tail_blocks,
 )
+from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.sum_k import sum_top_k
 from moekit.routing import RoutingResult
 from moekit.spec import Activation, ActivationQuant, Fp8Scale, GateLayout, MoESpec, RouterWeightPlacement
@@ -204,6 +205,7 @@ def _sorted_fp8_rows(
     groups = spec.H // TILE_K
     groups_per_program = min(8, triton.next_power_of_2(groups))
     _quant_fp8_groups_sorted[(x.shape[0], triton.cdiv(groups, groups_per_program))](
+        **pdl_args(x.device),
         src_ptr=x,  # [T, H]
         pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
         pair_rows_ptr=pair_rows(aligned),  # int32 [T*K]

@@ -14,6 +14,7 @@ metadata the GEMMs read. Two ways to the same result:
 
 import triton
 import triton.language as tl
+from moekit.kernels.triton._details.pdl import _pdl_prologue
 
 
 @triton.jit
@@ -49,12 +50,14 @@ def _align_pairs(
     BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
     MAX_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """align.py's routing preparation in one program (P <= BLOCK_P): one launch instead of ~15 torch ops.
 
     histogram -> padded counts -> cumsum (offsets) -> bitonic sort of (expert, pair) keys -> each sorted
     pair's row = its expert's padded start + its rank. MAX_BLOCKS is a constexpr bound of max_blocks.
     """
+    _pdl_prologue(PDL)
     p = tl.arange(0, BLOCK_P)
     in_p = p < num_pairs
     local, valid = _local_expert(ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL, HAS_MAP)
@@ -105,7 +108,9 @@ def _align_count(
     SUB: tl.constexpr,  # pairs per one-hot step; a chunk is N_SUB steps
     N_SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
+    _pdl_prologue(PDL)
     chunk = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     seen = tl.zeros([BLOCK_E], dtype=tl.int32)  # the chunk's pairs of each expert so far
@@ -136,7 +141,9 @@ def _align_finish(
     TILE: tl.constexpr,  # chunks and padding rows per step
     CHUNKS_BOUND: tl.constexpr,  # power of two >= num_chunks (constexpr trip counts: the interpreter
     # cannot loop to a runtime bound, and it compiles once per power of two)
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
+    _pdl_prologue(PDL)
     e = tl.arange(0, BLOCK_E)
     is_expert = e < NUM_LOCAL
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -177,7 +184,9 @@ def _align_scatter(
     BLOCK_E: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,  # program c also owns blocks [c, c + 1) * BLOCKS_PER_PROGRAM
     BLOCK_TILE: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
+    _pdl_prologue(PDL)
     chunk = tl.program_id(0)
     for step in range(N_SUB):
         p = (chunk * N_SUB + step) * SUB + tl.arange(0, SUB)
@@ -217,9 +226,11 @@ def _split_tail_blocks(
     TAIL_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BIG_BOUND: tl.constexpr,  # power of two >= max_big (constexpr trip count, as `_align_finish`)
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """One program. Expert e's nb = ceil(count / TAIL_M) blocks of an alignment at TAIL_M rows become
     nb // 2 blocks of 2 * TAIL_M rows and, when nb is odd, one tail block of TAIL_M rows: its last."""
+    _pdl_prologue(PDL)
     TILE: tl.constexpr = BIG_BOUND if BIG_BOUND < 64 else 64  # big blocks placed per step
     e = tl.arange(0, BLOCK_E)
     is_expert = e < NUM_LOCAL
@@ -252,8 +263,10 @@ def _pair_rows(
     pair_rows_ptr,  # out int32 [P]: the sorted row of each kept pair (dropped pairs are not written)
     num_pairs,
     BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """The inverse of `sorted_pair_ids` over the valid M-blocks: one program per block."""
+    _pdl_prologue(PDL)
     block = tl.program_id(0)
     if block >= tl.load(num_blocks_ptr):
         return

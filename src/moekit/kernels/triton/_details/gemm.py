@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from moekit.kernels.triton._details.activation import _gated_activation
 from moekit.kernels.triton._details.matmul import _expert_matmul
+from moekit.kernels.triton._details.pdl import _pdl_prologue
 from moekit.kernels.triton._details.quant import _fp8_group_codes
 
 
@@ -119,6 +120,7 @@ def _moe_gemm1(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """h[p, n0:n0+BLOCK_N] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block.
 
@@ -127,6 +129,7 @@ def _moe_gemm1(
     (., s) sums only the s-th share of H and stores the raw sums to `part_ptr`; `_moe_gemm1_splits`
     adds the shares in order and finishes (bias, activation) instead.
     """
+    _pdl_prologue(PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(INTER_SIZE, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return  # the grid is a host-side upper bound; the true block count stays on the device
@@ -254,9 +257,11 @@ def _moe_gemm2(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """y[p, n0:n0+BLOCK_N] = w[p] * (h[p] @ w2[e]^T + b2[e]) for the pairs of one M-block; with
     SPLIT_K > 1, the raw sums of the s-th share of I to `part_ptr` (`_moe_sum_k` finishes)."""
+    _pdl_prologue(PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return

@@ -8,6 +8,7 @@ group in its own epilogue when its tile is whole groups (`_fp8_group_codes`).
 
 import triton
 import triton.language as tl
+from moekit.kernels.triton._details.pdl import _pdl_prologue
 
 _FP8_MAX = tl.constexpr(448.0)
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # moekit.formats.fp8's floor for amax / 448
@@ -41,8 +42,10 @@ def _quant_fp8_rows(
     stride_scale,
     HAS_ROW_MULT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """One program per row (per token): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
+    _pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mult = 1.0
@@ -81,10 +84,12 @@ def _quant_fp8_groups(
     stride_scale,
     HAS_ROW_MULT: tl.constexpr,
     GROUPS: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """Per 1x128 group, as `_quant_fp8_rows` per token: program (row, g) quantizes the row's groups
     g * GROUPS onward as one [GROUPS, 128] tile, loaded once (a program per group moves 128 values, one
     a thread: too little work to keep HBM busy)."""
+    _pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -110,10 +115,12 @@ def _quant_fp8_groups_sorted(
     stride_scale,
     TOP_K: tl.constexpr,
     GROUPS: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """`_quant_fp8_groups` of token t (program (t, g)), stored into the sorted row of each of its kept
     pairs: the grouped GEMM then reads its rows whole (TMA), and each token is read and quantized once.
     Padding rows are not written: a row's products never reach another row, and no kernel stores them."""
+    _pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]

@@ -10,6 +10,7 @@ Data flow:
 import triton
 import triton.language as tl
 from moekit.kernels.triton._details.activation import _gated_activation
+from moekit.kernels.triton._details.pdl import _pdl_prologue
 
 
 @triton.jit
@@ -33,9 +34,11 @@ def _moe_gemm1_splits(
     HAS_LIMIT: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """h[p, cols] = act(sum over s = 0..SPLIT_K-1, in that order, of the GEMM1 shares (+ b13)): the
     epilogue `_moe_gemm1` applies when it sums all of H itself."""
+    _pdl_prologue(PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(pair_expert_ptr + p).to(tl.int64)
     if expert < 0:
@@ -81,10 +84,12 @@ def _moe_sum_k(
     HAS_BIAS: tl.constexpr,
     ROUTE_ON_OUTPUT: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """out[t] = sum over k = 0..K-1, in that order, of y[p] (+ b2[e]) (times w[p]) for p = t*K + k, where
     y[p] sums the SHARES rows of p in order; dropped pairs add zero. One share of finished rows (GEMM2
     added b2 and the router weight) or, split-K, GEMM2's raw fp32 shares with its epilogue here."""
+    _pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < HIDDEN

@@ -12,6 +12,7 @@ contract for logits that were not checked, `moekit.routing`).
 
 import triton
 import triton.language as tl
+from moekit.kernels.triton._details.pdl import _pdl_prologue
 
 _INT_MIN = tl.constexpr(-(2**31))
 _INT_MAX = tl.constexpr(2**31 - 1)
@@ -121,7 +122,9 @@ def _route_softmax(
     RENORMALIZE: tl.constexpr,  # SOFTMAX_TOPK's optional renormalization over the K selected
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
+    _pdl_prologue(PDL)
     rows, e, experts, score, poisoned = _load_scores(
         logits_ptr, num_tokens, stride_lt, NUM_EXPERTS, BLOCK_T, BLOCK_E
     )
@@ -155,10 +158,12 @@ def _route_sigmoid_grouped(
     BLOCK_G: tl.constexpr,  # next power of two >= N_GROUP
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """DeepSeek-V3's routing as `moekit.routing._sigmoid_grouped` computes it: choose on sigmoid + bias,
     only among the experts of the TOPK_GROUP groups whose best two choices sum highest (the others at
     -inf, as the torch twin masks them), then weigh by the unbiased sigmoid, renormalized over the K."""
+    _pdl_prologue(PDL)
     rows, e, experts, logit, poisoned = _load_scores(
         logits_ptr, num_tokens, stride_lt, NUM_EXPERTS, BLOCK_T, BLOCK_E
     )
