@@ -65,37 +65,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def shipped_word_tiles() -> list[dict]:
-    """`sass_report.properties` and the hazard simulation of every shipped MXFP4 word-path tile."""
-    tiles = _compiled_json(["-c", _SHIPPED_WORD_TILES])
-    assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
-    return tiles
-
-
 def _failing(tiles: list[dict], ok) -> list[str]:
     return [f"{dict(zip(FIELDS, t['tile'], strict=True))}: {t}" for t in tiles if not ok(t)]
-
-
-def test_no_shipped_word_tile_spills(shipped_word_tiles):
-    """Spills put local-memory traffic inside the K-loop of a path whose pace the decode sets."""
-    bad = _failing(shipped_word_tiles, lambda t: t["local_bytes"] == 0 and t["local_memory_ops"] == 0)
-    assert not bad, "\n".join(bad)
-
-
-def test_shipped_word_tiles_feed_wgmma_from_registers(shipped_word_tiles):
-    """The word decode writes the wgmma's A fragment straight into registers: every K-loop wgmma reads
-    A from registers, none from shared memory (which would mean a round trip through it)."""
-    bad = _failing(shipped_word_tiles, lambda t: t["register_a_wgmma"] > 0 and t["shared_a_wgmma"] == 0)
-    assert not bad, "\n".join(bad)
-
-
-def test_no_shipped_word_tile_overwrites_registers_an_mma_still_reads(shipped_word_tiles):
-    """`wgmma_hazard.py` finds no write to an A register of a wgmma that may still be in flight
-    (Triton 3.6's pipelined waits allowed them; `_details.matmul._wait_for_mma` completes each
-    K-step's MMAs first, without which the word path gave wrong results on an H200)."""
-    bad = _failing(shipped_word_tiles, lambda t: t["hazard_writes"] == 0)
-    assert not bad, "\n".join(bad)
 
 
 # Instructions a K-step may spend per bf16 pair each thread decodes. Decoding a pair takes about three
@@ -106,11 +77,30 @@ def test_no_shipped_word_tile_overwrites_registers_an_mma_still_reads(shipped_wo
 # room to schedule differently.
 MAX_INSTRUCTIONS_PER_DECODED_PAIR = 10
 
+# What every shipped MXFP4 word-path tile must keep, each with why.
+WORD_TILE_PROPERTIES = {
+    # Spills put local-memory traffic inside the K-loop of a path whose pace the decode sets.
+    "no spills": lambda t: t["local_bytes"] == 0 and t["local_memory_ops"] == 0,
+    # The word decode writes the wgmma's A fragment straight into registers: every K-loop wgmma reads
+    # A from registers, none from shared memory (which would mean a round trip through it).
+    "wgmma A from registers": lambda t: t["register_a_wgmma"] > 0 and t["shared_a_wgmma"] == 0,
+    # `wgmma_hazard.py` finds no write to an A register of a wgmma that may still be in flight (Triton
+    # 3.6's pipelined waits allowed them; `_details.matmul._wait_for_mma` completes each K-step's MMAs
+    # first, without which the word path gave wrong results on an H200).
+    "no write to an in-flight MMA's registers": lambda t: t["hazard_writes"] == 0,
+    "K-loop decode-bound": lambda t: t["loop_instructions"] <= MAX_INSTRUCTIONS_PER_DECODED_PAIR * t["pairs"],
+}
 
-def test_shipped_word_tiles_k_loop_stays_decode_bound(shipped_word_tiles):
-    limit = MAX_INSTRUCTIONS_PER_DECODED_PAIR
-    bad = _failing(shipped_word_tiles, lambda t: t["loop_instructions"] <= limit * t["pairs"])
-    assert not bad, "\n".join(bad)
+
+def test_shipped_word_tiles_keep_their_hopper_properties():
+    """Every property of `WORD_TILE_PROPERTIES` on every shipped tile, from one compile of them all (one
+    test, so that one worker compiles the 20-odd kernels once instead of each worker again)."""
+    tiles = _compiled_json(["-c", _SHIPPED_WORD_TILES])
+    assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
+    failures = {name: _failing(tiles, ok) for name, ok in WORD_TILE_PROPERTIES.items()}
+    assert not any(failures.values()), "\n".join(
+        f"{name}: {bad}" for name, bads in failures.items() for bad in bads
+    )
 
 
 def test_hazard_simulation_finds_the_writes_without_the_wait(tmp_path):

@@ -492,11 +492,11 @@ FORMATS = [
     (WeightFormat.MXFP4, None, ActivationQuant.FP8_PER_GROUP_128, torch.float16, "W4A8 groups fp16"),
 ]
 # Per format: one row per layout, alternating activation/limit/bias/placement so that every format meets
-# clamped and unclamped, biased and unbiased, INPUT and OUTPUT placement. H=200 / I=136 (ragged against
+# clamped and unclamped, biased and unbiased, INPUT and OUTPUT placement. H=144 / I=136 (ragged against
 # 32, 64 and 128) in the second row.
 FORMAT_VARIANTS = [
     dict(layout=GateLayout.CONCAT, act=ActivationSpec(Activation.SILU, limit=0.75), bias=False, k=2),
-    dict(layout=GateLayout.INTERLEAVED, act=ActivationSpec.gpt_oss(), bias=True, h=200, i=136, k=3),
+    dict(layout=GateLayout.INTERLEAVED, act=ActivationSpec.gpt_oss(), bias=True, h=144, i=136, k=3),
     dict(
         layout=GateLayout.INTERLEAVED,
         act=ActivationSpec(Activation.GELU_TANH),
@@ -524,7 +524,7 @@ def test_every_format_swap_ab(fmt, scale, quant, dtype, why, variant):
 @pytest.mark.parametrize(("fmt", "scale", "quant", "dtype", "why"), FORMATS, ids=[f[-1] for f in FORMATS])
 @pytest.mark.parametrize("swap", [False, True], ids=["tokens-first", "swap-ab"])
 def test_every_format_with_gemm2_on_its_own_tile(fmt, scale, quant, dtype, why, swap):
-    """GEMM2 on a wider N tile than GEMM1 (H = 200: 64 + 64 + 64 + 8 rows, the last tile ragged)."""
+    """GEMM2 on a wider N tile than GEMM1 (H = 144: 64 + 64 + 16 rows, the last tile ragged)."""
     spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, **FORMAT_VARIANTS[1])
     base = TINY_SWAP if swap else TINY
     config = replace(base, gemm2_block_n=64)
@@ -622,7 +622,7 @@ W4A8_QUANTS = [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128]
 def test_w4a8_folds_groups_into_wider_k_steps(quant, block_k, base):
     """W4A8 with 2 or 4 MX groups a K-step, each group's scale folded into its FP8 codes relative to the
     step's largest: exact (fp32) on weights whose neighbouring groups lie within 8 binades; per token and
-    per 1x128 group; ragged H and I (200, 136), so steps straddle the end of each row."""
+    per 1x128 group; ragged H and I (144, 136), so steps straddle the end of each row."""
     spec = _spec(fmt=WeightFormat.MXFP4, quant=quant, dtype=torch.float32, **FORMAT_VARIANTS[1])
     _check_layer(spec, t=5, seed=50 + block_k, config=replace(base, block_k=block_k))
 
@@ -651,7 +651,7 @@ def test_w4a8_group_far_below_its_step_rounds_within_its_bound():
 SPLITS = [
     # (split_k, format row of FORMATS, variant of FORMAT_VARIANTS, T, why)
     (2, 0, 0, 5, "fp16: H = 64 in two shares of 2 steps, I = 48 in 1 + 1 steps (the last ragged)"),
-    (3, 3, 1, 9, "MXFP4 W4A16, H = 200: 7 steps in shares of 3, 3, 1; the last step past H adds zero"),
+    (3, 3, 1, 9, "MXFP4 W4A16, H = 144: 5 steps in shares of 2, 2, 1; the slot past H adds zero"),
     (2, 11, 1, 4, "DeepSeek-V3 W8A8: block scales and 1x128 activation scales inside each share"),
     (4, 6, 2, 3, "W8A16 per channel, K = 1 with INPUT placement: finishing kernels apply the router weight"),
     (5, 1, 0, 2, "more shares than steps: shares past K are empty and add zero"),
