@@ -355,8 +355,10 @@ def triton_fused_moe(
     mx_native = p.w_format == codes.WFMT_MXFP4.value and spec.act_dtype == torch.bfloat16
     mx_native = mx_native and x.device.type == "cuda" and not p.a_quant  # W4A8 has its own FP8 decode
 
+    pdl = pdl_args(x.device)  # every launch below, the split-K finish included
     # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles but N.
     shared = dict(
+        **pdl,
         sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [aligned.max_blocks * aligned.block_m]
         num_pairs=num_pairs,
         HIDDEN=spec.H,
@@ -401,7 +403,6 @@ def triton_fused_moe(
     )
     for blocks in block_lists:
         _moe_gemm1[(blocks.max_blocks * triton.cdiv(spec.I, cfg.block_n), splits)](
-            **pdl_args(x.device),
             x_ptr=x,  # [T, H] act dtype or fp8
             x_scale_ptr=x_scale,  # fp32 [T, G] or None
             route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
@@ -426,7 +427,7 @@ def triton_fused_moe(
     if split:
         block_fin = min(1024, triton.next_power_of_2(spec.I))
         _moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
-            **pdl_args(x.device),
+            **pdl,
             part_ptr=part1,  # fp32 [S, T*K, 2I]
             pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
             b_ptr=w13.bias,  # [E_local, 2I] or None
@@ -454,7 +455,6 @@ def triton_fused_moe(
     block_n2 = cfg.block_n_gemm2
     for blocks in block_lists:
         _moe_gemm2[(blocks.max_blocks * triton.cdiv(spec.H, block_n2), splits)](
-            **pdl_args(x.device),
             h_ptr=h,  # [T*K, I] act dtype or fp8
             h_scale_ptr=h_scale,  # fp32 [T*K, G] or None
             route_w_ptr=route_w if p.route_on_output else None,  # fp32 [T*K]

@@ -310,7 +310,7 @@ def tuning_space(
         grid += [
             replace(c, max_registers=168)
             for c in grid
-            if c.block_m == 64 and c.num_warps == 4 and c.split_k == 1 and c.max_registers is None
+            if c.block_m == 64 and c.num_warps == 4 and c.split_k == 1
         ]
     if per_expert > 32:
         # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b

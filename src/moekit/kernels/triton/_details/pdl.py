@@ -10,7 +10,7 @@ anything else, a kernel's completion still implies its predecessor's, as the ker
 No kernel calls `griddepcontrol.launch_dependents` (a program's exit is the trigger): with it at each
 kernel's start, the next kernels launched while this one ran and their programs waited in the slots it
 left free. On an H200 that won Qwen3-30B 1 - 7 % at T = 1 - 16 but lost gpt-oss-120b 8 - 10 % at
-T = 1 - 2 (44.5 -> 48.3 us: its one-wave split-K decode chain), where the exit trigger is 0.3 - 1.5 %
+T = 1 - 2 (44.5 -> 48.3 us: its one-wave split-K decode chain), where the exit trigger is 0 - 1.6 %
 ahead of no PDL for both.
 """
 
