@@ -302,16 +302,6 @@ def tuning_space(
     if hopper and spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
         # The WGMMA_FP8 engine's free knobs (it refuses specs it cannot compute: dropped below).
         grid += [replace(WGMMA_FP8_DEFAULT, group_m=g, num_stages=st) for g in (1, 8) for st in (3, 4)]
-    if mxfp4 and 8 < per_expert <= 128:
-        # Mid range: 64-row MXFP4 word tiles hold 210 - 240 registers, two 4-warp programs an SM, each
-        # waiting for its wgmma before the next decode (ncu on an H200: 0.43 instructions issued a
-        # scheduler-cycle at T = 1024). Capped at 168 they compile for sm_90 without spilling (8 - 10 %
-        # more instructions a K-step) and three programs fit an SM.
-        grid += [
-            replace(c, max_registers=168)
-            for c in grid
-            if c.block_m == 64 and c.num_warps == 4 and c.split_k == 1
-        ]
     if per_expert > 32:
         # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
         # at T = 2048 - 16384 on an H200.
@@ -320,6 +310,9 @@ def tuning_space(
             for c in grid
             if c.block_m >= 64 and c.split_k == 1 and c.engine is MatmulEngine.TL_DOT
         ]
+    # Mid-range 64-row 4-warp MXFP4 word tiles hold 210 - 240 registers (two programs an SM); capped at
+    # 168 (three an SM, no spill) they were 4 - 17 % slower for gpt-oss-120b at T = 1024 / 2048 and
+    # gpt-oss-20b at T = 512 on an H200: not swept.
     # 64 weight rows x 256 tokens (wgmma m64n256; block_m 256, block_n 32, GEMM2 64) decodes half the weights
     # per FLOP of 128 x 128 but was 5 - 75 % slower for gpt-oss-120b at T = 2048 - 16384 on an H200:
     # not swept.
