@@ -2,8 +2,8 @@
 
 Data flow: a tiny random layer (fp32 and fp16 activations: the interpreter's bf16 arithmetic is broken)
 -> `FusedMoE(options=PlanOptions(batch_invariant=True))` with the Triton kernel registered for the CPU
--> one fixed token alone, then at the first, middle and last position of batches of T = 7, 40, 130 other
-random tokens (router, routing, both GEMMs, the top-k sum) -> its output row bitwise equal every time.
+-> one fixed token alone, then at once at the first, middle and last position of batches of T = 7, 40, 130
+other random tokens (router, routing, both GEMMs, the top-k sum) -> its output row bitwise equal every time.
 
 The interpreter computes `tl.dot` with numpy's matmul, whose BLAS gives a row different last bits by its
 position in the tile (micro-kernel edges: measured on 20 of 32 positions); a GPU's MMA computes every
@@ -108,11 +108,14 @@ def test_a_tokens_output_is_bitwise_the_same_at_every_t_and_position(name: str, 
         alone = moe(token)[0]
         assert torch.isfinite(alone).all() and alone.abs().max() > 0
         for num_tokens in (7, 40, 130):  # buckets 8, 64 and 256
-            others = torch.randn(num_tokens, spec.H, generator=gen).to(spec.act_dtype)
-            for pos in (0, num_tokens // 2, num_tokens - 1):
-                batch = others.clone()
-                batch[pos] = token[0]
-                got = moe(batch)[pos]
+            # The token at the first, a middle and the last position of one batch of other random tokens:
+            # three rows of its experts' M-blocks in one call, each equal to the token alone.
+            batch = torch.randn(num_tokens, spec.H, generator=gen).to(spec.act_dtype)
+            positions = (0, num_tokens // 2, num_tokens - 1)
+            batch[list(positions)] = token[0]
+            out = moe(batch)
+            for pos in positions:
+                got = out[pos]
                 assert torch.equal(got, alone), (num_tokens, pos, (got - alone).abs().max().item())
     configs = {p.config for p in moe.plans.values()}
     assert len(configs) == 1 and len(moe.plans) == 4  # buckets 1, 8, 64, 256: one config
