@@ -250,6 +250,8 @@ def tuning_space(
             (128, 128, 64, 8, 8, 4),
             (128, 128, 64, 8, 8, 3),
         ]
+        # 128 x 128 on 4 warps (GEMM1's 128 x 256 accumulator in one warpgroup) ran 3.5 - 4.3x slower than
+        # on 8 warps for bf16 Qwen3-30B (T = 4096, 16384) and Mixtral (T = 4096) on an H200: not swept.
         # 8-warp MXFP4 tiles (block_m 256, block_n / block_k 128) were 2 - 13 % slower at T >= 2048 on an
         # H200 (before the word path refused them, `reason_unusable`): not swept.
         if mxfp4:  # 64 rows of w13 a tile: a third the registers, three programs an SM instead of two
