@@ -31,6 +31,7 @@ from moekit import (  # noqa: E402
     Activation,
     ActivationQuant,
     ActivationSpec,
+    DTypeError,
     ExpertWeights,
     Fp8Scale,
     GateLayout,
@@ -55,8 +56,10 @@ from moekit.kernels.triton.align import (  # noqa: E402
     AlignMethod,
     align_routing,
     max_blocks_bound,
+    one_block_per_pair,
     pair_rows,
     split_tail_blocks,
+    takes_one_block_per_pair,
 )
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
 from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
@@ -195,6 +198,20 @@ def _check_layer(
 # ---------------------------------------------------------------------------------------------------------
 # routing metadata (torch only)
 # ---------------------------------------------------------------------------------------------------------
+def test_one_block_per_pair_only_for_few_pairs_on_local_experts():
+    assert takes_one_block_per_pair(num_pairs=4, num_local_experts=128, has_expert_map=False)  # gpt-oss T=1
+    assert takes_one_block_per_pair(num_pairs=32, num_local_experts=128, has_expert_map=False)
+    assert not takes_one_block_per_pair(num_pairs=33, num_local_experts=128, has_expert_map=False)
+    assert not takes_one_block_per_pair(num_pairs=4, num_local_experts=128, has_expert_map=True)
+    assert not takes_one_block_per_pair(num_pairs=0, num_local_experts=128, has_expert_map=False)
+    ids = torch.tensor([[7, 2], [7, 0]], dtype=torch.int32)
+    blocks = one_block_per_pair(ids, block_m=16)
+    assert blocks.block_expert.tolist() == [7, 2, 7, 0] and blocks.max_blocks == 4
+    assert blocks.block_start is None and blocks.num_valid_blocks is None and blocks.block_m == 16
+    with pytest.raises(DTypeError, match="int32"):
+        one_block_per_pair(ids.long(), block_m=16)
+
+
 ALIGN_CASES = [
     # (T, K, E, E_local, block_m, why)
     (1, 1, 4, None, 16, "a single pair"),
@@ -682,6 +699,40 @@ def test_split_k_with_an_expert_map_drops_other_ranks():
     spec = _spec(e=8, e_local=4, k=2)
     expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
     _check_layer(spec, t=11, expert_map=expert_map, seed=60, config=replace(TINY, split_k=2))
+
+
+GPT_OSS_K2 = dict(layout=GateLayout.INTERLEAVED, act=ActivationSpec.gpt_oss(), bias=True, h=144, i=136)
+ONE_BLOCK_PER_PAIR = [
+    # (format row of FORMATS, spec variant, config, why)
+    (0, FORMAT_VARIANTS[0], TINY, "fp16"),
+    (4, GPT_OSS_K2, TINY, "MXFP4 W4A16, SwiGLU with clamp, interleaved rows, biases"),
+    (11, FORMAT_VARIANTS[0], TINY, "DeepSeek-V3 W8A8: activations quantized per row of the unsorted pairs"),
+    (
+        4,
+        GPT_OSS_K2,
+        replace(TINY, split_k=2),
+        "split-K: the finish kernels read each pair's expert from the ids",
+    ),
+    (0, FORMAT_VARIANTS[0], TINY_SWAP, "weights on the MMA's M side"),
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt_row", "variant", "config", "why"), ONE_BLOCK_PER_PAIR, ids=[c[-1][:24] for c in ONE_BLOCK_PER_PAIR]
+)
+def test_decode_with_few_pairs_launches_no_alignment(fmt_row, variant, config, why, monkeypatch):
+    """Pairs at most E / 4: each pair is its own M-block (`align.one_block_per_pair`), no alignment runs.
+    Tokens 0 and 2 share expert 5 (two blocks of one expert); K = 2 of E = 24, three tokens: 6 pairs."""
+
+    def no_alignment(*args, **kwargs):
+        raise AssertionError("align_routing ran for a decode step of few pairs")
+
+    monkeypatch.setattr(launch, "align_routing", no_alignment)
+    fmt, scale, quant, dtype, _ = FORMATS[fmt_row]
+    spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, e=24, **{**variant, "k": 2})
+    ids = torch.tensor([[5, 11], [0, 23], [5, 3]], dtype=torch.int32)
+    weights = torch.rand(3, 2, generator=torch.Generator().manual_seed(8)) + 0.1
+    _check_layer(spec, t=3, seed=70 + fmt_row, config=config, routing=RoutingResult(weights=weights, ids=ids))
 
 
 SHAPES = [

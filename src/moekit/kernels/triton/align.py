@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 import triton
-from moekit.errors import ShapeError
+from moekit.errors import DTypeError, ShapeError
 from moekit.kernels.triton._details import align as _jit_align
 from moekit.kernels.triton.pdl import pdl_args
 
@@ -289,13 +289,36 @@ class BlockList:
     block_m: int
     block_start: torch.Tensor | None  # int32 [max_blocks]: first sorted row of each block; None: b * block_m
     block_expert: torch.Tensor  # int32 [max_blocks]: local expert of each block (valid ones only)
-    num_valid_blocks: torch.Tensor  # int32 [1]
+    num_valid_blocks: torch.Tensor | None  # int32 [1]; None: every block of the grid holds pairs
     max_blocks: int  # host bound of the valid blocks (the launch grid)
 
     @classmethod
     def of(cls, aligned: AlignedRouting) -> BlockList:
         """The alignment's own blocks."""
         return cls(aligned.block_m, None, aligned.block_expert, aligned.num_valid_blocks, aligned.max_blocks)
+
+
+# One M-block a pair instead of the alignment when the pairs are this many times fewer than the experts:
+# a decode step then launches no alignment at all, and two pairs rarely share an expert (whose weights
+# they would each stream; vLLM's fused MoE takes the same shortcut at the same ratio).
+ONE_BLOCK_PER_PAIR_EXPERTS_PER_PAIR = 4
+
+
+def takes_one_block_per_pair(*, num_pairs: int, num_local_experts: int, has_expert_map: bool) -> bool:
+    """Whether `one_block_per_pair` serves a batch of `num_pairs` pairs: few pairs, every expert local."""
+    return (
+        not has_expert_map
+        and 0 < num_pairs
+        and num_pairs * ONE_BLOCK_PER_PAIR_EXPERTS_PER_PAIR <= num_local_experts
+    )
+
+
+def one_block_per_pair(ids: torch.Tensor, *, block_m: int) -> BlockList:
+    """Pair b = t*K + k alone in M-block b (its first row; the kernels mask the others), expert ids[t, k]:
+    no kernel launch, `ids [T, K]` (int32, contiguous) read as they are. Every expert must be local."""
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise DTypeError(f"one_block_per_pair reads ids as int32 and contiguous, got {ids.dtype}")
+    return BlockList(block_m, None, ids.view(-1), None, ids.numel())
 
 
 def split_tail_blocks(

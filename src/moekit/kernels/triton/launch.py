@@ -4,7 +4,8 @@ Data flow of `triton_fused_moe` (no host sync anywhere, so the whole call can be
   spec -> `_KernelParams` (every spec parameter as a typed constexpr code of `_details.codes`, once
   per spec) and `_check` (the config against the spec; the inputs were checked by the caller,
   `moekit.ops.fused_moe`, before any launch)
-  ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device)
+  ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device); a decode step of
+  few pairs (`align.takes_one_block_per_pair`) skips it: M-block b is pair b alone
   x -> [W8A8: `quant` -> fp8 x + scales] -> `gemm._moe_gemm1` -> h [T*K, I]
     -> [W8A8: `quant` -> fp8 h + scales, unless GEMM1 made them (`fuses_h_quantization`)]
     -> `gemm._moe_gemm2` -> y [T*K, H]
@@ -26,7 +27,13 @@ from moekit.kernels.triton._details import codes
 from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
 from moekit.kernels.triton._details.quant import _quant_fp8_groups, _quant_fp8_rows
 from moekit.kernels.triton._details.reduce import _moe_gemm1_splits
-from moekit.kernels.triton.align import BlockList, align_routing, split_tail_blocks
+from moekit.kernels.triton.align import (
+    BlockList,
+    align_routing,
+    one_block_per_pair,
+    split_tail_blocks,
+    takes_one_block_per_pair,
+)
 from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig, triton_supports
 from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.sum_k import sum_shares
@@ -332,11 +339,21 @@ def triton_fused_moe(
     p = _KernelParams.of(spec)
     cfg = config
     tail = cfg.tail_block_m
-    aligned = align_routing(
-        routing.ids, num_local_experts=spec.E_local, block_m=tail or cfg.block_m, expert_map=expert_map
-    )
-    # One launch of each GEMM per block list: block_m blocks, then (tail) each expert's odd last tail block.
-    block_lists = split_tail_blocks(aligned) if tail else (BlockList.of(aligned),)
+    num_pairs = routing.ids.numel()
+    if not tail and takes_one_block_per_pair(
+        num_pairs=num_pairs, num_local_experts=spec.E_local, has_expert_map=expert_map is not None
+    ):
+        # A decode step with few pairs: one M-block each, no alignment launch.
+        block_lists = (one_block_per_pair(routing.ids.contiguous(), block_m=cfg.block_m),)
+        sorted_pairs, pair_expert = None, block_lists[0].block_expert  # every pair local
+    else:
+        aligned = align_routing(
+            routing.ids, num_local_experts=spec.E_local, block_m=tail or cfg.block_m, expert_map=expert_map
+        )
+        # One launch of each GEMM per block list: block_m blocks, then (tail) each expert's odd last tail
+        # block.
+        block_lists = split_tail_blocks(aligned) if tail else (BlockList.of(aligned),)
+        sorted_pairs, pair_expert = aligned.sorted_pair_ids, aligned.pair_expert
     block_lists = tuple(b for b in block_lists if b.max_blocks > 0)
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -347,7 +364,6 @@ def triton_fused_moe(
         x, x_scale = _quantize_rows(x, quant=quant, row_mult=route_w if p.route_in_quant else None)
     w13 = _WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
     w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
-    num_pairs = aligned.num_pairs
     words = weights.packing is WeightPacking.MXFP4_MMA_WORDS
     w_format = codes.WFMT_MXFP4_WORDS.value if words else p.w_format
     # Compiled bf16 only: tl.dot_scaled and inline PTX have no interpreter implementation, and
@@ -359,7 +375,7 @@ def triton_fused_moe(
     # Arguments both GEMMs take under the same names: routing metadata, format switches, tiles but N.
     shared = dict(
         **pdl,
-        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [aligned.max_blocks * aligned.block_m]
+        sorted_pairs_ptr=sorted_pairs,  # int32 [max_blocks * block_m], or None: block b is pair b
         num_pairs=num_pairs,
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
@@ -429,7 +445,7 @@ def triton_fused_moe(
         _moe_gemm1_splits[(num_pairs, triton.cdiv(spec.I, block_fin))](
             **pdl,
             part_ptr=part1,  # fp32 [S, T*K, 2I]
-            pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
+            pair_expert_ptr=pair_expert,  # int32 [T*K]
             b_ptr=w13.bias,  # [E_local, 2I] or None
             route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
             h_ptr=h,  # [T*K, I]
@@ -476,7 +492,7 @@ def triton_fused_moe(
         shares = part2 if split else y.unsqueeze(0)  # [S, T*K, H]
         sum_shares(
             shares,
-            aligned=aligned,
+            pair_expert=pair_expert,
             out=out,
             spec=spec,
             finish=split,

@@ -10,16 +10,18 @@ import torch
 
 import triton
 from moekit.kernels.triton._details.reduce import _moe_sum_k
-from moekit.kernels.triton.align import AlignedRouting
 from moekit.kernels.triton.pdl import pdl_args
 from moekit.spec import MoESpec
 
 
-def sum_top_k(y: torch.Tensor, *, aligned: AlignedRouting, out: torch.Tensor, spec: MoESpec) -> torch.Tensor:
-    """out[t] = sum_k y[t*K + k] over the pairs computed here (finished rows y [T*K, H]); returns out."""
+def sum_top_k(
+    y: torch.Tensor, *, pair_expert: torch.Tensor, out: torch.Tensor, spec: MoESpec
+) -> torch.Tensor:
+    """out[t] = sum_k y[t*K + k] over the pairs computed here (finished rows y [T*K, H]; `pair_expert`
+    int32 [T*K], -1 for a pair not computed here); returns out."""
     sum_shares(
         y.unsqueeze(0),
-        aligned=aligned,
+        pair_expert=pair_expert,
         out=out,
         spec=spec,
         finish=False,
@@ -33,7 +35,7 @@ def sum_top_k(y: torch.Tensor, *, aligned: AlignedRouting, out: torch.Tensor, sp
 def sum_shares(
     shares: torch.Tensor,
     *,
-    aligned: AlignedRouting,
+    pair_expert: torch.Tensor,
     out: torch.Tensor,
     spec: MoESpec,
     finish: bool,
@@ -47,7 +49,7 @@ def sum_shares(
     _moe_sum_k[(out.shape[0], triton.cdiv(spec.H, block_h))](
         **pdl_args(out.device),
         y_ptr=shares,  # [S, T*K, H]: GEMM2's raw fp32 shares, or its finished rows
-        pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
+        pair_expert_ptr=pair_expert,  # int32 [T*K], -1 for a pair not computed here
         b_ptr=bias,  # [E_local, H] or None
         route_w_ptr=route_w,  # fp32 [T*K] or None
         out_ptr=out,  # [T, H]

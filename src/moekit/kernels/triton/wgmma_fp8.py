@@ -182,7 +182,7 @@ def wgmma_fp8_moe(
             INTER_SIZE=spec.I,
             **tuning,
         )
-    return sum_top_k(y, aligned=aligned, out=out, spec=spec)
+    return sum_top_k(y, pair_expert=aligned.pair_expert, out=out, spec=spec)
 
 
 def _block_args(blocks: BlockList) -> dict:

@@ -57,13 +57,17 @@ def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _block_rows(sorted_pairs_ptr, block_expert_ptr, block_start_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """Pairs of M-block `pid_m` (int64, padding rows masked) and its local expert (int64). The block's
     first row in `sorted_pairs_ptr` is `pid_m * BLOCK_M`, or `block_start_ptr[pid_m]` when given (the
-    two block lists of a tail-block launch index one alignment of half the size)."""
+    two block lists of a tail-block launch index one alignment of half the size). Without a sorted pair
+    list, block `pid_m` is pair `pid_m` alone (`align.one_block_per_pair`)."""
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if block_start_ptr is None:
-        first = pid_m * BLOCK_M
+    if sorted_pairs_ptr is None:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs).to(tl.int64)
     else:
-        first = tl.load(block_start_ptr + pid_m)
-    pairs = tl.load(sorted_pairs_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
+        if block_start_ptr is None:
+            first = pid_m * BLOCK_M
+        else:
+            first = tl.load(block_start_ptr + pid_m)
+        pairs = tl.load(sorted_pairs_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
     return pairs, pairs < num_pairs, expert
 
 
@@ -76,10 +80,10 @@ def _moe_gemm1(
     #               [E_local, 2I, ceil(H/32)]; or None
     b_ptr,  # b13 [E_local, 2I] or None
     route_w_ptr,  # fp32 [T*K] router weights (INPUT placement) or None
-    sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M]
+    sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M], or None: block b is pair b alone
     block_expert_ptr,  # int32 [num_pid_m]
     block_start_ptr,  # int32 [num_pid_m]: first sorted row of each M-block, or None (pid_m * BLOCK_M)
-    num_blocks_ptr,  # int32 [1]
+    num_blocks_ptr,  # int32 [1], or None: every block of the grid holds pairs
     h_ptr,  # [T*K, I] act dtype (fp32 when W8A8; float8_e4m3fn with QUANT_H)
     h_scale_ptr,  # fp32 [T*K, I/128] with QUANT_H, else None
     part_ptr,  # fp32 [SPLIT_K, T*K, 2I] raw partial sums when SPLIT_K > 1, else None
@@ -131,8 +135,9 @@ def _moe_gemm1(
     """
     _pdl_prologue(PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(INTER_SIZE, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_blocks_ptr):
-        return  # the grid is a host-side upper bound; the true block count stays on the device
+    if num_blocks_ptr is not None:  # None: every block of the grid holds pairs
+        if pid_m >= tl.load(num_blocks_ptr):
+            return  # the grid is a host-side upper bound; the true block count stays on the device
     pairs, row_mask, expert = _block_rows(
         sorted_pairs_ptr, block_expert_ptr, block_start_ptr, pid_m, num_pairs, BLOCK_M
     )
@@ -222,10 +227,10 @@ def _moe_gemm2(
     #               [E_local, H, ceil(I/32)]; or None
     b_ptr,  # b2 [E_local, H] or None
     route_w_ptr,  # fp32 [T*K] router weights (OUTPUT placement) or None
-    sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M]
+    sorted_pairs_ptr,  # int32 [num_pid_m * BLOCK_M], or None: block b is pair b alone
     block_expert_ptr,  # int32 [num_pid_m]
     block_start_ptr,  # int32 [num_pid_m]: first sorted row of each M-block, or None (pid_m * BLOCK_M)
-    num_blocks_ptr,  # int32 [1]
+    num_blocks_ptr,  # int32 [1], or None: every block of the grid holds pairs
     y_ptr,  # [T*K, H] (act dtype, or fp32 for fp32 activations)
     part_ptr,  # fp32 [SPLIT_K, T*K, H] raw partial sums when SPLIT_K > 1, else None
     num_pairs,
@@ -263,8 +268,9 @@ def _moe_gemm2(
     SPLIT_K > 1, the raw sums of the s-th share of I to `part_ptr` (`_moe_sum_k` finishes)."""
     _pdl_prologue(PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_blocks_ptr):
-        return
+    if num_blocks_ptr is not None:  # None: every block of the grid holds pairs
+        if pid_m >= tl.load(num_blocks_ptr):
+            return
     pairs, row_mask, expert = _block_rows(
         sorted_pairs_ptr, block_expert_ptr, block_start_ptr, pid_m, num_pairs, BLOCK_M
     )
