@@ -53,6 +53,7 @@ def compile_gemm(
     stages: int,
     split_k: int = 1,
     block_starts: bool = False,
+    one_block_per_pair: bool = False,
     swap_ab: bool = False,
     model: str = "gpt-oss",
     max_registers: int | None = None,
@@ -68,10 +69,11 @@ def compile_gemm(
         a_scale: "*fp32" if fp8_acts else "constexpr",
         "w_ptr": w_type,
         "b_ptr": "*bf16",
-        "sorted_pairs_ptr": "*i32",
+        # One block a pair (a decode step of few pairs): no sorted pair list, no device block count.
+        "sorted_pairs_ptr": "constexpr" if one_block_per_pair else "*i32",
         "block_expert_ptr": "*i32",
         "block_start_ptr": "*i32" if block_starts else "constexpr",  # tail-block launches (a start list)
-        "num_blocks_ptr": "*i32",
+        "num_blocks_ptr": "constexpr" if one_block_per_pair else "*i32",
         out_name: "*fp32" if fp8_acts and gemm == 1 else "*bf16",  # h is fp32 before its FP8 quantization
         "w_scale_ptr": {"bf16": "constexpr", "w8a8": "*fp32"}.get(fmt, "*u8"),
         "route_w_ptr": "*fp32" if gemm == 2 else "constexpr",

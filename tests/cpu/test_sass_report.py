@@ -173,6 +173,30 @@ def test_fp8_activation_gemms_compile_for_hopper():
             assert tile["fp8_wgmma"] > 0, tile
 
 
+_ONE_BLOCK_PER_PAIR = """
+import json
+import sass_report
+out = []
+for gemm in (1, 2):
+    for fmt, swap in (("words", False), ("bf16", True), ("w8a8", True)):
+        kernel = sass_report.compile_gemm(
+            gemm, fmt, (16, 64, 128), 4, 3, swap_ab=swap, one_block_per_pair=True
+        )
+        out.append(dict(gemm=gemm, fmt=fmt, **sass_report.properties(kernel)))
+print(json.dumps(out))
+"""
+
+
+def test_one_block_per_pair_gemms_compile_for_hopper():
+    """The decode launch without an alignment (`align.one_block_per_pair`: no sorted pair list, no device
+    block count) compiles for sm_90 for the word, float and FP8 paths, without spills; the interpreter
+    tests check its arithmetic."""
+    tiles = _compiled_json(["-c", _ONE_BLOCK_PER_PAIR])
+    assert len(tiles) == 6
+    for tile in tiles:
+        assert tile["local_memory_ops"] == 0, tile
+
+
 _ROUTE_KERNELS = """
 import json
 import sass_report

@@ -47,7 +47,7 @@ from moekit import (  # noqa: E402
 )
 from moekit.formats import quantize_fp8_activation  # noqa: E402
 from moekit.kernels.base import DeviceInfo, DeviceKind  # noqa: E402
-from moekit.kernels.triton import launch  # noqa: E402
+from moekit.kernels.triton import align, launch  # noqa: E402
 from moekit.kernels.triton._details import gemm as _jit  # noqa: E402
 from moekit.kernels.triton._details import mxfp4 as _jit_mxfp4
 from moekit.kernels.triton._details import quant as _jit_quant  # noqa: E402
@@ -370,7 +370,6 @@ def test_tail_blocks_with_an_expert_map():
 def test_align_methods_agree_bit_for_bit(max_chunks, monkeypatch):
     """Out-of-range ids, an expert map and experts with zero pairs: every tensor identical. Capping the
     chunks at 3 makes each chunked program walk several one-hot steps, as at large P on a GPU."""
-    from moekit.kernels.triton import align
 
     monkeypatch.setattr(align, "_MAX_CHUNKS", max_chunks)
     gen = torch.Generator().manual_seed(5)
@@ -727,7 +726,7 @@ def test_decode_with_few_pairs_launches_no_alignment(fmt_row, variant, config, w
     def no_alignment(*args, **kwargs):
         raise AssertionError("align_routing ran for a decode step of few pairs")
 
-    monkeypatch.setattr(launch, "align_routing", no_alignment)
+    monkeypatch.setattr(align, "align_routing", no_alignment)
     fmt, scale, quant, dtype, _ = FORMATS[fmt_row]
     spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, e=24, **{**variant, "k": 2})
     ids = torch.tensor([[5, 11], [0, 23], [5, 3]], dtype=torch.int32)

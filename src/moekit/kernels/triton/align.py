@@ -321,6 +321,39 @@ def one_block_per_pair(ids: torch.Tensor, *, block_m: int) -> BlockList:
     return BlockList(block_m, None, ids.view(-1), None, ids.numel())
 
 
+@dataclass(frozen=True)
+class GemmBlocks:
+    """What the GEMM launches of one layer call walk: their block lists, the sorted pair list those index
+    (None: one block a pair) and each pair's local expert (-1: not computed here)."""
+
+    block_lists: tuple[BlockList, ...]  # one launch of each GEMM per list, empty lists left out
+    sorted_pair_ids: torch.Tensor | None
+    pair_expert: torch.Tensor  # int32 [T*K]
+
+
+def gemm_blocks(
+    ids: torch.Tensor,
+    *,
+    num_local_experts: int,
+    block_m: int,
+    tail_block_m: int | None,
+    expert_map: torch.Tensor | None,
+) -> GemmBlocks:
+    """`one_block_per_pair` for a decode step of few pairs on local experts, else the alignment: blocks of
+    `block_m` rows, or with `tail_block_m` blocks of twice it and each expert's odd last block apart."""
+    if not tail_block_m and takes_one_block_per_pair(
+        num_pairs=ids.numel(), num_local_experts=num_local_experts, has_expert_map=expert_map is not None
+    ):
+        blocks = one_block_per_pair(ids.contiguous(), block_m=block_m)
+        return GemmBlocks((blocks,), None, blocks.block_expert)  # every pair local: its expert is its id
+    aligned = align_routing(
+        ids, num_local_experts=num_local_experts, block_m=tail_block_m or block_m, expert_map=expert_map
+    )
+    lists = split_tail_blocks(aligned) if tail_block_m else (BlockList.of(aligned),)
+    lists = tuple(b for b in lists if b.max_blocks > 0)
+    return GemmBlocks(lists, aligned.sorted_pair_ids, aligned.pair_expert)
+
+
 def split_tail_blocks(
     aligned: AlignedRouting, *, method: AlignMethod | None = None
 ) -> tuple[BlockList, BlockList]:

@@ -27,13 +27,7 @@ from moekit.kernels.triton._details import codes
 from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
 from moekit.kernels.triton._details.quant import _quant_fp8_groups, _quant_fp8_rows
 from moekit.kernels.triton._details.reduce import _moe_gemm1_splits
-from moekit.kernels.triton.align import (
-    BlockList,
-    align_routing,
-    one_block_per_pair,
-    split_tail_blocks,
-    takes_one_block_per_pair,
-)
+from moekit.kernels.triton.align import BlockList, gemm_blocks
 from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig, triton_supports
 from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.sum_k import sum_shares
@@ -338,23 +332,15 @@ def triton_fused_moe(
         )
     p = _KernelParams.of(spec)
     cfg = config
-    tail = cfg.tail_block_m
     num_pairs = routing.ids.numel()
-    if not tail and takes_one_block_per_pair(
-        num_pairs=num_pairs, num_local_experts=spec.E_local, has_expert_map=expert_map is not None
-    ):
-        # A decode step with few pairs: one M-block each, no alignment launch.
-        block_lists = (one_block_per_pair(routing.ids.contiguous(), block_m=cfg.block_m),)
-        sorted_pairs, pair_expert = None, block_lists[0].block_expert  # every pair local
-    else:
-        aligned = align_routing(
-            routing.ids, num_local_experts=spec.E_local, block_m=tail or cfg.block_m, expert_map=expert_map
-        )
-        # One launch of each GEMM per block list: block_m blocks, then (tail) each expert's odd last tail
-        # block.
-        block_lists = split_tail_blocks(aligned) if tail else (BlockList.of(aligned),)
-        sorted_pairs, pair_expert = aligned.sorted_pair_ids, aligned.pair_expert
-    block_lists = tuple(b for b in block_lists if b.max_blocks > 0)
+    blocks = gemm_blocks(
+        routing.ids,
+        num_local_experts=spec.E_local,
+        block_m=cfg.block_m,
+        tail_block_m=cfg.tail_block_m,
+        expert_map=expert_map,
+    )
+    block_lists, sorted_pairs, pair_expert = blocks.block_lists, blocks.sorted_pair_ids, blocks.pair_expert
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
     x = x if x.stride(1) == 1 else x.contiguous()
     quant = spec.act_quant
