@@ -198,12 +198,11 @@ def _check_layer(
 # ---------------------------------------------------------------------------------------------------------
 # routing metadata (torch only)
 # ---------------------------------------------------------------------------------------------------------
-def test_one_block_per_pair_only_for_few_pairs_on_local_experts():
-    assert takes_one_block_per_pair(num_pairs=4, num_local_experts=128, has_expert_map=False)  # gpt-oss T=1
-    assert takes_one_block_per_pair(num_pairs=32, num_local_experts=128, has_expert_map=False)
-    assert not takes_one_block_per_pair(num_pairs=33, num_local_experts=128, has_expert_map=False)
-    assert not takes_one_block_per_pair(num_pairs=4, num_local_experts=128, has_expert_map=True)
-    assert not takes_one_block_per_pair(num_pairs=0, num_local_experts=128, has_expert_map=False)
+def test_one_block_per_pair_only_for_one_token_on_local_experts():
+    assert takes_one_block_per_pair(num_tokens=1, has_expert_map=False)
+    assert not takes_one_block_per_pair(num_tokens=2, has_expert_map=False)  # pairs could share an expert
+    assert not takes_one_block_per_pair(num_tokens=1, has_expert_map=True)
+    assert not takes_one_block_per_pair(num_tokens=0, has_expert_map=False)
     ids = torch.tensor([[7, 2], [7, 0]], dtype=torch.int32)
     blocks = one_block_per_pair(ids, block_m=16)
     assert blocks.block_expert.tolist() == [7, 2, 7, 0] and blocks.max_blocks == 4
@@ -719,19 +718,19 @@ ONE_BLOCK_PER_PAIR = [
 @pytest.mark.parametrize(
     ("fmt_row", "variant", "config", "why"), ONE_BLOCK_PER_PAIR, ids=[c[-1][:24] for c in ONE_BLOCK_PER_PAIR]
 )
-def test_decode_with_few_pairs_launches_no_alignment(fmt_row, variant, config, why, monkeypatch):
-    """Pairs at most E / 4: each pair is its own M-block (`align.one_block_per_pair`), no alignment runs.
-    Tokens 0 and 2 share expert 5 (two blocks of one expert); K = 2 of E = 24, three tokens: 6 pairs."""
+@pytest.mark.parametrize("ids", [[5, 23], [7, 7]], ids=["two experts", "one expert twice"])
+def test_decode_of_one_token_launches_no_alignment(fmt_row, variant, config, why, ids, monkeypatch):
+    """One token: each of its K pairs is its own M-block (`align.one_block_per_pair`), no alignment runs.
+    Routing given by hand may repeat an expert; the two blocks of that expert then both count."""
 
     def no_alignment(*args, **kwargs):
-        raise AssertionError("align_routing ran for a decode step of few pairs")
+        raise AssertionError("align_routing ran for a decode step of one token")
 
     monkeypatch.setattr(align, "align_routing", no_alignment)
     fmt, scale, quant, dtype, _ = FORMATS[fmt_row]
     spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, e=24, **{**variant, "k": 2})
-    ids = torch.tensor([[5, 11], [0, 23], [5, 3]], dtype=torch.int32)
-    weights = torch.rand(3, 2, generator=torch.Generator().manual_seed(8)) + 0.1
-    _check_layer(spec, t=3, seed=70 + fmt_row, config=config, routing=RoutingResult(weights=weights, ids=ids))
+    routing = RoutingResult(weights=torch.tensor([[0.7, 0.4]]), ids=torch.tensor([ids], dtype=torch.int32))
+    _check_layer(spec, t=1, seed=70 + fmt_row, config=config, routing=routing)
 
 
 SHAPES = [

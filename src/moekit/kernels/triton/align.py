@@ -298,26 +298,22 @@ class BlockList:
         return cls(aligned.block_m, None, aligned.block_expert, aligned.num_valid_blocks, aligned.max_blocks)
 
 
-# One M-block a pair instead of the alignment when the pairs are this many times fewer than the experts:
-# a decode step then launches no alignment at all, and two pairs rarely share an expert (whose weights
-# they would each stream; vLLM's fused MoE takes the same shortcut at the same ratio).
-ONE_BLOCK_PER_PAIR_EXPERTS_PER_PAIR = 4
-
-
-def takes_one_block_per_pair(*, num_pairs: int, num_local_experts: int, has_expert_map: bool) -> bool:
-    """Whether `one_block_per_pair` serves a batch of `num_pairs` pairs: few pairs, every expert local."""
-    return (
-        not has_expert_map
-        and 0 < num_pairs
-        and num_pairs * ONE_BLOCK_PER_PAIR_EXPERTS_PER_PAIR <= num_local_experts
-    )
+def takes_one_block_per_pair(*, num_tokens: int, has_expert_map: bool) -> bool:
+    """Whether `one_block_per_pair` serves a batch: one token on local experts. Its K pairs go to K
+    distinct experts (a top-k), so one block a pair reads each hit expert's weights once, as the
+    alignment's blocks would, and the decode step launches no alignment. With more tokens, pairs of
+    different tokens can share an expert and would each stream its weights."""
+    return num_tokens == 1 and not has_expert_map
 
 
 def one_block_per_pair(ids: torch.Tensor, *, block_m: int) -> BlockList:
     """Pair b = t*K + k alone in M-block b (its first row; the kernels mask the others), expert ids[t, k]:
     no kernel launch, `ids [T, K]` (int32, contiguous) read as they are. Every expert must be local."""
     if ids.dtype != torch.int32 or not ids.is_contiguous():
-        raise DTypeError(f"one_block_per_pair reads ids as int32 and contiguous, got {ids.dtype}")
+        raise DTypeError(
+            f"one_block_per_pair reads ids as contiguous int32, got {ids.dtype} (contiguous: "
+            f"{ids.is_contiguous()})"
+        )
     return BlockList(block_m, None, ids.view(-1), None, ids.numel())
 
 
@@ -339,10 +335,10 @@ def gemm_blocks(
     tail_block_m: int | None,
     expert_map: torch.Tensor | None,
 ) -> GemmBlocks:
-    """`one_block_per_pair` for a decode step of few pairs on local experts, else the alignment: blocks of
-    `block_m` rows, or with `tail_block_m` blocks of twice it and each expert's odd last block apart."""
+    """`one_block_per_pair` for a decode step of one token on local experts, else the alignment: blocks
+    of `block_m` rows, or with `tail_block_m` blocks of twice it and each expert's odd last block apart."""
     if not tail_block_m and takes_one_block_per_pair(
-        num_pairs=ids.numel(), num_local_experts=num_local_experts, has_expert_map=expert_map is not None
+        num_tokens=ids.shape[0], has_expert_map=expert_map is not None
     ):
         blocks = one_block_per_pair(ids.contiguous(), block_m=block_m)
         return GemmBlocks((blocks,), None, blocks.block_expert)  # every pair local: its expert is its id
