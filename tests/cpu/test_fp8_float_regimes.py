@@ -1,5 +1,6 @@
-"""FP8 and float config regimes at shapes no tuned row covers: the default follows tokens per expert and
-the scale layout (never a preset's name), is usable and is in the tuning space that sweeps refine it from."""
+"""FP8 and float config regimes at shapes no tuned row covers: the default follows tokens per expert (and
+FP8's scale layout), never a preset's name, is usable and is in the tuning space that sweeps refine it
+from."""
 
 from dataclasses import replace
 
@@ -30,6 +31,30 @@ def test_fp8_prefill_default_follows_tokens_per_expert_and_scale_layout(spec, to
     else:
         assert config.num_warps == 4 and config.tail_block_m is None
         assert config.block_m == 64 if prefill else config.block_m <= 64
+
+
+FLOAT_SHAPES = reshaped_specs(
+    bases=[preset("qwen3-30b-a3b"), preset("mixtral-8x7b")],
+    experts=[8, 16, 64, 128, 256, 512],
+    dims=[384, 512, 768, 1280, 2048, 2880, 4096, 7168, 14336],
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(spec=FLOAT_SHAPES, tokens=st.integers(1, 1 << 15))
+def test_float_default_follows_tokens_per_expert(spec, tokens):
+    """Decode puts the weight rows on the MMA's M side; up to 48 tokens an expert one 64-row M-block an
+    expert (128 rows would be mostly padding); beyond, 128 x 128 on 8 warps with GEMM2 on 256 rows."""
+    config = default_config(spec, tokens)
+    assert config.reason_unusable(spec) is None
+    assert config in tuning_space(spec, tokens)
+    per_expert = tokens * spec.K / spec.E
+    if per_expert <= 8:
+        assert config.swap_ab and config.block_m == 16
+    elif per_expert <= 48:
+        assert (config.block_m, config.num_warps, config.block_n_gemm2) == (64, 4, 128)
+    else:
+        assert (config.block_m, config.block_n, config.num_warps, config.block_n_gemm2) == (128, 128, 8, 256)
 
 
 def test_only_float_8_warp_tiles_try_gemm2_on_256_rows():
