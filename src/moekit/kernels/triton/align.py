@@ -308,13 +308,10 @@ def takes_one_block_per_pair(*, num_tokens: int, has_expert_map: bool) -> bool:
 
 def one_block_per_pair(ids: torch.Tensor, *, block_m: int) -> BlockList:
     """Pair b = t*K + k alone in M-block b (its first row; the kernels mask the others), expert ids[t, k]:
-    no kernel launch, `ids [T, K]` (int32, contiguous) read as they are. Every expert must be local."""
-    if ids.dtype != torch.int32 or not ids.is_contiguous():
-        raise DTypeError(
-            f"one_block_per_pair reads ids as contiguous int32, got {ids.dtype} (contiguous: "
-            f"{ids.is_contiguous()})"
-        )
-    return BlockList(block_m, None, ids.view(-1), None, ids.numel())
+    no kernel launch, `ids [T, K]` (int32) read as they are. Every expert must be local."""
+    if ids.dtype != torch.int32:
+        raise DTypeError(f"one_block_per_pair reads ids as int32, got {ids.dtype}")
+    return BlockList(block_m, None, ids.reshape(-1), None, ids.numel())  # a view of contiguous ids
 
 
 @dataclass(frozen=True)
@@ -340,7 +337,7 @@ def gemm_blocks(
     if not tail_block_m and takes_one_block_per_pair(
         num_tokens=ids.shape[0], has_expert_map=expert_map is not None
     ):
-        blocks = one_block_per_pair(ids.contiguous(), block_m=block_m)
+        blocks = one_block_per_pair(ids, block_m=block_m)
         return GemmBlocks((blocks,), None, blocks.block_expert)  # every pair local: its expert is its id
     aligned = align_routing(
         ids, num_local_experts=num_local_experts, block_m=tail_block_m or block_m, expert_map=expert_map
