@@ -198,11 +198,27 @@ def _check_layer(
 # ---------------------------------------------------------------------------------------------------------
 # routing metadata (torch only)
 # ---------------------------------------------------------------------------------------------------------
-def test_one_block_per_pair_only_for_one_token_on_local_experts():
-    assert takes_one_block_per_pair(num_tokens=1, has_expert_map=False)
-    assert not takes_one_block_per_pair(num_tokens=2, has_expert_map=False)  # pairs could share an expert
-    assert not takes_one_block_per_pair(num_tokens=1, has_expert_map=True)
-    assert not takes_one_block_per_pair(num_tokens=0, has_expert_map=False)
+@pytest.mark.parametrize("e", [8, 32, 128, 256, 384, 512])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 10])
+def test_one_block_per_pair_for_one_token_or_pairs_sparse_among_the_experts(e, k):
+    """One token always (its K experts are distinct); more tokens while their pairs stay within 1/16 of the
+    experts, so that few pairs share an expert; never with an expert map (pairs of other ranks)."""
+    sparse_tokens = [t for t in range(1, 200) if t * k * 16 <= e]
+    for t in range(0, 200):
+        takes = takes_one_block_per_pair(num_tokens=t, top_k=k, num_local_experts=e, has_expert_map=False)
+        assert takes == (t == 1 or t in sparse_tokens), (t, k, e)
+        assert not takes_one_block_per_pair(num_tokens=t, top_k=k, num_local_experts=e, has_expert_map=True)
+    # The rule follows pairs against experts, not the token count: twice the experts, twice the tokens.
+    if sparse_tokens:
+        wider = [
+            t
+            for t in range(1, 400)
+            if takes_one_block_per_pair(num_tokens=t, top_k=k, num_local_experts=2 * e, has_expert_map=False)
+        ]
+        assert wider[-1] in (2 * sparse_tokens[-1], 2 * sparse_tokens[-1] + 1)
+
+
+def test_one_block_per_pair_reads_the_ids_as_they_are():
     ids = torch.tensor([[7, 2], [7, 0]], dtype=torch.int32)
     blocks = one_block_per_pair(ids, block_m=16)
     assert blocks.block_expert.tolist() == [7, 2, 7, 0] and blocks.max_blocks == 4
@@ -731,6 +747,44 @@ def test_decode_of_one_token_launches_no_alignment(fmt_row, variant, config, why
     spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, e=24, **{**variant, "k": 2})
     routing = RoutingResult(weights=torch.tensor([[0.7, 0.4]]), ids=torch.tensor([ids], dtype=torch.int32))
     _check_layer(spec, t=1, seed=70 + fmt_row, config=config, routing=routing)
+
+
+@pytest.mark.parametrize(
+    ("fmt_row", "variant", "config", "why"), ONE_BLOCK_PER_PAIR, ids=[c[-1][:24] for c in ONE_BLOCK_PER_PAIR]
+)
+def test_sparse_pairs_launch_no_alignment_and_drop_ids_outside_the_experts(
+    fmt_row, variant, config, why, monkeypatch
+):
+    """Three tokens on 96 experts (6 pairs, within 1/16 of them): one block a pair, no alignment. A shared
+    expert is read by both its blocks; ids outside [0, E) (routing not checked, as under graph capture)
+    are dropped as the alignment drops them, reading no weights past the last expert: they add zero."""
+
+    def no_alignment(*args, **kwargs):
+        raise AssertionError("align_routing ran for pairs sparse among the experts")
+
+    monkeypatch.setattr(align, "align_routing", no_alignment)
+    fmt, scale, quant, dtype, _ = FORMATS[fmt_row]
+    spec = _spec(fmt=fmt, scale=scale, quant=quant, dtype=dtype, e=96, **{**variant, "k": 2})
+    ids = torch.tensor([[5, 95], [95, 96 + 9], [-1, 30]], dtype=torch.int32)
+    weights = torch.tensor([[0.7, 0.4], [0.2, 0.9], [0.5, 0.3]])
+    dropped = (ids < 0) | (ids >= 96)
+    gen = torch.Generator().manual_seed(71 + fmt_row)
+    layer = _weights(spec, gen)
+    x = torch.randn(3, spec.H, generator=gen).to(spec.act_dtype)
+    # The reference takes in-range ids only: a dropped pair is the same pair on expert 0 with weight 0.
+    expected = fused_moe_reference(
+        x,
+        layer,
+        RoutingResult(weights=weights.masked_fill(dropped, 0.0), ids=ids.masked_fill(dropped, 0)),
+        spec=spec,
+    )
+    out = torch.full((3, spec.H), math.nan, dtype=spec.act_dtype)
+    with _poisoned_allocations():
+        got = triton_fused_moe(
+            x, layer, RoutingResult(weights=weights, ids=ids), spec=spec, config=config, out=out
+        )
+    assert torch.isfinite(got).all()
+    assert relative_l2_error(got, expected) <= TOLERANCE[spec.act_dtype]
 
 
 SHAPES = [

@@ -298,17 +298,33 @@ class BlockList:
         return cls(aligned.block_m, None, aligned.block_expert, aligned.num_valid_blocks, aligned.max_blocks)
 
 
-def takes_one_block_per_pair(*, num_tokens: int, has_expert_map: bool) -> bool:
-    """Whether `one_block_per_pair` serves a batch: one token on local experts. Its K pairs go to K
-    distinct experts (a top-k), so one block a pair reads each hit expert's weights once, as the
-    alignment's blocks would, and the decode step launches no alignment. With more tokens, pairs of
-    different tokens can share an expert and would each stream its weights."""
-    return num_tokens == 1 and not has_expert_map
+# One block a pair beyond one token while the pairs touch at most 1/16 of the local experts: uniformly
+# routed, about P / 2E of the pairs then repeat an expert (about 3 % of the weight bytes read twice),
+# while the alignment costs a launch whose kernel grows with E (H200, one program: 1.9 us at E = 128,
+# 3.6 at 256, 8.9 at 512) and the aligned GEMMs read each block's pairs before their A rows. H200,
+# one block a pair against aligned: E 512 / K 10 at T = 2 - 6 (P / E <= 0.12) 6 - 15 % faster and
+# gpt-oss-120b at T = 2 (1/16) 13 % faster, but gpt-oss-120b at T = 3 (0.09) 9 % and DeepSeek-V3 at
+# T = 4 (1/8) 13 % slower where their draws repeated experts.
+SPARSE_PAIRS_PER_EXPERT = 1 / 16
+
+
+def takes_one_block_per_pair(
+    *, num_tokens: int, top_k: int, num_local_experts: int, has_expert_map: bool
+) -> bool:
+    """Whether `one_block_per_pair` serves a batch on local experts: one token (its K pairs go to K distinct
+    experts, so each hit expert's weights are read once, as the alignment's blocks would), or pairs so few
+    against the experts that two of them rarely share one (`SPARSE_PAIRS_PER_EXPERT`): a pair that does
+    streams that expert's weights again, on average a smaller cost than the alignment. With an expert map
+    some pairs belong to other ranks, and one block a pair would need the map's lookup: aligned."""
+    if has_expert_map or num_tokens <= 0:
+        return False
+    return num_tokens == 1 or num_tokens * top_k <= SPARSE_PAIRS_PER_EXPERT * num_local_experts
 
 
 def one_block_per_pair(ids: torch.Tensor, *, block_m: int) -> BlockList:
     """Pair b = t*K + k alone in M-block b (its first row; the kernels mask the others), expert ids[t, k]:
-    no kernel launch, `ids [T, K]` (int32) read as they are. Every expert must be local."""
+    no kernel launch, `ids [T, K]` (int32) read as they are. Every expert must be local; an id outside
+    [0, E_local) (routing not checked) reads expert 0's weights and the finish kernels drop its pair."""
     if ids.dtype != torch.int32:
         raise DTypeError(f"one_block_per_pair reads ids as int32, got {ids.dtype}")
     return BlockList(block_m, None, ids.reshape(-1), None, ids.numel())  # a view of contiguous ids
@@ -332,10 +348,14 @@ def gemm_blocks(
     tail_block_m: int | None,
     expert_map: torch.Tensor | None,
 ) -> GemmBlocks:
-    """`one_block_per_pair` for a decode step of one token on local experts, else the alignment: blocks
-    of `block_m` rows, or with `tail_block_m` blocks of twice it and each expert's odd last block apart."""
+    """`one_block_per_pair` for a decode step of one token or of pairs sparse among the local experts
+    (`takes_one_block_per_pair`), else the alignment: blocks of `block_m` rows, or with `tail_block_m`
+    blocks of twice it and each expert's odd last block apart."""
     if not tail_block_m and takes_one_block_per_pair(
-        num_tokens=ids.shape[0], has_expert_map=expert_map is not None
+        num_tokens=ids.shape[0],
+        top_k=ids.shape[1],
+        num_local_experts=num_local_experts,
+        has_expert_map=expert_map is not None,
     ):
         blocks = one_block_per_pair(ids, block_m=block_m)
         return GemmBlocks((blocks,), None, blocks.block_expert)  # every pair local: its expert is its id

@@ -5,7 +5,8 @@ Data flow of `triton_fused_moe` (no host sync anywhere, so the whole call can be
   per spec) and `_check` (the config against the spec; the inputs were checked by the caller,
   `moekit.ops.fused_moe`, before any launch)
   ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device); a decode step of
-  one token (`align.takes_one_block_per_pair`) skips it: M-block b is pair b alone
+  one token or of pairs sparse among the experts (`align.takes_one_block_per_pair`) skips it: M-block b
+  is pair b alone
   x -> [W8A8: `quant` -> fp8 x + scales] -> `gemm._moe_gemm1` -> h [T*K, I]
     -> [W8A8: `quant` -> fp8 h + scales, unless GEMM1 made them (`fuses_h_quantization`)]
     -> `gemm._moe_gemm2` -> y [T*K, H]
@@ -363,6 +364,7 @@ def triton_fused_moe(
         **pdl,
         sorted_pairs_ptr=sorted_pairs,  # int32 [max_blocks * block_m], or None: block b is pair b
         num_pairs=num_pairs,
+        num_local_experts=spec.E_local,
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
         W_FORMAT=w_format,
@@ -435,6 +437,7 @@ def triton_fused_moe(
             b_ptr=w13.bias,  # [E_local, 2I] or None
             route_w_ptr=route_w if p.route_in_gemm1 else None,  # fp32 [T*K]
             h_ptr=h,  # [T*K, I]
+            num_local_experts=spec.E_local,
             stride_part_split=part1.stride(0),
             stride_part_m=part1.stride(1),
             stride_be=w13.stride_be,

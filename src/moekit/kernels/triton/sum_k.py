@@ -53,6 +53,7 @@ def sum_shares(
         b_ptr=bias,  # [E_local, H] or None
         route_w_ptr=route_w,  # fp32 [T*K] or None
         out_ptr=out,  # [T, H]
+        num_local_experts=spec.E_local,
         stride_ys=shares.stride(0),
         stride_ym=shares.stride(1),
         stride_be=stride_be,

@@ -20,6 +20,7 @@ def _moe_gemm1_splits(
     b_ptr,  # b13 [E_local, 2I] or None
     route_w_ptr,  # fp32 [T*K] router weights (INPUT placement) or None
     h_ptr,  # [T*K, I]
+    num_local_experts,  # a pair's expert outside [0, it) is not computed (unaligned routing ids as given)
     stride_part_split,
     stride_part_m,
     stride_be,
@@ -41,7 +42,7 @@ def _moe_gemm1_splits(
     _pdl_prologue(PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(pair_expert_ptr + p).to(tl.int64)
-    if expert < 0:
+    if (expert < 0) | (expert >= num_local_experts):
         return  # a pair no M-block holds: its h row is never read
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < INTER_SIZE
@@ -74,6 +75,7 @@ def _moe_sum_k(
     b_ptr,  # b2 [E_local, H] or None
     route_w_ptr,  # fp32 [T*K] router weights (OUTPUT placement) or None
     out_ptr,  # [T, H] act dtype
+    num_local_experts,  # a pair's expert outside [0, it) adds zero (unaligned routing ids as given)
     stride_ys,
     stride_ym,
     stride_be,
@@ -98,7 +100,7 @@ def _moe_sum_k(
         p = t * TOP_K + k
         expert = tl.load(pair_expert_ptr + p).to(tl.int64)
         # tl.where keeps the mask int1 under every Triton's interpreter (3.9's makes `mask & scalar` int32).
-        keep = tl.where(expert >= 0, mask, False)
+        keep = tl.where((expert >= 0) & (expert < num_local_experts), mask, False)
         y = tl.zeros([BLOCK_H], dtype=tl.float32)
         for s in tl.static_range(SHARES):
             y += tl.load(y_ptr + s * stride_ys + p * stride_ym + cols, mask=keep, other=0.0).to(tl.float32)
