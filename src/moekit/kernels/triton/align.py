@@ -299,10 +299,11 @@ class BlockList:
 
 
 # One block a pair beyond one token while the pairs touch at most 1/16 of the local experts: uniformly
-# routed, about P / 2E of the pairs then repeat an expert (about 3 % of the weight bytes read twice),
-# while the alignment costs a launch whose kernel grows with E (H200, one program: 1.9 us at E = 128,
-# 3.6 at 256, 8.9 at 512) and the aligned GEMMs read each block's pairs before their A rows. H200,
-# one block a pair against aligned: E 512 / K 10 at T = 2 - 6 (P / E <= 0.12) 6 - 15 % faster and
+# routed, about P / 2E of the pairs then repeat an expert (about 3 % of the weight bytes read twice).
+# Against that, the alignment's launch (H200 profile: 1.9 us at E = 128, 3.6 at 256, 8.9 at 512, as
+# the profiler times it under PDL) and the aligned GEMMs' longer start (each block's pairs read before its
+# A rows: gpt-oss-120b at T = 2 spent 25.4 us in GEMM2 aligned, 19.3 with one block a pair). H200, one
+# block a pair against aligned: E 512 / K 10 at T = 2 - 6 (P / E <= 0.12) 6 - 15 % faster and
 # gpt-oss-120b at T = 2 (1/16) 13 % faster, but gpt-oss-120b at T = 3 (0.09) 9 % and DeepSeek-V3 at
 # T = 4 (1/8) 13 % slower where their draws repeated experts.
 SPARSE_PAIRS_PER_EXPERT = 1 / 16
