@@ -55,6 +55,7 @@ from moekit.kernels.triton.align import (  # noqa: E402
     ONE_PROGRAM_MAX_PAIRS,
     AlignMethod,
     align_routing,
+    gemm_blocks,
     max_blocks_bound,
     one_block_per_pair,
     pair_rows,
@@ -225,6 +226,8 @@ def test_one_block_per_pair_reads_the_ids_as_they_are():
     assert blocks.block_start is None and blocks.num_valid_blocks is None and blocks.block_m == 16
     with pytest.raises(DTypeError, match="int32"):
         one_block_per_pair(ids.long(), block_m=16)
+    with pytest.raises(ShapeError, match=r"\[T, K\], got shape \(4,\)"):  # before T and K are read
+        gemm_blocks(ids.reshape(-1), num_local_experts=64, block_m=16, tail_block_m=None, expert_map=None)
 
 
 ALIGN_CASES = [

@@ -98,8 +98,7 @@ def align_routing(
 
     `method`: None picks `AlignMethod.for_pairs(T * K)`; every method gives the same tensors.
     """
-    if ids.dim() != 2:
-        raise ShapeError(f"routing ids must be [T, K], got shape {tuple(ids.shape)}")
+    _check_ids_shape(ids)
     if block_m < 1 or num_local_experts < 1:
         raise ShapeError(f"need block_m >= 1 and num_local_experts >= 1, got {block_m}, {num_local_experts}")
     num_pairs = ids.numel()
@@ -110,6 +109,11 @@ def align_routing(
         raise ShapeError(f"the one-program align takes 1..{ONE_PROGRAM_MAX_PAIRS} pairs, got {num_pairs}")
     run = _align_one_program if method is AlignMethod.ONE_PROGRAM else _align_chunked
     return run(ids, num_local_experts=num_local_experts, block_m=block_m, expert_map=expert_map)
+
+
+def _check_ids_shape(ids: torch.Tensor) -> None:
+    if ids.dim() != 2:
+        raise ShapeError(f"routing ids must be [T, K], got shape {tuple(ids.shape)}")
 
 
 def _expert_map_args(expert_map: torch.Tensor | None, e_local: int) -> dict:
@@ -352,6 +356,7 @@ def gemm_blocks(
     """`one_block_per_pair` for a decode step of one token or of pairs sparse among the local experts
     (`takes_one_block_per_pair`), else the alignment: blocks of `block_m` rows, or with `tail_block_m`
     blocks of twice it and each expert's odd last block apart."""
+    _check_ids_shape(ids)  # T and K are read before either path
     if not tail_block_m and takes_one_block_per_pair(
         num_tokens=ids.shape[0],
         top_k=ids.shape[1],
