@@ -338,7 +338,8 @@ def one_block_per_pair(ids: torch.Tensor, *, block_m: int) -> BlockList:
 @dataclass(frozen=True)
 class GemmBlocks:
     """What the GEMM launches of one layer call walk: their block lists, the sorted pair list those index
-    (None: one block a pair) and each pair's local expert (-1: not computed here)."""
+    (None: one block a pair) and each pair's local expert (outside [0, E_local), -1 included: not computed
+    here; one block a pair passes the routing ids as they are)."""
 
     block_lists: tuple[BlockList, ...]  # one launch of each GEMM per list, empty lists left out
     sorted_pair_ids: torch.Tensor | None

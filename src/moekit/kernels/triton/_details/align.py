@@ -18,6 +18,14 @@ from moekit.kernels.triton._details.pdl import _pdl_prologue
 
 
 @triton.jit
+def _is_local(expert, num_local):
+    """Whether `expert` is one of this rank's [0, num_local): the one rule by which the alignment, the
+    GEMMs' one-block-a-pair path and the finish kernels drop a pair (another rank's, or an id out of
+    range in routing not checked)."""
+    return (expert >= 0) & (expert < num_local)
+
+
+@triton.jit
 def _local_expert(
     ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL: tl.constexpr, HAS_MAP: tl.constexpr
 ):
@@ -27,7 +35,7 @@ def _local_expert(
         local = tl.load(expert_map_ptr + gid, mask=in_p & (gid >= 0) & (gid < num_experts), other=-1)
     else:
         local = gid
-    return local, in_p & (local >= 0) & (local < NUM_LOCAL)
+    return local, in_p & _is_local(local, NUM_LOCAL)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ expert index are int64.
 import triton
 import triton.language as tl
 from moekit.kernels.triton._details.activation import _gated_activation
+from moekit.kernels.triton._details.align import _is_local
 from moekit.kernels.triton._details.matmul import _expert_matmul
 from moekit.kernels.triton._details.pdl import _pdl_prologue
 from moekit.kernels.triton._details.quant import _fp8_group_codes
@@ -67,7 +68,7 @@ def _block_rows(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if sorted_pairs_ptr is None:
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs).to(tl.int64)
-        expert = tl.where((expert >= 0) & (expert < num_local), expert, 0)
+        expert = tl.where(_is_local(expert, num_local), expert, 0)
     else:
         if block_start_ptr is None:
             first = pid_m * BLOCK_M

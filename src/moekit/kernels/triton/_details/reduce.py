@@ -10,6 +10,7 @@ Data flow:
 import triton
 import triton.language as tl
 from moekit.kernels.triton._details.activation import _gated_activation
+from moekit.kernels.triton._details.align import _is_local
 from moekit.kernels.triton._details.pdl import _pdl_prologue
 
 
@@ -42,7 +43,7 @@ def _moe_gemm1_splits(
     _pdl_prologue(PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(pair_expert_ptr + p).to(tl.int64)
-    if (expert < 0) | (expert >= num_local_experts):
+    if not _is_local(expert, num_local_experts):
         return  # a pair no M-block holds: its h row is never read
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < INTER_SIZE
@@ -100,7 +101,7 @@ def _moe_sum_k(
         p = t * TOP_K + k
         expert = tl.load(pair_expert_ptr + p).to(tl.int64)
         # tl.where keeps the mask int1 under every Triton's interpreter (3.9's makes `mask & scalar` int32).
-        keep = tl.where((expert >= 0) & (expert < num_local_experts), mask, False)
+        keep = tl.where(_is_local(expert, num_local_experts), mask, False)
         y = tl.zeros([BLOCK_H], dtype=tl.float32)
         for s in tl.static_range(SHARES):
             y += tl.load(y_ptr + s * stride_ys + p * stride_ym + cols, mask=keep, other=0.0).to(tl.float32)
