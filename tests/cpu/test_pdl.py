@@ -32,7 +32,7 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
 
 def test_the_layer_kernels_take_the_pdl_switch():
     names = {name.rsplit(".", 1)[1] for name, _ in _kernels_with_pdl()}
-    launched = {"_route_softmax", "_route_sigmoid_grouped", "_align_pairs", "_align_count", "_align_finish"}
+    launched = {"_route_softmax", "_route_sigmoid_grouped", "_align_pairs", "_align_count", "_align_scan"}
     launched |= {"_align_scatter", "_split_tail_blocks", "_pair_rows", "_quant_fp8_rows", "_quant_fp8_groups"}
     launched |= {"_quant_fp8_groups_sorted", "_moe_gemm1", "_moe_gemm2", "_moe_gemm1_splits", "_moe_sum_k"}
     assert launched <= names, launched - names

@@ -440,11 +440,13 @@ def test_mxfp4_mma_words_match_reference(which, t):
     _assert_close(got, expected, spec, f"gpt-oss-20b words T={t} {which}")
 
 
+@pytest.mark.parametrize(("e", "k"), [(128, 4), (512, 10)], ids=["E128-K4", "E512-K10"])
 @pytest.mark.parametrize("block_m", [16, 128])
 @pytest.mark.parametrize("t", [1, 200, 256, 1024, 16384])
-def test_align_methods_agree_on_the_gpu(t, block_m):
-    """The align kernels against the torch specification, bit for bit, at gpt-oss's E = 128, K = 4 (the
-    one-program sort up to its limit, the chunked counting sort everywhere), with an expert map."""
+def test_align_methods_agree_on_the_gpu(t, block_m, e, k):
+    """The align kernels against the torch specification, bit for bit, at gpt-oss's E = 128, K = 4 and
+    at E = 512, K = 10 (the one-program sort up to its limit, the chunked counting sort everywhere: up
+    to 256 chunks, scanned by 8 or 32 programs), with an expert map."""
     from moekit.kernels.triton.align import (
         ONE_PROGRAM_MAX_PAIRS,
         AlignMethod,
@@ -453,14 +455,14 @@ def test_align_methods_agree_on_the_gpu(t, block_m):
     )
 
     gen = torch.Generator(device=DEVICE).manual_seed(t)
-    ids = torch.rand(t, 128, generator=gen, device=DEVICE).topk(4, dim=1).indices.to(torch.int32)
-    expert_map = torch.full((128,), -1, dtype=torch.int32, device=DEVICE)
-    expert_map[torch.randperm(128, generator=gen, device=DEVICE)[:48]] = torch.arange(
-        48, dtype=torch.int32, device=DEVICE
+    ids = torch.rand(t, e, generator=gen, device=DEVICE).topk(k, dim=1).indices.to(torch.int32)
+    expert_map = torch.full((e,), -1, dtype=torch.int32, device=DEVICE)
+    expert_map[torch.randperm(e, generator=gen, device=DEVICE)[: e * 3 // 8]] = torch.arange(
+        e * 3 // 8, dtype=torch.int32, device=DEVICE
     )
-    for emap, local in ((None, 128), (expert_map, 48)):
+    for emap, local in ((None, e), (expert_map, e * 3 // 8)):
         methods = [
-            m for m in AlignMethod if m is not AlignMethod.ONE_PROGRAM or t * 4 <= ONE_PROGRAM_MAX_PAIRS
+            m for m in AlignMethod if m is not AlignMethod.ONE_PROGRAM or t * k <= ONE_PROGRAM_MAX_PAIRS
         ]
         got = [
             align_routing(ids, num_local_experts=local, block_m=block_m, expert_map=emap, method=m)

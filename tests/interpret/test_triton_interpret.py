@@ -309,15 +309,17 @@ def _block_list_rows(blocks):
     return sorted(zip(starts, blocks.block_expert[:n].tolist(), strict=True))
 
 
+@pytest.mark.parametrize("big_tile", [64, 2], ids=["big-tile-64", "big-tile-2"])
 @pytest.mark.parametrize("method", list(AlignMethod), ids=lambda m: m.name)
 @pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
-def test_tail_block_lists(t, k, e, e_local, bm, why, method):
+def test_tail_block_lists(t, k, e, e_local, bm, why, method, big_tile, monkeypatch):
     """`split_tail_blocks`: every valid block of the alignment is covered exactly once, by a 2*bm block
     (two of the same expert's blocks, the first at an even position in its segment) or by a tail block
-    (the expert's last, at an even position: an odd number of blocks); the Triton program and the torch
-    specification give the same lists."""
+    (the expert's last, at an even position: an odd number of blocks); the Triton programs and the torch
+    specification give the same lists. Two big blocks a program spread them over several programs."""
     if method is AlignMethod.ONE_PROGRAM and t * k > ONE_PROGRAM_MAX_PAIRS:
         return
+    monkeypatch.setattr(align, "_BIG_TILE", big_tile)
     ids, expert_map, n_local = _align_case(t, k, e, e_local)
     with _poisoned_allocations():
         a = align_routing(ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map, method=method)
@@ -384,12 +386,18 @@ def test_tail_blocks_with_an_expert_map():
     _check_layer(spec, t=45, expert_map=expert_map, seed=72, config=TAIL)
 
 
-@pytest.mark.parametrize("max_chunks", [256, 3], ids=["one-step-chunks", "multi-step-chunks"])
-def test_align_methods_agree_bit_for_bit(max_chunks, monkeypatch):
+@pytest.mark.parametrize(
+    ("max_chunks", "scan_tile"),
+    [(256, 4096), (3, 4096), (256, 8)],
+    ids=["one-step-chunks", "multi-step-chunks", "one-expert-scans"],
+)
+def test_align_methods_agree_bit_for_bit(max_chunks, scan_tile, monkeypatch):
     """Out-of-range ids, an expert map and experts with zero pairs: every tensor identical. Capping the
-    chunks at 3 makes each chunked program walk several one-hot steps, as at large P on a GPU."""
+    chunks at 3 makes each chunked program walk several one-hot steps, as at large P on a GPU; a scan
+    tile of 8 gives each of 64 scan programs one expert's column."""
 
     monkeypatch.setattr(align, "_MAX_CHUNKS", max_chunks)
+    monkeypatch.setattr(align, "_SCAN_TILE", scan_tile)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(-2, 70, (250, 4), generator=gen, dtype=torch.int32)  # P = 1000, some dropped
     expert_map = torch.full((64,), -1, dtype=torch.int32)

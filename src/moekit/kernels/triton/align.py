@@ -21,11 +21,11 @@ are dropped rather than read out of bounds; callers check ids once at the edge
 Three implementations with identical results (`AlignMethod`): for P <= ONE_PROGRAM_MAX_PAIRS one
 Triton program (`_details.align._align_pairs`: histogram, cumsum, bitonic sort; one launch, where torch
 ops cost ~15 launches, about 45 us of a decode step on an H200); above, a counting sort in three
-launches over chunks of pairs (on an H200 the one program's sort took 74.7 us at P = 4096, the chunked
-sort 11.2 us; at P = 32768 the chunked sort takes 37.5 us where torch's ops and routing together took
-193 us); and torch ops with device-sized results (sort,
-searchsorted, cumsum, scatter), the readable specification the tests hold the kernels to. None waits
-for the GPU.
+launches over chunks of pairs, each spread over many programs (on an H200 the one program's sort took
+74.7 us at P = 4096, the chunked sort 11.2 us; at P = 32768, E = 128 the chunked sort takes 13.5 us
+with L2 flushed, where torch's ops and routing together took 193 us); and torch ops with device-sized
+results (sort, searchsorted, cumsum, scatter), the readable specification the tests hold the kernels
+to. None waits for the GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ ONE_PROGRAM_MAX_PAIRS = 1024
 # Chunked counting sort: a chunk's one-hot [CHUNK, BLOCK_E] holds at most this many int32.
 _ONE_HOT_ELEMENTS = 8192
 _MAX_CHUNKS = 256
+# `_align_scan` holds at most this many int32 a program (a column over the chunks per expert);
+# `_split_tail_blocks` places this many big blocks a program.
+_SCAN_TILE = 4096
+_BIG_TILE = 64
 
 
 class AlignMethod(enum.Enum):
@@ -145,7 +149,7 @@ def _align_chunked(
     out = _outputs(device, num_pairs=num_pairs, e_local=e_local, block_m=block_m, max_blocks=max_blocks)
     block_e = triton.next_power_of_2(e_local)
     sub = max(16, min(256, _ONE_HOT_ELEMENTS // block_e))
-    # At most _MAX_CHUNKS chunks, so that `_align_finish` (one program) walks few of them.
+    # At most _MAX_CHUNKS chunks: `_align_scan` holds an expert's column over the chunks in one tile.
     n_sub = triton.next_power_of_2(cdiv(num_pairs, sub * _MAX_CHUNKS))
     num_chunks = cdiv(num_pairs, sub * n_sub)
     blocks_per_program = triton.next_power_of_2(cdiv(max_blocks, num_chunks))
@@ -166,30 +170,29 @@ def _align_chunked(
         BLOCK_E=block_e,
         num_warps=num_warps,
     )
-    _jit_align._align_finish[(1,)](
+    chunks_bound = triton.next_power_of_2(num_chunks)
+    scan_experts = min(block_e, max(1, _SCAN_TILE // chunks_bound))
+    _jit_align._align_scan[(block_e // scan_experts,)](
         **pdl_args(device),
         chunk_counts_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E], counts -> first ranks
-        sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * BLOCK_M]
-        num_blocks_ptr=out["num_valid_blocks"],  # int32 [1]
-        expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
         expert_counts_ptr=out["expert_counts"],  # int32 [E_local]
-        num_pairs=num_pairs,
         num_chunks=num_chunks,
         NUM_LOCAL=e_local,
-        BLOCK_M=block_m,
         BLOCK_E=block_e,
-        TILE=max(8, min(32, 4096 // block_e)),
-        CHUNKS_BOUND=triton.next_power_of_2(num_chunks),
-        num_warps=num_warps,
+        EXPERTS=scan_experts,
+        CHUNKS_BOUND=chunks_bound,
+        num_warps=4,
     )
     _jit_align._align_scatter[(num_chunks,)](
         **pdl_args(device),
         pair_expert_ptr=out["pair_expert"],  # int32 [P]
         rank_ptr=rank,  # int32 [P]
         chunk_first_ptr=chunk_counts,  # int32 [num_chunks, BLOCK_E]
-        expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
+        expert_counts_ptr=out["expert_counts"],  # int32 [E_local]
         sorted_pairs_ptr=out["sorted_pair_ids"],  # int32 [max_blocks * BLOCK_M]
         block_expert_ptr=out["block_expert"],  # int32 [max_blocks]
+        num_blocks_ptr=out["num_valid_blocks"],  # int32 [1]
+        expert_offsets_ptr=out["expert_offsets"],  # int64 [E_local + 1]
         num_pairs=num_pairs,
         max_blocks=max_blocks,
         NUM_LOCAL=e_local,
@@ -392,7 +395,9 @@ def split_tail_blocks(
     tail_expert = torch.empty_like(tail_start)
     num_big = torch.empty(1, dtype=torch.int32, device=device)
     num_tail = torch.empty(1, dtype=torch.int32, device=device)
-    _jit_align._split_tail_blocks[(1,)](
+    big_bound = triton.next_power_of_2(max(max_big, 1))
+    big_tile = min(big_bound, _BIG_TILE)
+    _jit_align._split_tail_blocks[(big_bound // big_tile,)](
         **pdl_args(device),
         expert_offsets_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
         expert_counts_ptr=aligned.expert_counts,  # int32 [E_local]
@@ -406,7 +411,7 @@ def split_tail_blocks(
         NUM_LOCAL=e_local,
         TAIL_M=t,
         BLOCK_E=triton.next_power_of_2(e_local),
-        BIG_BOUND=triton.next_power_of_2(max(max_big, 1)),
+        BIG_TILE=big_tile,
     )
     return (
         BlockList(2 * t, big_start, big_expert, num_big, max_big),

@@ -4,12 +4,13 @@ Data flow: ids [T, K] (through the optional expert map) -> each pair's local exp
 sort of the (token, k) pairs by local expert, padded per expert to BLOCK_M rows -> the M-block
 metadata the GEMMs read. Two ways to the same result:
 - `_align_pairs`: one program (histogram, cumsum, bitonic sort in registers); one launch, for small P.
-- `_align_count` -> `_align_finish` -> `_align_scatter`: the pairs in chunks of CHUNK, one program per
+- `_align_count` -> `_align_scan` -> `_align_scatter`: the pairs in chunks of CHUNK, one program per
   chunk, so the work spreads over the GPU whatever P is. `_align_count` finds each pair's local expert,
   its rank among the chunk's earlier pairs of that expert (a one-hot cumsum) and the chunk's histogram;
-  `_align_finish` (one program) turns the histograms into each chunk's first row per expert, the padded
-  expert offsets, the owner of every M-block and the padding rows; `_align_scatter` writes each pair at
-  its expert's offset + its chunk's first row + its rank.
+  `_align_scan` (one program per group of experts) turns the histograms into each chunk's first rank
+  per expert and each expert's count; `_align_scatter` derives the padded expert offsets from the
+  counts, writes each pair at its expert's offset + its chunk's first rank + its rank, the owner of
+  every M-block and the padding rows.
 """
 
 import triton
@@ -135,54 +136,40 @@ def _align_count(
 
 
 @triton.jit
-def _align_finish(
+def _align_scan(
     chunk_counts_ptr,  # in/out int32 [num_chunks, BLOCK_E]: counts in, each chunk's first rank out
-    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: P on the padding rows of each expert
-    num_blocks_ptr,  # out int32 [1]
-    expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1]
     expert_counts_ptr,  # out int32 [NUM_LOCAL]
-    num_pairs,
     num_chunks,
     NUM_LOCAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    TILE: tl.constexpr,  # chunks and padding rows per step
-    CHUNKS_BOUND: tl.constexpr,  # power of two >= num_chunks (constexpr trip counts: the interpreter
-    # cannot loop to a runtime bound, and it compiles once per power of two)
+    EXPERTS: tl.constexpr,  # experts (columns) a program scans
+    CHUNKS_BOUND: tl.constexpr,  # power of two >= num_chunks: the whole column in one tile
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
+    """One program per EXPERTS experts: the exclusive cumsum of their histograms over the chunks, in one
+    tile. One program walking the chunks tile by tile is a chain of dependent loads and scans (about
+    25 us on an H200 at any P); the columns are independent."""
     _pdl_prologue(PDL)
-    e = tl.arange(0, BLOCK_E)
-    is_expert = e < NUM_LOCAL
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, CHUNKS_BOUND, TILE):  # exclusive cumsum over chunks, in place
-        c = c0 + tl.arange(0, TILE)
-        ptrs = chunk_counts_ptr + c[:, None] * BLOCK_E + e[None, :]
-        tile = tl.load(ptrs, mask=(c < num_chunks)[:, None], other=0)
-        tl.store(ptrs, counts[None, :] + tl.cumsum(tile, 0) - tile, mask=(c < num_chunks)[:, None])
-        counts += tl.sum(tile, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    total = tl.sum(padded, 0)
-    tl.store(expert_offsets_ptr + e, padded_start.to(tl.int64), mask=is_expert)
-    tl.store(expert_offsets_ptr + NUM_LOCAL, total.to(tl.int64))
-    tl.store(expert_counts_ptr + e, counts, mask=is_expert)
-    tl.store(num_blocks_ptr, total // BLOCK_M)
-    pad_start = padded_start + counts  # the tail of each expert's last block
-    for j0 in range(0, BLOCK_M, TILE):
-        r = pad_start[:, None] + (j0 + tl.arange(0, TILE))[None, :]
-        tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r < padded_end[:, None]) & is_expert[:, None])
+    e = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
+    c = tl.arange(0, CHUNKS_BOUND)
+    ptrs = chunk_counts_ptr + c[:, None] * BLOCK_E + e[None, :]
+    in_c = (c < num_chunks)[:, None]
+    tile = tl.load(ptrs, mask=in_c, other=0)
+    tl.store(ptrs, tl.cumsum(tile, 0) - tile, mask=in_c)
+    tl.store(expert_counts_ptr + e, tl.sum(tile, 0), mask=e < NUM_LOCAL)
 
 
 @triton.jit
 def _align_scatter(
     pair_expert_ptr,  # int32 [P]
     rank_ptr,  # int32 [P]
-    chunk_first_ptr,  # int32 [num_chunks, BLOCK_E]: `_align_finish`'s first rank of each chunk
-    expert_offsets_ptr,  # int64 [NUM_LOCAL + 1]
-    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]
+    chunk_first_ptr,  # int32 [num_chunks, BLOCK_E]: `_align_scan`'s first rank of each chunk; program c
+    # adds the experts' padded offsets to row c, which no other program reads
+    expert_counts_ptr,  # int32 [NUM_LOCAL]
+    sorted_pairs_ptr,  # out int32 [max_blocks * BLOCK_M]: P on padding rows
     block_expert_ptr,  # out int32 [max_blocks]
+    num_blocks_ptr,  # out int32 [1] (program 0)
+    expert_offsets_ptr,  # out int64 [NUM_LOCAL + 1] (program 0)
     num_pairs,
     max_blocks,
     NUM_LOCAL: tl.constexpr,
@@ -196,27 +183,46 @@ def _align_scatter(
 ):
     _pdl_prologue(PDL)
     chunk = tl.program_id(0)
+    # The padded expert offsets from the counts: a cumsum over BLOCK_E, cheaper for every program to
+    # compute than another launch.
+    e = tl.arange(0, BLOCK_E)
+    is_expert = e < NUM_LOCAL
+    counts = tl.load(expert_counts_ptr + e, mask=is_expert, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    total = tl.sum(padded, 0)
+    if chunk == 0:
+        tl.store(expert_offsets_ptr + e, padded_start.to(tl.int64), mask=is_expert)
+        tl.store(expert_offsets_ptr + NUM_LOCAL, total.to(tl.int64))
+        tl.store(num_blocks_ptr, total // BLOCK_M)
+    # A pair's row is its chunk's first row for its expert plus its rank: the offsets go into this
+    # program's row of chunk_first once, so that each pair gathers one number. The barrier makes the
+    # row's stores visible to every thread of the program before any reads it back.
+    row_ptrs = chunk_first_ptr + chunk * BLOCK_E + e
+    tl.store(row_ptrs, tl.load(row_ptrs) + padded_start)
+    tl.debug_barrier()
     for step in range(N_SUB):
         p = (chunk * N_SUB + step) * SUB + tl.arange(0, SUB)
         local = tl.load(pair_expert_ptr + p, mask=p < num_pairs, other=-1)
         kept = local >= 0
         first = tl.load(chunk_first_ptr + chunk * BLOCK_E + local, mask=kept, other=0)
         rank = tl.load(rank_ptr + p, mask=kept, other=0)
-        row = tl.load(expert_offsets_ptr + local, mask=kept, other=0) + first + rank
-        tl.store(sorted_pairs_ptr + row, p, mask=kept)
+        tl.store(sorted_pairs_ptr + first + rank, p, mask=kept)
     # This program's blocks: the owner of block b is the number of experts whose padded rows end at or
     # before its first row (NUM_LOCAL past the last block), as torch.searchsorted(padded_end, start,
-    # right=True) in the torch path; rows past the last block are padding.
-    e = tl.arange(0, BLOCK_E)
-    is_expert = e < NUM_LOCAL
-    padded_end = tl.load(expert_offsets_ptr + 1 + e, mask=is_expert, other=0)
-    total = tl.load(expert_offsets_ptr + NUM_LOCAL)
+    # right=True) in the torch path. Rows from the owner's last pair on are padding; past the last
+    # block no expert owns the block and every row is.
+    pad_start = padded_start + counts
     for b0 in range(0, BLOCKS_PER_PROGRAM, BLOCK_TILE):
         b = chunk * BLOCKS_PER_PROGRAM + b0 + tl.arange(0, BLOCK_TILE)
         before = (padded_end[None, :] <= (b * BLOCK_M)[:, None]) & is_expert[None, :]
-        tl.store(block_expert_ptr + b, tl.sum(before.to(tl.int32), 1), mask=b < max_blocks)
+        owner = tl.sum(before.to(tl.int32), 1)
+        tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
+        mine = (e[None, :] == owner[:, None]) & is_expert[None, :]
+        owner_pad = tl.sum(tl.where(mine, pad_start[None, :], 0), 1)  # 0 past the last block
         r = (b * BLOCK_M)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r >= total) & (b < max_blocks)[:, None])
+        tl.store(sorted_pairs_ptr + r, num_pairs, mask=(r >= owner_pad[:, None]) & (b < max_blocks)[:, None])
 
 
 @triton.jit
@@ -233,35 +239,36 @@ def _split_tail_blocks(
     NUM_LOCAL: tl.constexpr,
     TAIL_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BIG_BOUND: tl.constexpr,  # power of two >= max_big (constexpr trip count, as `_align_finish`)
+    BIG_TILE: tl.constexpr,  # big blocks a program places
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
-    """One program. Expert e's nb = ceil(count / TAIL_M) blocks of an alignment at TAIL_M rows become
-    nb // 2 blocks of 2 * TAIL_M rows and, when nb is odd, one tail block of TAIL_M rows: its last."""
+    """Expert e's nb = ceil(count / TAIL_M) blocks of an alignment at TAIL_M rows become nb // 2 blocks
+    of 2 * TAIL_M rows and, when nb is odd, one tail block of TAIL_M rows: its last. Every program
+    computes the per-expert sums (BLOCK_E wide) and places BIG_TILE big blocks; program 0 also writes
+    the tails and both counts."""
     _pdl_prologue(PDL)
-    TILE: tl.constexpr = BIG_BOUND if BIG_BOUND < 64 else 64  # big blocks placed per step
     e = tl.arange(0, BLOCK_E)
     is_expert = e < NUM_LOCAL
     offset = tl.load(expert_offsets_ptr + e, mask=is_expert, other=0).to(tl.int32)
     count = tl.load(expert_counts_ptr + e, mask=is_expert, other=0)
     blocks = (count + TAIL_M - 1) // TAIL_M
     pairs = blocks // 2
-    has_tail = (blocks % 2 == 1) & is_expert
     big_end = tl.cumsum(pairs, 0)  # big block i belongs to the first expert whose big_end exceeds i
-    tail_index = tl.cumsum(has_tail.to(tl.int32), 0) - 1
-    tl.store(tail_start_ptr + tail_index, offset + (blocks - 1) * TAIL_M, mask=has_tail)
-    tl.store(tail_expert_ptr + tail_index, e, mask=has_tail)
-    tl.store(num_tail_ptr, tl.sum(has_tail.to(tl.int32), 0))
-    tl.store(num_big_ptr, tl.sum(pairs, 0))
+    if tl.program_id(0) == 0:
+        has_tail = (blocks % 2 == 1) & is_expert
+        tail_index = tl.cumsum(has_tail.to(tl.int32), 0) - 1
+        tl.store(tail_start_ptr + tail_index, offset + (blocks - 1) * TAIL_M, mask=has_tail)
+        tl.store(tail_expert_ptr + tail_index, e, mask=has_tail)
+        tl.store(num_tail_ptr, tl.sum(has_tail.to(tl.int32), 0))
+        tl.store(num_big_ptr, tl.sum(pairs, 0))
     big_begin = big_end - pairs
-    for i0 in range(0, BIG_BOUND, TILE):
-        i = i0 + tl.arange(0, TILE)
-        owner = tl.sum(((big_end[None, :] <= i[:, None]) & is_expert[None, :]).to(tl.int32), 1)
-        mine = e[None, :] == owner[:, None]  # [TILE, BLOCK_E]: one column per row, none past the last
-        first = tl.sum(tl.where(mine, (offset - big_begin * 2 * TAIL_M)[None, :], 0), 1)
-        live = (i < max_big) & (owner < NUM_LOCAL)
-        tl.store(big_start_ptr + i, first + i * 2 * TAIL_M, mask=live)
-        tl.store(big_expert_ptr + i, owner, mask=live)
+    i = tl.program_id(0) * BIG_TILE + tl.arange(0, BIG_TILE)
+    owner = tl.sum(((big_end[None, :] <= i[:, None]) & is_expert[None, :]).to(tl.int32), 1)
+    mine = e[None, :] == owner[:, None]  # [BIG_TILE, BLOCK_E]: one column per row, none past the last
+    first = tl.sum(tl.where(mine, (offset - big_begin * 2 * TAIL_M)[None, :], 0), 1)
+    live = (i < max_big) & (owner < NUM_LOCAL)
+    tl.store(big_start_ptr + i, first + i * 2 * TAIL_M, mask=live)
+    tl.store(big_expert_ptr + i, owner, mask=live)
 
 
 @triton.jit
