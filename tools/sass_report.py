@@ -167,8 +167,8 @@ def compile_for_hopper(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_wgmma_fp8_for_hopper(gemm: int, *, block_m: int = 64, stages: int = 4, hidden=7168, inter=2048):
-    """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1, or 2 with `block_m` 128 or 64 rows) compiled for sm_90
+def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, inter=2048):
+    """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1 on 64-row blocks, or 2 on 128) compiled for sm_90
     at a layer's H and I, with the launcher's register budgets."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -205,7 +205,7 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, block_m: int = 64, stages: int = 
     else:
         fn = wgmma_fp8_gemm2._fp8_gemm2
         pointers = dict(
-            h_desc=descriptor([block_m, host.TILE_K]),
+            h_desc=descriptor([2 * host.GEMM1_ROWS, host.TILE_K]),
             w_desc=weight,
             h_scale_ptr="*fp32",
             w_scale_ptr="*fp32",
@@ -215,6 +215,7 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, block_m: int = 64, stages: int = 
             block_expert_ptr="*i32",
             block_start_ptr="*i32",
             num_blocks_ptr="*i32",
+            expert_end_ptr="*i64",
         )
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names

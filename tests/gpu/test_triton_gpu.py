@@ -451,6 +451,7 @@ def test_align_methods_agree_on_the_gpu(t, block_m, e, k):
         ONE_PROGRAM_MAX_PAIRS,
         AlignMethod,
         align_routing,
+        paired_blocks,
         split_tail_blocks,
     )
 
@@ -478,10 +479,16 @@ def test_align_methods_agree_on_the_gpu(t, block_m, e, k):
             ):
                 assert torch.equal(getattr(got[0], name), getattr(other, name)), (method, name)
             assert torch.equal(got[0].expert_counts, other.expert_counts), method
-        # Tail-block lists: the Triton program against the torch specification, on every alignment.
-        spec_lists = split_tail_blocks(got[0], method=AlignMethod.TORCH)
+        # Tail-block and paired-block lists: the Triton programs against the torch specification, on
+        # every alignment.
+        spec_lists = (
+            *split_tail_blocks(got[0], method=AlignMethod.TORCH),
+            paired_blocks(got[0], method=AlignMethod.TORCH),
+        )
         for aligned in got:
-            for mine, spec in zip(split_tail_blocks(aligned), spec_lists, strict=True):
+            for mine, spec in zip(
+                (*split_tail_blocks(aligned), paired_blocks(aligned)), spec_lists, strict=True
+            ):
                 n = int(spec.num_valid_blocks)
                 assert int(mine.num_valid_blocks) == n and mine.max_blocks == spec.max_blocks
                 assert torch.equal(mine.block_start[:n], spec.block_start[:n])

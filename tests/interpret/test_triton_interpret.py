@@ -59,6 +59,7 @@ from moekit.kernels.triton.align import (  # noqa: E402
     max_blocks_bound,
     one_block_per_pair,
     pair_rows,
+    paired_blocks,
     split_tail_blocks,
     takes_one_block_per_pair,
 )
@@ -298,6 +299,13 @@ def test_align_invariants(t, k, e, e_local, bm, why, method):
     assert torch.equal(a.expert_offsets, padded)
 
 
+def _aligned(t, k, e, e_local, bm, method):
+    """The alignment of an ALIGN_CASES row by `method`, its outputs poisoned before the kernels write."""
+    ids, expert_map, n_local = _align_case(t, k, e, e_local)
+    with _poisoned_allocations():
+        return align_routing(ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map, method=method)
+
+
 def _block_list_rows(blocks):
     """{(first row, expert)} of a BlockList's valid blocks."""
     n = int(blocks.num_valid_blocks)
@@ -320,12 +328,12 @@ def test_tail_block_lists(t, k, e, e_local, bm, why, method, big_tile, monkeypat
     if method is AlignMethod.ONE_PROGRAM and t * k > ONE_PROGRAM_MAX_PAIRS:
         return
     monkeypatch.setattr(align, "_BIG_TILE", big_tile)
-    ids, expert_map, n_local = _align_case(t, k, e, e_local)
+    a = _aligned(t, k, e, e_local, bm, method)
     with _poisoned_allocations():
-        a = align_routing(ids, num_local_experts=n_local, block_m=bm, expert_map=expert_map, method=method)
         big, tail = split_tail_blocks(a, method=method)
     assert (big.block_m, tail.block_m) == (2 * bm, bm)
-    assert big.max_blocks == a.max_blocks // 2 and tail.max_blocks == min(n_local, a.max_blocks)
+    assert big.max_blocks == a.max_blocks // 2
+    assert tail.max_blocks == min(a.expert_counts.numel(), a.max_blocks)
     covered = []
     for blocks in (big, tail):
         assert int(blocks.num_valid_blocks) <= blocks.max_blocks
@@ -342,6 +350,36 @@ def test_tail_block_lists(t, k, e, e_local, bm, why, method, big_tile, monkeypat
     spec_big, spec_tail = split_tail_blocks(a, method=AlignMethod.TORCH)
     assert _block_list_rows(big) == _block_list_rows(spec_big)
     assert _block_list_rows(tail) == _block_list_rows(spec_tail)
+
+
+@pytest.mark.parametrize("big_tile", [64, 2], ids=["big-tile-64", "big-tile-2"])
+@pytest.mark.parametrize("method", list(AlignMethod), ids=lambda m: m.name)
+@pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
+def test_paired_block_list(t, k, e, e_local, bm, why, method, big_tile, monkeypatch):
+    """`paired_blocks`: every valid block of the alignment is covered exactly once, by a 2*bm block
+    starting at an even position of its expert's segment: both halves the expert's, or (an odd number
+    of blocks) the first half its last block, the second past the expert's end; within the host bound;
+    the Triton programs and the torch specification give the same list."""
+    if method is AlignMethod.ONE_PROGRAM and t * k > ONE_PROGRAM_MAX_PAIRS:
+        return
+    monkeypatch.setattr(align, "_BIG_TILE", big_tile)
+    a = _aligned(t, k, e, e_local, bm, method)
+    with _poisoned_allocations():
+        paired = paired_blocks(a, method=method)
+    assert paired.block_m == 2 * bm and int(paired.num_valid_blocks) <= paired.max_blocks
+    covered = []
+    for first, expert in _block_list_rows(paired):
+        end = int(a.expert_offsets[expert + 1])
+        position = (first - int(a.expert_offsets[expert])) // bm
+        assert first % bm == 0 and position % 2 == 0 and first < end
+        last = math.ceil(int(a.expert_counts[expert]) / bm) - 1
+        half = position == last
+        assert half == (first + bm == end), "only an expert's odd last block has its second half past its end"
+        for b in range(first // bm, first // bm + (1 if half else 2)):
+            assert int(a.block_expert[b]) == expert, f"block {b} is not expert {expert}'s"
+            covered.append(b)
+    assert sorted(covered) == list(range(int(a.num_valid_blocks)))
+    assert _block_list_rows(paired) == _block_list_rows(paired_blocks(a, method=AlignMethod.TORCH))
 
 
 TAIL = TritonMoEConfig(

@@ -383,18 +383,40 @@ def split_tail_blocks(
     """(blocks of 2 * block_m rows, tail blocks of block_m rows) over `aligned` (padded to block_m): each
     expert's padded segment taken two blocks at a time, its last block alone when their number is odd.
     An expert's last pairs then fill half a large block instead of wasting the other half on padding.
-    TORCH computes the same lists with torch ops (the specification); otherwise one Triton program."""
+    TORCH computes the same lists with torch ops (the specification); otherwise Triton programs."""
+    max_big, max_tail = aligned.max_blocks // 2, min(aligned.expert_counts.numel(), aligned.max_blocks)
+    big, tail = _big_blocks(aligned, max_big=max_big, max_tail=max_tail, method=method)
+    return big, tail
+
+
+def paired_blocks(aligned: AlignedRouting, *, method: AlignMethod | None = None) -> BlockList:
+    """Blocks of 2 * block_m rows over `aligned` (padded to block_m): each expert's padded segment taken
+    two blocks at a time, its odd last block (if any) as the first half of one more, in place, so
+    that it runs in the same launch as, and next to, the expert's other blocks. The second half of such
+    a block is another expert's rows or past the last: a GEMM walking this list must drop the rows at or
+    past `aligned.expert_offsets[expert + 1]`."""
+    e_local, max_blocks = aligned.expert_counts.numel(), aligned.max_blocks
+    # sum over experts of ceil(blocks / 2) <= (valid blocks + experts with a block) / 2
+    max_big = min(max_blocks, cdiv(max_blocks + min(e_local, max_blocks), 2))
+    return _big_blocks(aligned, max_big=max_big, max_tail=None, method=method)[0]
+
+
+def _big_blocks(
+    aligned: AlignedRouting, *, max_big: int, max_tail: int | None, method: AlignMethod | None
+) -> tuple[BlockList, BlockList | None]:
+    """The big blocks and the tail blocks of `split_tail_blocks`, or with `max_tail` None the big blocks
+    of `paired_blocks` (an odd last block among them) and no tail list."""
     t, e_local = aligned.block_m, aligned.expert_counts.numel()
-    max_big, max_tail = aligned.max_blocks // 2, min(e_local, aligned.max_blocks)
     device = aligned.sorted_pair_ids.device
+    half_last = max_tail is None
     if method is AlignMethod.TORCH or aligned.num_pairs == 0:
-        return _split_tail_blocks_torch(aligned, max_big=max_big, max_tail=max_tail)
+        return _big_blocks_torch(aligned, max_big=max_big, max_tail=max_tail)
     big_start = torch.empty(max(max_big, 1), dtype=torch.int32, device=device)
     big_expert = torch.empty_like(big_start)
-    tail_start = torch.empty(e_local, dtype=torch.int32, device=device)
-    tail_expert = torch.empty_like(tail_start)
+    tail_start = None if half_last else torch.empty(e_local, dtype=torch.int32, device=device)
+    tail_expert = None if half_last else torch.empty_like(tail_start)
     num_big = torch.empty(1, dtype=torch.int32, device=device)
-    num_tail = torch.empty(1, dtype=torch.int32, device=device)
+    num_tail = None if half_last else torch.empty_like(num_big)
     big_bound = triton.next_power_of_2(max(max_big, 1))
     big_tile = min(big_bound, _BIG_TILE)
     _jit_align._split_tail_blocks[(big_bound // big_tile,)](
@@ -412,21 +434,21 @@ def split_tail_blocks(
         TAIL_M=t,
         BLOCK_E=triton.next_power_of_2(e_local),
         BIG_TILE=big_tile,
+        HALF_LAST=half_last,
     )
-    return (
-        BlockList(2 * t, big_start, big_expert, num_big, max_big),
-        BlockList(t, tail_start, tail_expert, num_tail, max_tail),
-    )
+    big = BlockList(2 * t, big_start, big_expert, num_big, max_big)
+    return big, None if half_last else BlockList(t, tail_start, tail_expert, num_tail, max_tail)
 
 
-def _split_tail_blocks_torch(
-    aligned: AlignedRouting, *, max_big: int, max_tail: int
-) -> tuple[BlockList, BlockList]:
+def _big_blocks_torch(
+    aligned: AlignedRouting, *, max_big: int, max_tail: int | None
+) -> tuple[BlockList, BlockList | None]:
+    half_last = max_tail is None
     t, device = aligned.block_m, aligned.sorted_pair_ids.device
     e_local = aligned.expert_counts.numel()
     offset = aligned.expert_offsets[:-1]
     blocks = _cdiv_tensor(aligned.expert_counts.long(), t)
-    pairs = blocks // 2
+    pairs = (blocks + int(half_last)) // 2
     big_end = torch.cumsum(pairs, 0)
     i = torch.arange(max(max_big, 1), device=device)
     owner = torch.searchsorted(big_end, i, right=True)  # E_local past the last big block
@@ -436,22 +458,12 @@ def _split_tail_blocks_torch(
     # Tails in expert order: a stable sort puts the experts with one first (device-sized, no sync).
     order = torch.sort((~has_tail).to(torch.int8), stable=True).indices
     tail_start = (offset + (blocks - 1) * t)[order]
-    return (
-        BlockList(
-            2 * t,
-            big_start.to(torch.int32),
-            owner.to(torch.int32),
-            pairs.sum().reshape(1).to(torch.int32),
-            max_big,
-        ),
-        BlockList(
-            t,
-            tail_start.to(torch.int32),
-            order.to(torch.int32),
-            has_tail.sum().reshape(1).to(torch.int32),
-            max_tail,
-        ),
-    )
+    num_big = pairs.sum().reshape(1).to(torch.int32)
+    big = BlockList(2 * t, big_start.to(torch.int32), owner.to(torch.int32), num_big, max_big)
+    if half_last:
+        return big, None
+    num_tail = has_tail.sum().reshape(1).to(torch.int32)
+    return big, BlockList(t, tail_start.to(torch.int32), order.to(torch.int32), num_tail, max_tail)
 
 
 def pair_rows(aligned: AlignedRouting) -> torch.Tensor:

@@ -240,27 +240,32 @@ def _split_tail_blocks(
     TAIL_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BIG_TILE: tl.constexpr,  # big blocks a program places
+    HALF_LAST: tl.constexpr,  # an odd last block is a half-filled big block (no tail list: pointers None)
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
     """Expert e's nb = ceil(count / TAIL_M) blocks of an alignment at TAIL_M rows become nb // 2 blocks
-    of 2 * TAIL_M rows and, when nb is odd, one tail block of TAIL_M rows: its last. Every program
-    computes the per-expert sums (BLOCK_E wide) and places BIG_TILE big blocks; program 0 also writes
-    the tails and both counts."""
+    of 2 * TAIL_M rows and, when nb is odd, one tail block of TAIL_M rows: its last (with HALF_LAST,
+    one more big block instead, starting there). Every program computes the per-expert sums (BLOCK_E
+    wide) and places BIG_TILE big blocks; program 0 also writes the tails and the counts."""
     _pdl_prologue(PDL)
     e = tl.arange(0, BLOCK_E)
     is_expert = e < NUM_LOCAL
     offset = tl.load(expert_offsets_ptr + e, mask=is_expert, other=0).to(tl.int32)
     count = tl.load(expert_counts_ptr + e, mask=is_expert, other=0)
     blocks = (count + TAIL_M - 1) // TAIL_M
-    pairs = blocks // 2
+    if HALF_LAST:
+        pairs = (blocks + 1) // 2
+    else:
+        pairs = blocks // 2
     big_end = tl.cumsum(pairs, 0)  # big block i belongs to the first expert whose big_end exceeds i
     if tl.program_id(0) == 0:
-        has_tail = (blocks % 2 == 1) & is_expert
-        tail_index = tl.cumsum(has_tail.to(tl.int32), 0) - 1
-        tl.store(tail_start_ptr + tail_index, offset + (blocks - 1) * TAIL_M, mask=has_tail)
-        tl.store(tail_expert_ptr + tail_index, e, mask=has_tail)
-        tl.store(num_tail_ptr, tl.sum(has_tail.to(tl.int32), 0))
         tl.store(num_big_ptr, tl.sum(pairs, 0))
+        if not HALF_LAST:
+            has_tail = (blocks % 2 == 1) & is_expert
+            tail_index = tl.cumsum(has_tail.to(tl.int32), 0) - 1
+            tl.store(tail_start_ptr + tail_index, offset + (blocks - 1) * TAIL_M, mask=has_tail)
+            tl.store(tail_expert_ptr + tail_index, e, mask=has_tail)
+            tl.store(num_tail_ptr, tl.sum(has_tail.to(tl.int32), 0))
     big_begin = big_end - pairs
     i = tl.program_id(0) * BIG_TILE + tl.arange(0, BIG_TILE)
     owner = tl.sum(((big_end[None, :] <= i[:, None]) & is_expert[None, :]).to(tl.int32), 1)

@@ -81,6 +81,17 @@ def _promoted_kloop(
 
 
 @gluon.jit
+def _release_stages(ring, KT: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """A math warpgroup with no rows of its own in this block: hand each stage back as it lands (the
+    ring's empty barriers count every consumer), so that the producer and the other warpgroup run on."""
+    ready, empty = ring[2], ring[3]
+    for k in range(KT):
+        s = k % NUM_STAGES
+        mbarrier.wait(ready.index(s), (k // NUM_STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
 def _loader(
     descriptors, a_smem, b_smems, ready, empty, row_a, w_rows, KT: gl.constexpr, NUM_STAGES: gl.constexpr
 ):
