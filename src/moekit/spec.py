@@ -299,6 +299,22 @@ class MoESpec:
         block scales, per-1x128 activation groups): each 128-wide K-step's product is scaled on its own."""
         return self.fp8_scale is Fp8Scale.BLOCK_128 or self.act_quant is ActivationQuant.FP8_PER_GROUP_128
 
+    @property
+    def expert_weight_bytes(self) -> int:
+        """Bytes of one expert's w13 and w2 as stored (MXFP4: 4-bit codes and a scale byte per 32; FP8:
+        the codes, its 128x128 block scales under 0.01 %), biases included: what a GEMM streams per hit
+        expert."""
+        elements = 3 * self.H * self.I
+        fmt = self.weight_format
+        if fmt is WeightFormat.MXFP4:
+            matrix = elements // 2 + elements // 32
+        elif fmt is WeightFormat.FP8_E4M3:
+            matrix = elements
+        else:
+            matrix = elements * torch.empty((), dtype=fmt.float_dtype).element_size()
+        bias = (2 * self.I + self.H) * 2 if self.has_bias else 0  # b13 [2I] and b2 [H], bf16
+        return matrix + bias
+
     def describe(self) -> str:
         fmt = self.weight_format.name + (f"/{self.fp8_scale.name}" if self.fp8_scale else "")
         return (

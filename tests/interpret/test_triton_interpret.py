@@ -55,6 +55,7 @@ from moekit.kernels.triton.align import (  # noqa: E402
     ONE_PROGRAM_MAX_PAIRS,
     AlignMethod,
     align_routing,
+    expected_repeats,
     gemm_blocks,
     max_blocks_bound,
     one_block_per_pair,
@@ -66,6 +67,7 @@ from moekit.kernels.triton.align import (  # noqa: E402
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
 from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
+from moekit.presets import preset_at  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 from moekit.weights import WeightPacking  # noqa: E402
 
@@ -200,24 +202,53 @@ def _check_layer(
 # ---------------------------------------------------------------------------------------------------------
 # routing metadata (torch only)
 # ---------------------------------------------------------------------------------------------------------
+def _takes(t, k, e, nbytes, *, has_map=False):
+    return takes_one_block_per_pair(
+        num_tokens=t, top_k=k, num_local_experts=e, has_expert_map=has_map, expert_bytes=nbytes
+    )
+
+
 @pytest.mark.parametrize("e", [8, 32, 128, 256, 384, 512])
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 10])
-def test_one_block_per_pair_for_one_token_or_pairs_sparse_among_the_experts(e, k):
-    """One token always (its K experts are distinct); more tokens while their pairs stay within 1/16 of the
-    experts, so that few pairs share an expert; never with an expert map (pairs of other ranks)."""
-    sparse_tokens = [t for t in range(1, 200) if t * k * 16 <= e]
-    for t in range(0, 200):
-        takes = takes_one_block_per_pair(num_tokens=t, top_k=k, num_local_experts=e, has_expert_map=False)
-        assert takes == (t == 1 or t in sparse_tokens), (t, k, e)
-        assert not takes_one_block_per_pair(num_tokens=t, top_k=k, num_local_experts=e, has_expert_map=True)
-    # The rule follows pairs against experts, not the token count: twice the experts, twice the tokens.
-    if sparse_tokens:
-        wider = [
-            t
-            for t in range(1, 400)
-            if takes_one_block_per_pair(num_tokens=t, top_k=k, num_local_experts=2 * e, has_expert_map=False)
-        ]
-        assert wider[-1] in (2 * sparse_tokens[-1], 2 * sparse_tokens[-1] + 1)
+@pytest.mark.parametrize("nbytes", [2**20, 9_437_184, 44_040_192])
+def test_one_block_per_pair_for_one_token_or_few_expected_repeats(e, k, nbytes):
+    """One token always (its K experts are distinct), never with an expert map (pairs of other ranks);
+    beyond, up to a token count that falls as the experts grow in bytes and rises with their number."""
+    taken = [t for t in range(0, 400) if _takes(t, k, e, nbytes)]
+    assert 0 not in taken and 1 in taken
+    assert taken == list(range(1, taken[-1] + 1)), "more tokens never turn the rule back on"
+    assert not any(_takes(t, k, e, nbytes, has_map=True) for t in range(0, 50))
+    assert all(_takes(t, k, 2 * e, nbytes) for t in taken), "more experts at the same pairs: still taken"
+    assert all(not _takes(t, k, e, 2 * nbytes) or t in taken for t in range(1, 400))
+
+
+def test_expected_repeats_of_uniform_routing():
+    assert expected_repeats(num_pairs=1, num_local_experts=64) == 0
+    assert expected_repeats(num_pairs=2, num_local_experts=2) == pytest.approx(0.5)
+    gen = torch.Generator().manual_seed(3)
+    draws = torch.randint(0, 256, (20000, 32), generator=gen)
+    repeats = 32 - torch.tensor([len(set(row.tolist())) for row in draws], dtype=torch.float64).mean()
+    assert expected_repeats(num_pairs=32, num_local_experts=256) == pytest.approx(float(repeats), rel=0.03)
+
+
+@pytest.mark.parametrize(
+    ("name", "tokens", "takes"),
+    [
+        ("qwen3-30b-a3b@512x10x2048x512", (2, 4, 6, 8), True),
+        ("qwen3-30b-a3b", (2, 3), True),
+        ("qwen3-30b-a3b", (4,), False),
+        ("qwen3-30b-a3b@256x8x2048x768", (2, 4), True),
+        ("gpt-oss-120b", (2, 4), True),
+        ("deepseek-v3", (2,), True),
+        ("deepseek-v3", (4,), False),
+    ],
+)
+def test_one_block_per_pair_takes_the_measured_winners(name, tokens, takes):
+    """The path that was faster on an H200 (whole layer, both paths interleaved in one call; the constants
+    of `align.takes_one_block_per_pair`), where the margin was over 2 %, or DeepSeek-V3's even T = 2."""
+    spec = preset_at(name)
+    for t in tokens:
+        assert _takes(t, spec.K, spec.E, spec.expert_weight_bytes) is takes, (name, t)
 
 
 def test_one_block_per_pair_reads_the_ids_as_they_are():
@@ -228,7 +259,14 @@ def test_one_block_per_pair_reads_the_ids_as_they_are():
     with pytest.raises(DTypeError, match="int32"):
         one_block_per_pair(ids.long(), block_m=16)
     with pytest.raises(ShapeError, match=r"\[T, K\], got shape \(4,\)"):  # before T and K are read
-        gemm_blocks(ids.reshape(-1), num_local_experts=64, block_m=16, tail_block_m=None, expert_map=None)
+        gemm_blocks(
+            ids.reshape(-1),
+            num_local_experts=64,
+            block_m=16,
+            tail_block_m=None,
+            expert_map=None,
+            expert_bytes=1,
+        )
 
 
 ALIGN_CASES = [

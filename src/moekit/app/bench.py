@@ -23,7 +23,7 @@ from moekit.ops import fused_moe, prepare_weights, route
 from moekit.planning.plan import plan
 from moekit.presets import cap_experts, preset_at
 from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
-from moekit.spec import ActivationQuant, MoESpec, WeightFormat
+from moekit.spec import ActivationQuant, MoESpec
 from moekit.synthetic import random_batch, random_layer
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -59,20 +59,6 @@ class BenchRecord:
     rel_l2: float
     ok: bool
     error: str | None = None  # why the kernel could not be timed (then us is NaN)
-
-
-def expert_bytes(spec: MoESpec) -> int:
-    """Bytes of one expert's w13 + w2 (+ scales, + biases) as stored."""
-    elements = 3 * spec.H * spec.I
-    fmt = spec.weight_format
-    if fmt is WeightFormat.MXFP4:
-        matrix = elements // 2 + elements // 32  # 4-bit codes + one scale byte per 32
-    elif fmt is WeightFormat.FP8_E4M3:
-        matrix = elements  # scales are < 0.01 % for 128x128 blocks
-    else:
-        matrix = elements * torch.tensor([], dtype=fmt.float_dtype).element_size()
-    bias = 3 * spec.I * 2 if spec.has_bias else 0  # b13 [2I] + b2 [H]~[I] bf16, approximately
-    return matrix + bias
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
@@ -238,7 +224,7 @@ def _problem(t, info):
 def make_record(
     name, spec, chosen, t, hit, seconds, rel, ceilings: Ceilings, error: str | None = None
 ) -> BenchRecord:
-    weight_bytes = hit * expert_bytes(spec)
+    weight_bytes = hit * spec.expert_weight_bytes
     act_bytes = 2 * t * spec.H * torch.tensor([], dtype=spec.act_dtype).element_size()
     flops = 2.0 * t * spec.K * 3 * spec.H * spec.I
     roofline = max((weight_bytes + act_bytes) / ceilings.copy_bytes_per_s, flops / ceilings.matmul_rate(spec))

@@ -305,28 +305,42 @@ class BlockList:
         return cls(aligned.block_m, None, aligned.block_expert, aligned.num_valid_blocks, aligned.max_blocks)
 
 
-# One block a pair beyond one token while the pairs touch at most 1/16 of the local experts: uniformly
-# routed, about P / 2E of the pairs then repeat an expert (about 3 % of the weight bytes read twice).
-# Against that, the alignment's launch (H200 profile: 1.9 us at E = 128, 3.6 at 256, 8.9 at 512, as
-# the profiler times it under PDL) and the aligned GEMMs' longer start (each block's pairs read before its
-# A rows: gpt-oss-120b at T = 2 spent 25.4 us in GEMM2 aligned, 19.3 with one block a pair). H200, one
-# block a pair against aligned: E 512 / K 10 at T = 2 - 6 (P / E <= 0.12) 6 - 15 % faster and
-# gpt-oss-120b at T = 2 (1/16) 13 % faster, but gpt-oss-120b at T = 3 (0.09) 9 % and DeepSeek-V3 at
-# T = 4 (1/8) 13 % slower where their draws repeated experts.
-SPARSE_PAIRS_PER_EXPERT = 1 / 16
+# One block a pair or the alignment, by their extra costs. One block a pair streams an expert's weights
+# once per pair: with P pairs routed uniformly over E local experts, about P - E(1 - (1 - 1/E)^P) of
+# them repeat an expert, each reading that expert's bytes again at about the copy bandwidth. The
+# alignment costs its launch and the aligned GEMMs' later start, a cost that grows with E. Fitted on an
+# H200 (whole layer, graph replay, L2 flushed, both paths interleaved in one call): one block a pair
+# ahead by 4 - 16 % for E 512 / K 10 at T = 2 - 8, Qwen3-30B (E 128, K 8) at T = 2 - 3, E 256 / K 8 /
+# I 768 at T = 2 - 4 and gpt-oss-120b at T = 2 and 4; aligned ahead by 2 % for Qwen3-30B at T = 4 (3.6
+# repeats expected, 8.5 us of bytes) and 13 % for DeepSeek-V3 at T = 4 (1.9 repeats of 44 MB); even for
+# DeepSeek-V3 at T = 2. The one point the rule misses: gpt-oss-120b at T = 3, aligned 4 % ahead where
+# half a repeat of 13 MB is expected.
+_REPEAT_BYTES_PER_US = 4.0e6  # the H200's copy bandwidth, 4.0 - 4.2 TB/s measured
+_ALIGNED_START_US = 4.0
+_ALIGNED_START_US_PER_EXPERT = 0.012
+
+
+def expected_repeats(*, num_pairs: int, num_local_experts: int) -> float:
+    """Pairs, of `num_pairs` routed uniformly over `num_local_experts`, whose expert an earlier pair hit."""
+    e = num_local_experts
+    return num_pairs - e * (1.0 - (1.0 - 1.0 / e) ** num_pairs)
 
 
 def takes_one_block_per_pair(
-    *, num_tokens: int, top_k: int, num_local_experts: int, has_expert_map: bool
+    *, num_tokens: int, top_k: int, num_local_experts: int, has_expert_map: bool, expert_bytes: int
 ) -> bool:
     """Whether `one_block_per_pair` serves a batch on local experts: one token (its K pairs go to K distinct
-    experts, so each hit expert's weights are read once, as the alignment's blocks would), or pairs so few
-    against the experts that two of them rarely share one (`SPARSE_PAIRS_PER_EXPERT`): a pair that does
-    streams that expert's weights again, on average a smaller cost than the alignment. With an expert map
-    some pairs belong to other ranks, and one block a pair would need the map's lookup: aligned."""
+    experts, so each hit expert's weights are read once, as the alignment's blocks would), or pairs
+    whose expected repeats of an expert (`expected_repeats`, each `expert_bytes` streamed again) cost
+    less than the alignment (see the constants above). With an expert map some pairs belong to other
+    ranks, and one block a pair would need the map's lookup: aligned."""
     if has_expert_map or num_tokens <= 0:
         return False
-    return num_tokens == 1 or num_tokens * top_k <= SPARSE_PAIRS_PER_EXPERT * num_local_experts
+    if num_tokens == 1:
+        return True
+    repeats = expected_repeats(num_pairs=num_tokens * top_k, num_local_experts=num_local_experts)
+    aligned_us = _ALIGNED_START_US + _ALIGNED_START_US_PER_EXPERT * num_local_experts
+    return repeats * expert_bytes / _REPEAT_BYTES_PER_US <= aligned_us
 
 
 def one_block_per_pair(ids: torch.Tensor, *, block_m: int) -> BlockList:
@@ -356,16 +370,19 @@ def gemm_blocks(
     block_m: int,
     tail_block_m: int | None,
     expert_map: torch.Tensor | None,
+    expert_bytes: int,
 ) -> GemmBlocks:
-    """`one_block_per_pair` for a decode step of one token or of pairs sparse among the local experts
-    (`takes_one_block_per_pair`), else the alignment: blocks of `block_m` rows, or with `tail_block_m`
-    blocks of twice it and each expert's odd last block apart."""
+    """`one_block_per_pair` for a decode step of one token or of pairs sparse enough among the local
+    experts (`takes_one_block_per_pair`; `expert_bytes`: one expert's weights, `MoESpec.expert_weight_bytes`),
+    else the alignment: blocks of `block_m` rows, or with `tail_block_m` blocks of twice it and each
+    expert's odd last block apart."""
     _check_ids_shape(ids)  # T and K are read before either path
     if not tail_block_m and takes_one_block_per_pair(
         num_tokens=ids.shape[0],
         top_k=ids.shape[1],
         num_local_experts=num_local_experts,
         has_expert_map=expert_map is not None,
+        expert_bytes=expert_bytes,
     ):
         blocks = one_block_per_pair(ids, block_m=block_m)
         return GemmBlocks((blocks,), None, blocks.block_expert)  # every pair local: its expert is its id

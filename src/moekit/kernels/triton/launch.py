@@ -340,6 +340,7 @@ def triton_fused_moe(
         block_m=cfg.block_m,
         tail_block_m=cfg.tail_block_m,
         expert_map=expert_map,
+        expert_bytes=spec.expert_weight_bytes,
     )
     block_lists, sorted_pairs, pair_expert = blocks.block_lists, blocks.sorted_pair_ids, blocks.pair_expert
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
