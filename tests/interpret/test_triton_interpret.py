@@ -337,6 +337,11 @@ def test_align_invariants(t, k, e, e_local, bm, why, method):
     assert torch.equal(a.expert_offsets, padded)
 
 
+# Each alignment method with the launch's 64 big blocks a program; the chunked one also with 2, which
+# spreads the block lists over several programs (the split kernel is the same after every method).
+_BLOCK_LIST_RUNS = [*((m, 64) for m in AlignMethod), (AlignMethod.CHUNKED, 2)]
+
+
 def _aligned(t, k, e, e_local, bm, method):
     """The alignment of an ALIGN_CASES row by `method`, its outputs poisoned before the kernels write."""
     ids, expert_map, n_local = _align_case(t, k, e, e_local)
@@ -355,8 +360,9 @@ def _block_list_rows(blocks):
     return sorted(zip(starts, blocks.block_expert[:n].tolist(), strict=True))
 
 
-@pytest.mark.parametrize("big_tile", [64, 2], ids=["big-tile-64", "big-tile-2"])
-@pytest.mark.parametrize("method", list(AlignMethod), ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    ("method", "big_tile"), _BLOCK_LIST_RUNS, ids=lambda v: getattr(v, "name", f"tile-{v}")
+)
 @pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
 def test_tail_block_lists(t, k, e, e_local, bm, why, method, big_tile, monkeypatch):
     """`split_tail_blocks`: every valid block of the alignment is covered exactly once, by a 2*bm block
@@ -390,8 +396,9 @@ def test_tail_block_lists(t, k, e, e_local, bm, why, method, big_tile, monkeypat
     assert _block_list_rows(tail) == _block_list_rows(spec_tail)
 
 
-@pytest.mark.parametrize("big_tile", [64, 2], ids=["big-tile-64", "big-tile-2"])
-@pytest.mark.parametrize("method", list(AlignMethod), ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    ("method", "big_tile"), _BLOCK_LIST_RUNS, ids=lambda v: getattr(v, "name", f"tile-{v}")
+)
 @pytest.mark.parametrize(("t", "k", "e", "e_local", "bm", "why"), ALIGN_CASES)
 def test_paired_block_list(t, k, e, e_local, bm, why, method, big_tile, monkeypatch):
     """`paired_blocks`: every valid block of the alignment is covered exactly once, by a 2*bm block
