@@ -220,6 +220,9 @@ def test_one_block_per_pair_for_one_token_or_few_expected_repeats(e, k, nbytes):
     assert not any(_takes(t, k, e, nbytes, has_map=True) for t in range(0, 50))
     assert all(_takes(t, k, 2 * e, nbytes) for t in taken), "more experts at the same pairs: still taken"
     assert all(not _takes(t, k, e, 2 * nbytes) or t in taken for t in range(1, 400))
+    # However small the experts, never past one pair for every 4 of them (a program per pair).
+    assert all(t == 1 or 4 * t * k <= e for t in taken)
+    assert all(_takes(t, k, e, 1) == (t == 1 or 4 * t * k <= e) for t in range(1, 400))
 
 
 def test_expected_repeats_of_uniform_routing():

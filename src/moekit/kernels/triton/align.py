@@ -318,6 +318,10 @@ class BlockList:
 _REPEAT_BYTES_PER_US = 4.0e6  # the H200's copy bandwidth, 4.0 - 4.2 TB/s measured
 _ALIGNED_START_US = 4.0
 _ALIGNED_START_US_PER_EXPERT = 0.012
+# Whatever the bytes, never past a pair for every 4 local experts (vLLM's bound for the same choice;
+# every measured win above sits under it): one block a pair launches a program per pair on 16-row tiles
+# holding one row, so for small experts and many tokens the launch, not the repeats, would cost.
+_MAX_PAIRS_PER_EXPERT = 1 / 4
 
 
 def expected_repeats(*, num_pairs: int, num_local_experts: int) -> float:
@@ -332,12 +336,15 @@ def takes_one_block_per_pair(
     """Whether `one_block_per_pair` serves a batch on local experts: one token (its K pairs go to K distinct
     experts, so each hit expert's weights are read once, as the alignment's blocks would), or pairs
     whose expected repeats of an expert (`expected_repeats`, each `expert_bytes` streamed again) cost
-    less than the alignment (see the constants above). With an expert map some pairs belong to other
-    ranks, and one block a pair would need the map's lookup: aligned."""
+    less than the alignment, at most one pair for every 4 experts (see the constants above). With an
+    expert map some pairs belong to other ranks, and one block a pair would need the map's lookup:
+    aligned."""
     if has_expert_map or num_tokens <= 0:
         return False
     if num_tokens == 1:
         return True
+    if num_tokens * top_k > _MAX_PAIRS_PER_EXPERT * num_local_experts:
+        return False
     repeats = expected_repeats(num_pairs=num_tokens * top_k, num_local_experts=num_local_experts)
     aligned_us = _ALIGNED_START_US + _ALIGNED_START_US_PER_EXPERT * num_local_experts
     return repeats * expert_bytes / _REPEAT_BYTES_PER_US <= aligned_us
