@@ -55,15 +55,14 @@ from moekit.kernels.triton.align import (  # noqa: E402
     ONE_PROGRAM_MAX_PAIRS,
     AlignMethod,
     align_routing,
-    expected_repeats,
     gemm_blocks,
     max_blocks_bound,
     one_block_per_pair,
     pair_rows,
     paired_blocks,
     split_tail_blocks,
-    takes_one_block_per_pair,
 )
+from moekit.kernels.triton.block_choice import expected_repeats, takes_one_block_per_pair  # noqa: E402
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
 from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
@@ -248,7 +247,8 @@ def test_expected_repeats_of_uniform_routing():
 )
 def test_one_block_per_pair_takes_the_measured_winners(name, tokens, takes):
     """The path that was faster on an H200 (whole layer, both paths interleaved in one call; the constants
-    of `align.takes_one_block_per_pair`), where the margin was over 2 %, or DeepSeek-V3's even T = 2."""
+    of `block_choice.takes_one_block_per_pair`), where the margin was over 2 %, or DeepSeek-V3's even
+    T = 2."""
     spec = preset_at(name)
     for t in tokens:
         assert _takes(t, spec.K, spec.E, spec.expert_weight_bytes) is takes, (name, t)

@@ -5,7 +5,7 @@ Data flow of `triton_fused_moe` (no host sync anywhere, so the whole call can be
   per spec) and `_check` (the config against the spec; the inputs were checked by the caller,
   `moekit.ops.fused_moe`, before any launch)
   ids -> `align_routing` (pairs sorted by local expert, M-block metadata on the device); a decode step of
-  one token or of pairs sparse among the experts (`align.takes_one_block_per_pair`) skips it: M-block b
+  one token or of pairs sparse among the experts (`block_choice.takes_one_block_per_pair`) skips it: M-block b
   is pair b alone
   x -> [W8A8: `quant` -> fp8 x + scales] -> `gemm._moe_gemm1` -> h [T*K, I]
     -> [W8A8: `quant` -> fp8 h + scales, unless GEMM1 made them (`fuses_h_quantization`)]
