@@ -311,7 +311,7 @@ class MoESpec:
         elif fmt is WeightFormat.FP8_E4M3:
             matrix = elements
         else:
-            matrix = elements * torch.empty((), dtype=fmt.float_dtype).element_size()
+            matrix = elements * fmt.float_dtype.itemsize  # no allocation: the launch asks per call
         bias = (2 * self.I + self.H) * 2 if self.has_bias else 0  # b13 [2I] and b2 [H], bf16
         return matrix + bias
 

@@ -434,14 +434,14 @@ def _big_blocks_torch(
     owner = torch.searchsorted(big_end, i, right=True)  # E_local past the last big block
     mine = owner.clamp(max=e_local - 1)
     big_start = offset[mine] + (i - (big_end - pairs)[mine]) * 2 * t
-    has_tail = blocks % 2 == 1
-    # Tails in expert order: a stable sort puts the experts with one first (device-sized, no sync).
-    order = torch.sort((~has_tail).to(torch.int8), stable=True).indices
-    tail_start = (offset + (blocks - 1) * t)[order]
     num_big = pairs.sum().reshape(1).to(torch.int32)
     big = BlockList(2 * t, big_start.to(torch.int32), owner.to(torch.int32), num_big, max_big)
     if half_last:
         return big, None
+    has_tail = blocks % 2 == 1
+    # Tails in expert order: a stable sort puts the experts with one first (device-sized, no sync).
+    order = torch.sort((~has_tail).to(torch.int8), stable=True).indices
+    tail_start = (offset + (blocks - 1) * t)[order]
     num_tail = has_tail.sum().reshape(1).to(torch.int32)
     return big, BlockList(t, tail_start.to(torch.int32), order.to(torch.int32), num_tail, max_tail)
 
