@@ -3,15 +3,28 @@
 Data flow: `run_on_ranks(fn, world, tmp_path, backend)` -> torch.multiprocessing.spawn(N processes) ->
 each: gloo: one torch thread (N ranks share the CI machine's cores); nccl: CUDA device = rank ->
 `init_process_group(backend)` over a FileStore under tmp_path (no ports, so parallel pytest workers never
-collide) -> `fn(rank, world)` -> the group destroyed whatever happened. A failing rank's exception fails
-the test. `fn` must be a module-level function.
+collide) -> `fn(rank, world)` -> a barrier -> the group destroyed -> `os._exit(0)`. A rank whose `fn`
+raises destroys the group and re-raises: that exception fails the test (its peers, left at the barrier,
+wait a grace period so that spawn reports it first). `fn` must be a module-level function.
+
+A rank that finished `fn` leaves by `os._exit(0)` after a barrier and the group's destruction, skipping
+the interpreter's finalization, which is no part of what the tests check. One rank of a checkpoint test
+aborted in two CI runs on the 2-core machine (SIGABRT, "terminate called without an active exception",
+the C++ runtime's message for a thread object destroyed while still running) and not in 120 local runs;
+freeing gloo's worker state while the interpreter is torn down is a known way to get it
+(pytorch/pytorch#179291). An exception or abort inside `fn` still fails the test.
 """
 
+import os
+import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_PEER_ERROR_GRACE_S = 10.0
 
 
 def _rank(rank: int, fn, world: int, store_path: str, backend: str) -> None:  # noqa: ANN001 - any callable
@@ -24,8 +37,22 @@ def _rank(rank: int, fn, world: int, store_path: str, backend: str) -> None:  # 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
     try:
         fn(rank, world)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    try:
+        dist.barrier()
+    except RuntimeError as peer_gone:
+        # A peer failed inside `fn` and closed its connections. Waiting lets spawn report that
+        # peer's error, the cause, before this rank's.
+        time.sleep(_PEER_ERROR_GRACE_S)
+        raise RuntimeError(f"rank {rank} finished its work but a peer did not: see that rank's error") from (
+            peer_gone
+        )
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(fn, world: int, tmp_path: Path, backend: str = "gloo") -> None:  # noqa: ANN001
