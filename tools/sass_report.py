@@ -233,6 +233,25 @@ def wgmma_waits(instructions: list[tuple[int, str]]) -> list[int]:
     ]
 
 
+def issued_under_mma(loop: list[tuple[int, str]]) -> int:
+    """K-loop instructions a warp issues while one of its wgmma groups is still in flight: the work that
+    overlaps the tensor cores inside one program. A group opens at the wgmma that commits it (`gsb0`)
+    and closes at a `wgmma.wait_group` (WARPGROUP.DEPBAR.LE gsb0, N) that leaves at most N open; the loop
+    runs twice so that groups the previous iteration left open count."""
+    open_groups, issued = 0, 0
+    for turn in range(2):
+        for _, text in loop:
+            op = unpredicated(text)
+            wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", op)
+            if wait:
+                open_groups = min(open_groups, int(wait.group(1), 16))
+            elif op.startswith(("HGMMA", "QGMMA")):
+                open_groups += "gsb0" in op
+            elif turn == 1 and open_groups > 0 and not op.startswith("WARPGROUP"):
+                issued += 1
+    return issued
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -345,6 +364,7 @@ def properties(kernel) -> dict:
         "register_a_wgmma": register_a,
         "shared_a_wgmma": shared_a,
         "fp8_wgmma": sum(1 for _, t in loop if unpredicated(t).startswith("QGMMA")),
+        "issued_under_mma": issued_under_mma(loop),
     }
 
 
@@ -387,7 +407,8 @@ def main() -> int:
     print("  " + ", ".join(f"{op} {n}" for op, n in report["opcodes"]))
     print(
         f"  {props['local_memory_ops']} local loads / stores, K-loop wgmma: {props['register_a_wgmma']} "
-        f"register-A, {props['shared_a_wgmma']} shared-A, {props['fp8_wgmma']} of them FP8"
+        f"register-A, {props['shared_a_wgmma']} shared-A, {props['fp8_wgmma']} of them FP8; "
+        f"{props['issued_under_mma']} of the K-step's instructions issue while its MMA is in flight"
     )
     return 0
 
