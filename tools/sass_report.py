@@ -234,20 +234,22 @@ def wgmma_waits(instructions: list[tuple[int, str]]) -> list[int]:
 
 
 def issued_under_mma(loop: list[tuple[int, str]]) -> int:
-    """K-loop instructions a warp issues while one of its wgmma groups is still in flight: the work that
-    overlaps the tensor cores inside one program. A group opens at the wgmma that commits it (`gsb0`)
-    and closes at a `wgmma.wait_group` (WARPGROUP.DEPBAR.LE gsb0, N) that leaves at most N open; the loop
-    runs twice so that groups the previous iteration left open count."""
-    open_groups, issued = 0, 0
+    """Instructions a warp issues while a wgmma of its own is in flight: the work that overlaps the tensor
+    cores inside one program. A wgmma is in flight from its issue (the first of its group) until a
+    `wgmma.wait_group` (WARPGROUP.DEPBAR.LE gsb0, N) that leaves at most N of the committed groups
+    (`gsb0` closes a group) open; `loop` runs twice so that what the previous iteration left in flight
+    counts (for a whole kernel the second pass repeats the first)."""
+    committed, group_open, issued = 0, False, 0
     for turn in range(2):
         for _, text in loop:
             op = unpredicated(text)
             wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", op)
             if wait:
-                open_groups = min(open_groups, int(wait.group(1), 16))
+                committed = min(committed, int(wait.group(1), 16))
             elif op.startswith(("HGMMA", "QGMMA")):
-                open_groups += "gsb0" in op
-            elif turn == 1 and open_groups > 0 and not op.startswith("WARPGROUP"):
+                group_open = "gsb0" not in op
+                committed += not group_open
+            elif turn == 1 and (committed or group_open) and not op.startswith("WARPGROUP"):
                 issued += 1
     return issued
 

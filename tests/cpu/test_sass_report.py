@@ -229,3 +229,65 @@ def test_route_kernels_compile_for_hopper_without_spills():
     got = _compiled_json(["-c", _ROUTE_KERNELS])
     for facts in (got["grouped"], *got["softmax"].values()):
         assert facts["local_memory_ops"] == 0 and facts["barriers"] == 0, got
+
+
+def test_issued_under_mma_counts_from_a_wgmma_issue_to_the_wait_that_retires_it():
+    """The overlap count on hand-written SASS: work between wgmma of an open group and after its commit
+    counts until a wait leaves none of its groups open; a wait that leaves one group open keeps counting."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from sass_report import issued_under_mma
+
+    def sass(*ops):
+        return [(16 * i, op) for i, op in enumerate(ops)]
+
+    serial = sass(
+        "LOP3.LUT R1",
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R24, R8, gdesc[UR4], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "LOP3.LUT R2",
+        "BRA 0x0",
+    )
+    assert issued_under_mma(serial) == 0
+    interleaved = sass(
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R24, R8, gdesc[UR4], R24",
+        "LOP3.LUT R1",
+        "HGMMA.64x128x16.F32.BF16 R24, R12, gdesc[UR8], R24, gsb0",
+        "LOP3.LUT R2",
+        "@P0 IADD3 R3",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "LOP3.LUT R4",
+    )
+    assert issued_under_mma(interleaved) == 3
+    # One group left in flight across the loop's back-edge: everything else in the loop is under an MMA.
+    pipelined = sass(
+        "LOP3.LUT R1",
+        "HGMMA.64x128x16.F32.BF16 R24, R8, gdesc[UR4], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+        "LOP3.LUT R2",
+        "BRA 0x0",
+    )
+    assert issued_under_mma(pipelined) == 3
+
+
+_GLUON_PROBE = """
+import json
+import gluon_overlap_probe as probe
+print(json.dumps({"plain": probe.report(False), "ahead": probe.report(True)}))
+"""
+
+
+def test_gluon_decodes_the_next_step_under_the_register_a_wgmma_without_a_hazard():
+    """What the MXFP4 prefill plan rests on (docs/performance.md, the Mixtral-like shape): in Gluon, the
+    next K-step's decode issues while this step's register-A wgmma runs, and keeping this step's operand
+    in the wait's `deps` leaves no write to its registers in flight; decoding before each wgmma overlaps
+    nothing but loop arithmetic."""
+    facts = _compiled_json(["-c", _GLUON_PROBE])
+    plain, ahead = facts["plain"], facts["ahead"]
+    assert plain["hazard_writes"] == 0 and ahead["hazard_writes"] == 0, facts
+    assert plain["issued_under_mma"] <= 16, facts
+    assert ahead["issued_under_mma"] >= 10 * max(plain["issued_under_mma"], 16), facts
+    assert ahead["registers"] <= 168, facts  # three programs of 128 threads an SM
