@@ -10,9 +10,10 @@ flight) and `tools/wgmma_hazard.py` (writes to A registers of an in-flight wgmma
 - ahead: issue step k's wgmma, decode step k + 1, then wait with step k's operand among the wait's `deps`,
   which keeps its registers allocated until the wgmma has read them.
 
-The decode is E2M1 -> bf16 by bit operations without the group scales, loaded in a plain layout and
-converted to the fragment through shared memory: it stands for the word path's decode in the kind of
-work, not in its cost (the words need no conversion).
+The decode is E2M1 -> bf16 by bit operations, loaded in a plain layout and converted to the fragment
+through shared memory, then (scaled) multiplied in bf16 by a power-of-two factor a row, as the word path
+applies its E8M0 scales: it stands for the word path's decode in the kind of work, not in its cost (the
+words need no conversion).
 Usage: python tools/gluon_overlap_probe.py
 """
 
@@ -40,7 +41,9 @@ def _e2m1_as_bf16_bits(code):
 
 
 @gluon.jit
-def _decode_step(w_ptr, row0, k, BN: gl.constexpr, BK: gl.constexpr, fragment: gl.constexpr):
+def _decode_step(
+    w_ptr, s_ptr, row0, k, BN: gl.constexpr, BK: gl.constexpr, fragment: gl.constexpr, SCALED: gl.constexpr
+):
     """Weight rows row0.. of K-step k, bf16 [BN, BK] in the wgmma register-A `fragment` layout."""
     plain: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, plain))
@@ -49,11 +52,27 @@ def _decode_step(w_ptr, row0, k, BN: gl.constexpr, BK: gl.constexpr, fragment: g
     low = _e2m1_as_bf16_bits(packed & 15).to(gl.int16)
     high = _e2m1_as_bf16_bits(packed >> 4).to(gl.int16)
     w = gl.join(low, high).reshape([BN, BK]).to(gl.bfloat16, bitcast=True)
-    return gl.convert_layout(w, fragment)
+    w = gl.convert_layout(w, fragment)
+    if SCALED:
+        # One power-of-two factor a row and K-step, multiplied in bf16 in the fragment's registers, as the
+        # word path applies its E8M0 scales.
+        frows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, fragment))
+        factor = gl.load(s_ptr + frows * 64 + k).to(gl.int16) << 7
+        w = w * factor.to(gl.bfloat16, bitcast=True)[:, None]
+    return w
 
 
 @gluon.jit
-def _probe(x_desc, w_ptr, out_ptr, KT: gl.constexpr, BN: gl.constexpr, AHEAD: gl.constexpr):
+def _probe(
+    x_desc,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    KT: gl.constexpr,
+    BN: gl.constexpr,
+    AHEAD: gl.constexpr,
+    SCALED: gl.constexpr,
+):
     """out[BN weight rows, BM tokens] = W @ X^T over KT K-steps, one warpgroup."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -71,17 +90,17 @@ def _probe(x_desc, w_ptr, out_ptr, KT: gl.constexpr, BN: gl.constexpr, AHEAD: gl
     row0 = gl.program_id(0) * BN
     acc = gl.zeros([BN, BM], gl.float32, mma)
     if AHEAD:
-        w = _decode_step(w_ptr, row0, 0, BN, BK, fragment)
+        w = _decode_step(w_ptr, s_ptr, row0, 0, BN, BK, fragment, SCALED)
         for k in range(KT - 1):
             acc = warpgroup_mma(w, x_smem.index(k).permute((1, 0)), acc, is_async=True)
-            following = _decode_step(w_ptr, row0, k + 1, BN, BK, fragment)
+            following = _decode_step(w_ptr, s_ptr, row0, k + 1, BN, BK, fragment, SCALED)
             acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
             w = following
         acc = warpgroup_mma(w, x_smem.index(KT - 1).permute((1, 0)), acc, is_async=True)
         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
     else:
         for k in range(KT):
-            w = _decode_step(w_ptr, row0, k, BN, BK, fragment)
+            w = _decode_step(w_ptr, s_ptr, row0, k, BN, BK, fragment, SCALED)
             acc = warpgroup_mma(w, x_smem.index(k).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
     rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
@@ -89,18 +108,28 @@ def _probe(x_desc, w_ptr, out_ptr, KT: gl.constexpr, BN: gl.constexpr, AHEAD: gl
     gl.store(out_ptr + rows[:, None] * BM + cols[None, :], acc)
 
 
-def compile_probe(ahead: bool, *, block_m: int = 128, block_n: int = 64, block_k: int = 64, steps: int = 8):
+def compile_probe(
+    ahead: bool,
+    *,
+    scaled: bool = True,
+    block_m: int = 128,
+    block_n: int = 64,
+    block_k: int = 64,
+    steps: int = 8,
+):
     """`_probe` compiled for sm_90 with 4 warps."""
     layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
     signature = {
         "x_desc": f"tensordesc<bf16[{block_m}, {block_k}],{layout!r}>",
         "w_ptr": "*u8",
+        "s_ptr": "*u8",
         "out_ptr": "*fp32",
         "KT": "constexpr",
         "BN": "constexpr",
         "AHEAD": "constexpr",
+        "SCALED": "constexpr",
     }
-    constants = {"KT": steps, "BN": block_n, "AHEAD": ahead}
+    constants = {"KT": steps, "BN": block_n, "AHEAD": ahead, "SCALED": scaled}
     index = {name: i for i, name in enumerate(_probe.arg_names)}
     source = GluonASTSource(
         fn=_probe, signature=signature, constexprs={(index[k],): v for k, v in constants.items()}
@@ -108,9 +137,9 @@ def compile_probe(ahead: bool, *, block_m: int = 128, block_n: int = 64, block_k
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def report(ahead: bool) -> dict:
+def report(ahead: bool, *, scaled: bool = True) -> dict:
     """Registers, instructions issued under the program's own wgmma, and A-register hazards."""
-    kernel = compile_probe(ahead)
+    kernel = compile_probe(ahead, scaled=scaled)
     instructions = sass_report.all_instructions(kernel)  # the K-loop is not the last loop: whole kernel
     return {
         "registers": sass_report.kernel_facts(kernel, instructions)["registers"],
@@ -120,11 +149,12 @@ def report(ahead: bool) -> dict:
 
 
 def main() -> int:
-    for ahead in (False, True):
-        facts = report(ahead)
+    for ahead, scaled in ((False, True), (True, False), (True, True)):
+        facts = report(ahead, scaled=scaled)
+        name = f"{'ahead' if ahead else 'plain'}, {'scaled' if scaled else 'unscaled'}"
         print(
-            f"{'ahead' if ahead else 'plain'}: {facts['registers']} registers, {facts['issued_under_mma']} "
-            f"instructions issued under the MMA, {facts['hazard_writes']} writes to in-flight A registers"
+            f"{name}: {facts['registers']} registers, {facts['issued_under_mma']} instructions issued under "
+            f"the MMA, {facts['hazard_writes']} writes to in-flight A registers"
         )
     return 0
 
