@@ -20,12 +20,9 @@ Usage: python tools/gluon_overlap_probe.py
 from __future__ import annotations
 
 import sass_report
-import triton
 import wgmma_hazard
-from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 _ROW_BYTES = gl.constexpr(4096)  # the probe's weight row stride (K / 2 bytes for K up to 8192)
@@ -109,32 +106,18 @@ def _probe(
 
 
 def compile_probe(
-    ahead: bool,
-    *,
-    scaled: bool = True,
-    block_m: int = 128,
-    block_n: int = 64,
-    block_k: int = 64,
-    steps: int = 8,
+    ahead: bool, *, scaled: bool = True, block_m: int = 128, block_n: int = 64, block_k: int = 64
 ):
-    """`_probe` compiled for sm_90 with 4 warps."""
+    """`_probe` compiled for sm_90 with 4 warps, 8 K-steps."""
     layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
-    signature = {
+    pointers = {
         "x_desc": f"tensordesc<bf16[{block_m}, {block_k}],{layout!r}>",
         "w_ptr": "*u8",
         "s_ptr": "*u8",
-        "out_ptr": "*fp32",
-        "KT": "constexpr",
-        "BN": "constexpr",
-        "AHEAD": "constexpr",
-        "SCALED": "constexpr",
     }
-    constants = {"KT": steps, "BN": block_n, "AHEAD": ahead, "SCALED": scaled}
-    index = {name: i for i, name in enumerate(_probe.arg_names)}
-    source = GluonASTSource(
-        fn=_probe, signature=signature, constexprs={(index[k],): v for k, v in constants.items()}
-    )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    pointers["out_ptr"] = "*fp32"
+    constants = {"KT": 8, "BN": block_n, "AHEAD": ahead, "SCALED": scaled}
+    return sass_report.compile_gluon_for_hopper(_probe, pointers=pointers, constants=constants, warps=4)
 
 
 def report(ahead: bool, *, scaled: bool = True) -> dict:

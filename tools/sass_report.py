@@ -171,7 +171,6 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, int
     """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1 on 64-row blocks, or 2 on 128) compiled for sm_90
     at a layer's H and I, with the launcher's register budgets."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from moekit.kernels.triton import wgmma_fp8 as host
     from moekit.kernels.triton._details import codes, wgmma_fp8_gemm1, wgmma_fp8_gemm2
@@ -217,11 +216,32 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, int
             num_blocks_ptr="*i32",
             expert_end_ptr="*i64",
         )
+    return compile_gluon_for_hopper(fn, pointers=pointers, constants=constants, warps=4)
+
+
+def compile_gluon_for_hopper(
+    fn,
+    *,
+    pointers: dict,
+    constants: dict,
+    warps: int,
+    maxnreg: int | None = None,
+    aligned: tuple[str, ...] = (),
+):
+    """`triton.compile` of Gluon function `fn` for sm_90: `constants` are its constexprs, `pointers` its
+    pointer (or descriptor) types, every other argument an i32; `aligned` arguments are specialized as
+    multiples of 16."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names
     }
-    source = GluonASTSource(fn, signature, constants, {})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    index = {name: i for i, name in enumerate(fn.arg_names)}
+    attrs = {(index[name],): [["tt.divisibility", 16]] for name in aligned}
+    options = {"num_warps": warps} | ({} if maxnreg is None else {"maxnreg": maxnreg})
+    return triton.compile(
+        GluonASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options=options
+    )
 
 
 def wgmma_waits(instructions: list[tuple[int, str]]) -> list[int]:

@@ -1,0 +1,428 @@
+#!/usr/bin/env python3
+"""Prototype, not in the layer: GEMM1 of the MXFP4 word path written in Gluon, with each K-step's
+weight decode under the previous step's wgmma, checked against torch and timed against the layer's
+own GEMM1 on the same batch.
+
+Why: Triton 3.6's `tl.dot` runs the word path's decode and its register-A wgmma one after the other
+inside a program (docs/performance.md, the Mixtral-like MXFP4 shape); `tools/gluon_overlap_probe.py`
+shows Gluon putting the next step's decode under the wgmma without a hazard.
+
+Data flow: a preset layer (MXFP4, INTERLEAVED gate/up, bf16 activations), prepared as the layer
+prepares it (MXFP4_MMA_WORDS, N-major scales) -> routing -> `align.align_routing(block_m)` -> `_gemm1`:
+one program = BLOCK_M sorted pairs x 128 w13 rows (64 columns of h), 8 warps (two warpgroups of 64
+weight rows, the wgmma's register-A M side; the pairs' gathered x rows are its N side, in a ring of
+shared-memory stages filled by cp.async) -> bias, gated activation -> h [P, I] bf16 in pair order, as
+`_moe_gemm1` writes it.
+K-loop, step k: wgmma of step k on w(k) (async) -> decode w(k + 1) from words and scales loaded one step
+earlier, load those of step k + 2 -> wait for the wgmma, w(k) among the wait's `deps` -> wait for step
+k + 1's x rows, CTA barrier (every warpgroup's wgmma k is done), proxy fence -> cp.async step k +
+STAGES into the stage wgmma k read.
+
+Usage:
+  python benchmarks/proto_gluon_words.py --compile-only          # any machine: sm_90 compile facts
+  python benchmarks/proto_gluon_words.py --preset gpt-oss-120b@8x2x4096x14336 --tokens 512,2048,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, MANTISSA_MASK, PAIR_MASK, PAIR_ROTATIONS
+from moekit.kernels.triton._details.activation import _gated_activation
+
+_PAIR_MASK = gl.constexpr(PAIR_MASK)
+_MANTISSA_MASK = gl.constexpr(MANTISSA_MASK)
+_ROT = gl.constexpr(PAIR_ROTATIONS)
+_RUN = gl.constexpr(CHUNKS_PER_RUN)
+BLOCK_K = 64  # four 16-column chunks a step: half a stored run
+W_ROWS = 128  # w13 rows a program: gate and up of 64 columns of h (INTERLEAVED)
+NUM_WARPS = 8
+
+
+@gluon.jit
+def _rotr(w, R: gl.constexpr):
+    if R == 0:
+        out = w
+    else:
+        out = (w >> R) | (w << (32 - R))
+    return out
+
+
+@gluon.jit
+def _pair(w, P: gl.constexpr):
+    """Codes P and P + 4 of each word -> a bf16 pair (uint32) of value * 2^-126 (see mxfp4_words)."""
+    if _ROT[P][0] == _ROT[P][1]:
+        out = _rotr(w, _ROT[P][0]) & _PAIR_MASK
+    else:
+        rest = _rotr(w, _ROT[P][0]) & (_PAIR_MASK & ~_MANTISSA_MASK)
+        out = rest | (_rotr(w, _ROT[P][1]) & _MANTISSA_MASK)
+    return out
+
+
+@gluon.jit
+def _pinned(v):
+    """`v` through a volatile move: LLVM keeps volatile inline asm in program order, so work on the
+    result cannot be scheduled before the wgmma issued just above (which is inline asm too)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=gl.uint32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _halves(p):
+    lo = (p & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+    hi = (p >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _factor(s):
+    """E8M0 bytes -> bf16 pairs 2^(s - 1) (uint32): the scale times the 2^126 the bit placement omits."""
+    e = s.to(gl.uint32) + 126
+    return (e << 7) | (e << 23)
+
+
+@gluon.jit
+def _load_step(w_base, s_base, k, NB_RUNS: gl.constexpr, N_ROWS: gl.constexpr, L3: gl.constexpr):
+    """Step k's words [8, 32, 4] (row block, lane, chunk) and the E8M0 bytes of rows g and g + 8 of each
+    lane's block for each chunk's group, all in the word layout L3."""
+    rb = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    ch = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    chunk = 4 * k + ch
+    run_offset = (chunk // _RUN) * (32 * _RUN) + chunk % _RUN
+    words = gl.load(
+        w_base
+        + rb[:, None, None] * (NB_RUNS * 32 * _RUN)
+        + lane[None, :, None] * _RUN
+        + run_offset[None, None, :]
+    )
+    row = 16 * rb[:, None, None] + lane[None, :, None] // 4
+    group = (chunk // 2)[None, None, :]
+    top = gl.load(s_base + group * N_ROWS + row)
+    bottom = gl.load(s_base + group * N_ROWS + row + 8)
+    return words.to(gl.uint32, bitcast=True), _factor(top), _factor(bottom)
+
+
+@gluon.jit
+def _to_fragment(p0, p1, p2, p3, fragment: gl.constexpr):
+    """Four [8, 32, 4] tensors of bf16 pairs (uint32) in the word layout -> [128, 64] bf16 in the
+    register-A `fragment` layout: a renaming of registers, no data movement."""
+    t = gl.join(gl.join(_halves(p0), _halves(p1)), gl.join(_halves(p2), _halves(p3)))
+    t = gl.reshape(t, [8, 8, 4, 4, 2, 2, 2])  # rb, g, q, chunk, odd, row half, column half
+    t = gl.permute(t, [0, 5, 1, 3, 6, 2, 4])  # rb, row half, g, chunk, column half, q, odd
+    return gl.convert_layout(gl.reshape(t, [128, 64]), fragment)
+
+
+@gluon.jit
+def _decode(words, f_top, f_bottom, fragment: gl.constexpr):
+    """[128 rows, 64 columns] bf16 in the register-A `fragment` layout. The scale multiply comes last, on
+    the fragment itself: the instructions that define a wgmma's A registers are then only those
+    multiplies, which ptxas can place after the previous wgmma's wait; defining them earlier in the
+    decode makes ptxas serialize every wgmma (C7513)."""
+    codes = _to_fragment(_pair(words, 0), _pair(words, 1), _pair(words, 2), _pair(words, 3), fragment)
+    factors = _to_fragment(f_top, f_bottom, f_top, f_bottom, fragment)  # rows g, g + 8, g, g + 8
+    return codes * factors
+
+
+@gluon.jit
+def _copy_x(x_ptr, tokens, row_mask, stride_xm, k, KT: gl.constexpr, stage, XL: gl.constexpr):
+    """cp.async of step k's x columns for the block's rows into `stage` (nothing past the last step)."""
+    cols = k * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+    mask = row_mask[:, None] & (k < KT)
+    async_copy.async_copy_global_to_shared(
+        stage, x_ptr + tokens[:, None] * stride_xm + cols[None, :], mask=mask & (cols[None, :] >= 0)
+    )
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _gemm1(
+    x_ptr,  # bf16 [T, H]
+    w_ptr,  # int32 words [E, 2I/16, S, 8, 4, 8]
+    s_ptr,  # uint8 scales [E, 2I, H/32], N-major (strides (G*2I, 1, 2I))
+    b_ptr,  # bf16 [E, 2I] or None
+    sorted_pairs_ptr,  # int32 [max_blocks * BLOCK_M]
+    block_expert_ptr,  # int32 [max_blocks]
+    num_blocks_ptr,  # int32 [1]
+    h_ptr,  # bf16 [T*K, I], pair order
+    num_pairs,
+    num_pid_m,
+    stride_xm,
+    stride_hm,
+    HIDDEN: gl.constexpr,
+    INTER_SIZE: gl.constexpr,
+    TOP_K: gl.constexpr,
+    ACTIVATION: gl.constexpr,
+    ALPHA: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    LIMIT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    gl.static_assert(HIDDEN % 64 == 0)
+    gl.static_assert((2 * INTER_SIZE) % 128 == 0)
+    KT: gl.constexpr = HIDDEN // 64
+    NB_RUNS: gl.constexpr = (HIDDEN // 16 + _RUN - 1) // _RUN
+    N_ROWS: gl.constexpr = 2 * INTER_SIZE
+    G: gl.constexpr = HIDDEN // 32
+    num_pid_n: gl.constexpr = N_ROWS // 128
+    pid = gl.program_id(0)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    if pid_m >= gl.load(num_blocks_ptr):
+        return
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [8, 1, 1], [2, 1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    fragment: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.bfloat16)
+
+    rows_x = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+    pairs_x = gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows_x).to(gl.int64)
+    mask_x = pairs_x < num_pairs
+    tokens = gl.where(mask_x, pairs_x // TOP_K, 0)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_layout)
+    for s in gl.static_range(STAGES - 1):
+        _copy_x(x_ptr, tokens, mask_x, stride_xm, s, KT, x_smem.index(s), XL)
+
+    w_base = w_ptr + (expert * (N_ROWS // 16) + pid_n * 8) * (NB_RUNS * 32 * _RUN)
+    s_base = s_ptr + expert * (G * N_ROWS) + pid_n * 128
+    words, f_top, f_bottom = _load_step(w_base, s_base, 0, NB_RUNS, N_ROWS, L3)
+    w = _decode(words, f_top, f_bottom, fragment)
+    words, f_top, f_bottom = _load_step(w_base, s_base, gl.minimum(1, KT - 1), NB_RUNS, N_ROWS, L3)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    acc = gl.zeros([128, BLOCK_M], gl.float32, mma)
+    for k in range(KT):
+        acc = warpgroup_mma(w, x_smem.index(k % STAGES).permute((1, 0)), acc, is_async=True)
+        following = _decode(words, f_top, f_bottom, fragment)  # step k + 1 (clamped: the last repeats)
+        words, f_top, f_bottom = _load_step(w_base, s_base, gl.minimum(k + 2, KT - 1), NB_RUNS, N_ROWS, L3)
+        async_copy.wait_group(STAGES - 3)  # step k + 1's rows are in
+        # Every thread's rows of step k + 1 are in, and every warpgroup has waited for its wgmma k - 1, so
+        # that stage takes step k + STAGES - 1. ptxas keeps the decode above this barrier: under wgmma k.
+        fence_async_shared()  # this thread's copies, visible to the async proxy (wgmma)
+        gl.thread_barrier()
+        _copy_x(
+            x_ptr, tokens, mask_x, stride_xm, k + STAGES - 1, KT, x_smem.index((k + STAGES - 1) % STAGES), XL
+        )
+        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
+        w = following
+
+    # Epilogue: rows 2n (gate) and 2n + 1 (up) of the tile side by side in one thread.
+    EL: gl.constexpr = gl.BlockedLayout([2, 4], [4, 8], [8, 1], [0, 1])
+    acc = gl.convert_layout(acc, EL)
+    if b_ptr is not None:
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, EL))
+        acc = acc + gl.load(b_ptr + expert * N_ROWS + pid_n * 128 + r).to(gl.float32)[:, None]
+    gate, up = gl.split(gl.permute(gl.reshape(acc, [64, 2, BLOCK_M]), [0, 2, 1]))
+    h = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT).to(gl.bfloat16)
+    SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if BLOCK_M >= 128 else [2, 4], [0, 1])
+    h = gl.convert_layout(h, SL)
+    cols = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, SL))
+    pairs = gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows).to(gl.int64)
+    gl.store(h_ptr + pairs[None, :] * stride_hm + cols[:, None], h, mask=(pairs < num_pairs)[None, :])
+
+
+def compile_for_hopper(
+    *, block_m: int = 128, stages: int = 3, maxnreg: int | None = None, hidden: int = 2880, inter: int = 2880
+):
+    """`_gemm1` compiled for sm_90 (no GPU needed), gpt-oss's math, as `run` launches it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import sass_report
+
+    pointers = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
+    pointers |= dict(block_expert_ptr="*i32", num_blocks_ptr="*i32", h_ptr="*bf16")
+    constants = dict(HIDDEN=hidden, INTER_SIZE=inter, TOP_K=4, ACTIVATION=3, ALPHA=1.702, HAS_LIMIT=True)
+    constants |= dict(LIMIT=7.0, BLOCK_M=block_m, STAGES=stages, GROUP_M=8)
+    return sass_report.compile_gluon_for_hopper(
+        _gemm1,
+        pointers=pointers,
+        constants=constants,
+        warps=NUM_WARPS,
+        maxnreg=maxnreg,
+        aligned=(*pointers, "stride_xm", "stride_hm"),
+    )
+
+
+def _compile_report(block_m: int, stages: int, maxnreg: int | None) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import sass_report
+    import wgmma_hazard
+
+    kernel = compile_for_hopper(block_m=block_m, stages=stages, maxnreg=maxnreg)
+    instructions = sass_report.all_instructions(kernel)
+    facts = sass_report.kernel_facts(kernel, instructions)
+    return (
+        f"block_m {block_m}, {stages} stages, maxnreg {maxnreg}: {facts['registers']} registers, "
+        f"{kernel.metadata.shared} B shared, {facts['local_memory_ops']} spill ops, "
+        f"{sass_report.issued_under_mma(instructions)} instructions under the MMA, "
+        f"{len(wgmma_hazard.simulate(kernel)['writes'])} writes to in-flight A registers"
+    )
+
+
+def _shipped_gemm1_us(chosen, layer, weights, x, logits, flush, repeats: int = 10) -> float:
+    """GPU time of the layer's own GEMM1 kernels per layer: the planned layer's graph replayed (L2 flushed
+    before each layer) under torch.profiler, as benchmarks/profile_stages.py measures stages."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moekit.app.bench import capture_graph, whole_layer
+
+    graph, _ = capture_graph(
+        whole_layer(chosen, layer, weights, x, logits), x.device, repeats=repeats, flush=flush
+    )
+    graph.replay()
+    torch.cuda.synchronize(x.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize(x.device)
+    return (
+        sum(
+            e.device_time
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "_moe_gemm1" in e.name
+        )
+        / repeats
+    )
+
+
+def _reference_h(layer, spec, x, ids):
+    """fp32 h [T*K, I] in pair order: act(x[p // K] @ w13[e]^T + b13[e]) from the dequantized weights."""
+    import torch
+
+    from moekit.reference import apply_activation, split_gate_up
+
+    flat = ids.reshape(-1)
+    h = torch.empty(flat.numel(), spec.I, dtype=torch.float32, device=x.device)
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        pre = x[pairs // spec.K].float() @ layer.weights.dequantize_w13(e).T
+        if layer.weights.b13 is not None:
+            pre = pre + layer.weights.b13[e].float()
+        h[pairs] = apply_activation(*split_gate_up(pre, spec.gate_layout), spec.activation)
+    return h
+
+
+def _launch(*, spec, x, weights, aligned, h, block_m: int, stages: int, maxnreg: int | None) -> None:
+    """`_gemm1` on the alignment's blocks into h."""
+    from moekit.kernels.triton._details.codes import ACT_SWIGLU_OAI
+
+    act = spec.activation
+    _gemm1[(aligned.max_blocks * (2 * spec.I // W_ROWS),)](
+        x, weights.w13, weights.w13_scale, weights.b13, aligned.sorted_pair_ids, aligned.block_expert,
+        aligned.num_valid_blocks, h, aligned.num_pairs, aligned.max_blocks, x.stride(0), h.stride(0),
+        HIDDEN=spec.H, INTER_SIZE=spec.I, TOP_K=spec.K, ACTIVATION=ACT_SWIGLU_OAI.value, ALPHA=act.alpha,
+        HAS_LIMIT=act.limit is not None, LIMIT=0.0 if act.limit is None else act.limit,
+        BLOCK_M=block_m, STAGES=stages, GROUP_M=8, num_warps=NUM_WARPS,
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+    )  # fmt: skip
+
+
+def run(preset_name: str, token_counts: list[int], tiles: list[tuple[int, int]], maxnreg: int | None) -> int:
+    """Each T: the layer's GEMM1 time; each tile: the prototype's h (NaN-poisoned first) against the
+    reference, and its time (graph replay, L2 flushed, as `flushed_seconds` measures)."""
+    import torch
+
+    from moekit.app.bench import flushed_seconds, prepared_weights
+    from moekit.kernels.base import DeviceInfo
+    from moekit.kernels.triton.align import align_routing
+    from moekit.ops import route
+    from moekit.planning.plan import plan
+    from moekit.presets import preset_at
+    from moekit.reference import relative_l2_error
+    from moekit.spec import GateLayout, WeightFormat
+    from moekit.synthetic import random_batch, random_layer
+    from moekit.weights import WeightPacking
+
+    device = torch.device("cuda")
+    spec = preset_at(preset_name)
+    if spec.weight_format is not WeightFormat.MXFP4 or spec.gate_layout is not GateLayout.INTERLEAVED:
+        raise SystemExit(f"the prototype runs MXFP4 layers with INTERLEAVED gate/up rows, got {spec}")
+    layer = random_layer(spec, seed=0, device=device)
+    info = DeviceInfo.of(device)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    cache: dict = {}
+    for t in token_counts:
+        chosen = plan(spec, num_tokens=t, device=info)
+        weights = prepared_weights(chosen, layer, cache)
+        assert weights.packing is WeightPacking.MXFP4_MMA_WORDS, weights.packing
+        x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
+        shipped_us = _shipped_gemm1_us(chosen, layer, weights, x, logits, flush)
+        ids = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias).ids
+        expected = _reference_h(layer, spec, x, ids)
+        flops = 2.0 * t * spec.K * 2 * spec.I * spec.H
+        print(
+            f"T={t}: layer's GEMM1 {shipped_us:.1f} us ({flops / shipped_us / 1e6:.0f} TFLOP/s), "
+            f"config {chosen.config.as_dict()}",
+            flush=True,
+        )
+        for block_m, stages in tiles:
+            aligned = align_routing(ids, num_local_experts=spec.E_local, block_m=block_m)
+            h = torch.full((t * spec.K, spec.I), float("nan"), dtype=torch.bfloat16, device=device)
+
+            launch = functools.partial(
+                _launch,
+                spec=spec,
+                x=x,
+                weights=weights,
+                aligned=aligned,
+                h=h,
+                block_m=block_m,
+                stages=stages,
+                maxnreg=maxnreg,
+            )
+            launch()
+            torch.cuda.synchronize(device)
+            error = relative_l2_error(h.float(), expected)
+            nan_rows = int(h.isnan().any(dim=1).sum())
+            us = flushed_seconds(launch, device, flush, repeats=20) * 1e6
+            print(
+                f"   block_m {block_m}, {stages} stages: {us:.1f} us ({flops / us / 1e6:.0f} TFLOP/s), "
+                f"layer / prototype {shipped_us / us:.3f}; rel L2 {error:.2e}, rows with NaN {nan_rows}",
+                flush=True,
+            )
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--preset", default="gpt-oss-120b@8x2x4096x14336")
+    p.add_argument("--tokens", default="512,2048,8192")
+    p.add_argument("--block-m", default="64,128")
+    p.add_argument("--stages", default="3,4")
+    p.add_argument("--maxnreg", type=int, default=128, help="ptxas register cap (0: none)")
+    args = p.parse_args()
+    tiles = [(int(m), int(s)) for m in args.block_m.split(",") for s in args.stages.split(",")]
+    maxnreg = args.maxnreg or None
+    if args.compile_only:
+        for m, s in tiles:
+            print(_compile_report(m, s, maxnreg), flush=True)
+        return 0
+    return run(args.preset, [int(t) for t in args.tokens.split(",")], tiles, maxnreg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
