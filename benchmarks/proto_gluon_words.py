@@ -26,7 +26,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
@@ -93,24 +92,27 @@ def _factor(s):
 
 
 @gluon.jit
-def _load_step(w_base, s_base, k, NB_RUNS: gl.constexpr, N_ROWS: gl.constexpr, L3: gl.constexpr):
+def _load_step(w_base, s_base, k, rows_left, NB_RUNS: gl.constexpr, N_ROWS: gl.constexpr, L3: gl.constexpr):
     """Step k's words [8, 32, 4] (row block, lane, chunk) and the E8M0 bytes of rows g and g + 8 of each
-    lane's block for each chunk's group, all in the word layout L3."""
+    lane's block for each chunk's group, all in the word layout L3. Row blocks from `rows_left` on (a
+    ragged last N-tile) read zero words: weights of 0."""
     rb = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     ch = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     chunk = 4 * k + ch
     run_offset = (chunk // _RUN) * (32 * _RUN) + chunk % _RUN
-    words = gl.load(
-        w_base
-        + rb[:, None, None] * (NB_RUNS * 32 * _RUN)
-        + lane[None, :, None] * _RUN
-        + run_offset[None, None, :]
-    )
+    w_ptrs = w_base + rb[:, None, None] * (NB_RUNS * 32 * _RUN) + lane[None, :, None] * _RUN
     row = 16 * rb[:, None, None] + lane[None, :, None] // 4
-    group = (chunk // 2)[None, None, :]
-    top = gl.load(s_base + group * N_ROWS + row)
-    bottom = gl.load(s_base + group * N_ROWS + row + 8)
+    s_ptrs = s_base + (chunk // 2)[None, None, :] * N_ROWS + row
+    if N_ROWS % 128 == 0:  # every N-tile whole: no masks in the K-loop
+        words = gl.load(w_ptrs + run_offset[None, None, :])
+        top = gl.load(s_ptrs)
+        bottom = gl.load(s_ptrs + 8)
+    else:
+        block_in = (16 * rb < rows_left)[:, None, None]
+        words = gl.load(w_ptrs + run_offset[None, None, :], mask=block_in, other=0)
+        top = gl.load(s_ptrs, mask=block_in, other=0)
+        bottom = gl.load(s_ptrs + 8, mask=block_in, other=0)
     return words.to(gl.uint32, bitcast=True), _factor(top), _factor(bottom)
 
 
@@ -137,13 +139,93 @@ def _decode(words, f_top, f_bottom, fragment: gl.constexpr):
 
 @gluon.jit
 def _copy_x(x_ptr, tokens, row_mask, stride_xm, k, KT: gl.constexpr, stage, XL: gl.constexpr):
-    """cp.async of step k's x columns for the block's rows into `stage` (nothing past the last step)."""
+    """cp.async of step k's 64 columns of A's rows `tokens` into `stage` (nothing past the last step)."""
     cols = k * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
     mask = row_mask[:, None] & (k < KT)
     async_copy.async_copy_global_to_shared(
         stage, x_ptr + tokens[:, None] * stride_xm + cols[None, :], mask=mask & (cols[None, :] >= 0)
     )
     async_copy.commit_group()
+
+
+@gluon.jit
+def _tile(num_pid_m, NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(M-block, 128-row N-tile) of this program: GROUP_M M-blocks walk one N-tile (its weights stay in L2)"""
+    pid = gl.program_id(0)
+    width = GROUP_M * NUM_PID_N
+    first_m = (pid // width) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@gluon.jit
+def _words_kloop(
+    a_ptr,
+    a_rows,
+    a_mask,
+    stride_am,
+    w_ptr,
+    s_ptr,
+    expert,
+    pid_n,
+    IN_DIM: gl.constexpr,
+    N_ROWS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """fp32 [128 weight rows, BLOCK_M] = W[expert, 128 pid_n + 0..127, :] @ A[a_rows, :]^T, the word path's
+    weights in register A (decoded one step ahead, under the previous step's wgmma) and A's gathered rows
+    in a cp.async ring of STAGES shared-memory stages (the wgmma's N side)."""
+    gl.static_assert(IN_DIM % 64 == 0)
+    gl.static_assert(N_ROWS % 16 == 0)  # whole row blocks of the words; a last N-tile may hold fewer than 8
+    KT: gl.constexpr = IN_DIM // 64
+    NB_RUNS: gl.constexpr = (IN_DIM // 16 + _RUN - 1) // _RUN
+    G: gl.constexpr = IN_DIM // 32
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [8, 1, 1], [2, 1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    fragment: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    XL: gl.constexpr = a_rows.type.layout.parent
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.bfloat16)
+
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], a_layout)
+    for s in gl.static_range(STAGES - 1):
+        _copy_x(a_ptr, a_rows, a_mask, stride_am, s, KT, a_smem.index(s), XL)
+    w_base = w_ptr + (expert * (N_ROWS // 16) + pid_n * 8) * (NB_RUNS * 32 * _RUN)
+    s_base = s_ptr + expert * (G * N_ROWS) + pid_n * 128
+    rows_left = N_ROWS - pid_n * 128
+    words, f_top, f_bottom = _load_step(w_base, s_base, 0, rows_left, NB_RUNS, N_ROWS, L3)
+    w = _decode(words, f_top, f_bottom, fragment)
+    words, f_top, f_bottom = _load_step(w_base, s_base, gl.minimum(1, KT - 1), rows_left, NB_RUNS, N_ROWS, L3)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    acc = gl.zeros([128, BLOCK_M], gl.float32, mma)
+    for k in range(KT):
+        acc = warpgroup_mma(w, a_smem.index(k % STAGES).permute((1, 0)), acc, is_async=True)
+        following = _decode(words, f_top, f_bottom, fragment)  # step k + 1 (clamped: the last repeats)
+        words, f_top, f_bottom = _load_step(
+            w_base, s_base, gl.minimum(k + 2, KT - 1), rows_left, NB_RUNS, N_ROWS, L3
+        )
+        async_copy.wait_group(STAGES - 3)  # step k + 1's rows are in
+        # Every thread's rows of step k + 1 are in, and every warpgroup has waited for its wgmma k - 1, so
+        # that stage takes step k + STAGES - 1. ptxas keeps the decode above this barrier: under wgmma k.
+        fence_async_shared()  # this thread's copies, visible to the async proxy (wgmma)
+        gl.thread_barrier()
+        refill = k + STAGES - 1
+        _copy_x(a_ptr, a_rows, a_mask, stride_am, refill, KT, a_smem.index(refill % STAGES), XL)
+        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
+        w = following
+    return acc
+
+
+@gluon.jit
+def _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The M-block's pair ids (int64, along `layout`) and which of them are pairs, not padding."""
+    pairs = gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)).to(gl.int64)
+    return pairs, pairs < num_pairs
 
 
 @gluon.jit
@@ -171,65 +253,20 @@ def _gemm1(
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
 ):
-    gl.static_assert(HIDDEN % 64 == 0)
-    gl.static_assert((2 * INTER_SIZE) % 128 == 0)
-    KT: gl.constexpr = HIDDEN // 64
-    NB_RUNS: gl.constexpr = (HIDDEN // 16 + _RUN - 1) // _RUN
+    """h[p, 64 pid_n + n] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block (INTERLEAVED)."""
     N_ROWS: gl.constexpr = 2 * INTER_SIZE
-    G: gl.constexpr = HIDDEN // 32
-    num_pid_n: gl.constexpr = N_ROWS // 128
-    pid = gl.program_id(0)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    gl.static_assert(N_ROWS % 128 == 0)  # whole tiles of gate and up rows
+    pid_m, pid_n = _tile(num_pid_m, N_ROWS // 128, GROUP_M)
     if pid_m >= gl.load(num_blocks_ptr):
         return
     expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [8, 1, 1], [2, 1, 0])
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    fragment: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.bfloat16)
-
-    rows_x = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-    pairs_x = gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows_x).to(gl.int64)
-    mask_x = pairs_x < num_pairs
+    pairs_x, mask_x = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(1, XL))
     tokens = gl.where(mask_x, pairs_x // TOP_K, 0)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_layout)
-    for s in gl.static_range(STAGES - 1):
-        _copy_x(x_ptr, tokens, mask_x, stride_xm, s, KT, x_smem.index(s), XL)
-
-    w_base = w_ptr + (expert * (N_ROWS // 16) + pid_n * 8) * (NB_RUNS * 32 * _RUN)
-    s_base = s_ptr + expert * (G * N_ROWS) + pid_n * 128
-    words, f_top, f_bottom = _load_step(w_base, s_base, 0, NB_RUNS, N_ROWS, L3)
-    w = _decode(words, f_top, f_bottom, fragment)
-    words, f_top, f_bottom = _load_step(w_base, s_base, gl.minimum(1, KT - 1), NB_RUNS, N_ROWS, L3)
-    async_copy.wait_group(STAGES - 2)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    acc = gl.zeros([128, BLOCK_M], gl.float32, mma)
-    for k in range(KT):
-        acc = warpgroup_mma(w, x_smem.index(k % STAGES).permute((1, 0)), acc, is_async=True)
-        following = _decode(words, f_top, f_bottom, fragment)  # step k + 1 (clamped: the last repeats)
-        words, f_top, f_bottom = _load_step(w_base, s_base, gl.minimum(k + 2, KT - 1), NB_RUNS, N_ROWS, L3)
-        async_copy.wait_group(STAGES - 3)  # step k + 1's rows are in
-        # Every thread's rows of step k + 1 are in, and every warpgroup has waited for its wgmma k - 1, so
-        # that stage takes step k + STAGES - 1. ptxas keeps the decode above this barrier: under wgmma k.
-        fence_async_shared()  # this thread's copies, visible to the async proxy (wgmma)
-        gl.thread_barrier()
-        _copy_x(
-            x_ptr, tokens, mask_x, stride_xm, k + STAGES - 1, KT, x_smem.index((k + STAGES - 1) % STAGES), XL
-        )
-        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
-        w = following
-
-    # Epilogue: rows 2n (gate) and 2n + 1 (up) of the tile side by side in one thread.
+    acc = _words_kloop(
+        x_ptr, tokens, mask_x, stride_xm, w_ptr, s_ptr, expert, pid_n, HIDDEN, N_ROWS, BLOCK_M, STAGES
+    )
+    # Rows 2n (gate) and 2n + 1 (up) of the tile side by side in one thread.
     EL: gl.constexpr = gl.BlockedLayout([2, 4], [4, 8], [8, 1], [0, 1])
     acc = gl.convert_layout(acc, EL)
     if b_ptr is not None:
@@ -240,170 +277,101 @@ def _gemm1(
     SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if BLOCK_M >= 128 else [2, 4], [0, 1])
     h = gl.convert_layout(h, SL)
     cols = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, SL))
-    pairs = gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows).to(gl.int64)
-    gl.store(h_ptr + pairs[None, :] * stride_hm + cols[:, None], h, mask=(pairs < num_pairs)[None, :])
+    pairs, mask = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(0, SL))
+    gl.store(h_ptr + pairs[None, :] * stride_hm + cols[:, None], h, mask=mask[None, :])
+
+
+@gluon.jit
+def _gemm2(
+    h_ptr,  # bf16 [T*K, I], pair order
+    w_ptr,  # int32 words [E, H/16, S, 8, 4, 8]
+    s_ptr,  # uint8 scales [E, H, I/32], N-major
+    b_ptr,  # bf16 [E, H] or None
+    route_w_ptr,  # fp32 [T*K]
+    sorted_pairs_ptr,  # int32 [max_blocks * BLOCK_M]
+    block_expert_ptr,  # int32 [max_blocks]
+    num_blocks_ptr,  # int32 [1]
+    y_ptr,  # bf16 [T*K, H], pair order (the top-k sum follows)
+    num_pairs,
+    num_pid_m,
+    stride_hm,
+    stride_ym,
+    HIDDEN: gl.constexpr,
+    INTER_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    """y[p, 128 pid_n + n] = (h[p] @ w2[e]^T + b2[e]) * router weight[p] for the pairs of one M-block."""
+    pid_m, pid_n = _tile(num_pid_m, (HIDDEN + 127) // 128, GROUP_M)
+    if pid_m >= gl.load(num_blocks_ptr):
+        return
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    pairs_a, mask_a = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(1, XL))
+    rows_a = gl.where(mask_a, pairs_a, 0)
+    acc = _words_kloop(
+        h_ptr, rows_a, mask_a, stride_hm, w_ptr, s_ptr, expert, pid_n, INTER_SIZE, HIDDEN, BLOCK_M, STAGES
+    )
+    SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if BLOCK_M >= 128 else [2, 4], [0, 1])
+    acc = gl.convert_layout(acc, SL)
+    cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, SL))
+    col_in = cols < HIDDEN
+    if b_ptr is not None:  # b2 per expert before the router weight, as GPT-OSS adds it
+        acc = acc + gl.load(b_ptr + expert * HIDDEN + cols, mask=col_in, other=0.0).to(gl.float32)[:, None]
+    pairs, mask = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(0, SL))
+    acc = acc * gl.load(route_w_ptr + pairs, mask=mask, other=0.0)[None, :]
+    y = acc.to(gl.bfloat16)
+    gl.store(y_ptr + pairs[None, :] * stride_ym + cols[:, None], y, mask=mask[None, :] & col_in[:, None])
 
 
 def compile_for_hopper(
-    *, block_m: int = 128, stages: int = 3, maxnreg: int | None = None, hidden: int = 2880, inter: int = 2880
+    gemm: int = 1,
+    *,
+    block_m: int = 128,
+    stages: int = 3,
+    maxnreg: int | None = None,
+    hidden: int = 2880,
+    inter: int = 2880,
 ):
-    """`_gemm1` compiled for sm_90 (no GPU needed), gpt-oss's math, as `run` launches it."""
+    """`_gemm1` or `_gemm2` compiled for sm_90 (no GPU needed), gpt-oss's math, as `run` launches them."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import sass_report
 
-    pointers = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
+    pointers = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
     pointers |= dict(block_expert_ptr="*i32", num_blocks_ptr="*i32", h_ptr="*bf16")
-    constants = dict(HIDDEN=hidden, INTER_SIZE=inter, TOP_K=4, ACTIVATION=3, ALPHA=1.702, HAS_LIMIT=True)
-    constants |= dict(LIMIT=7.0, BLOCK_M=block_m, STAGES=stages, GROUP_M=8)
+    constants = dict(HIDDEN=hidden, INTER_SIZE=inter, BLOCK_M=block_m, STAGES=stages, GROUP_M=8)
+    if gemm == 1:
+        fn, strides = _gemm1, ("stride_xm", "stride_hm")
+        pointers["x_ptr"] = "*bf16"
+        constants |= dict(TOP_K=4, ACTIVATION=3, ALPHA=1.702, HAS_LIMIT=True, LIMIT=7.0)
+    else:
+        fn, strides = _gemm2, ("stride_hm", "stride_ym")
+        pointers |= dict(route_w_ptr="*fp32", y_ptr="*bf16")
     return sass_report.compile_gluon_for_hopper(
-        _gemm1,
+        fn,
         pointers=pointers,
         constants=constants,
         warps=NUM_WARPS,
         maxnreg=maxnreg,
-        aligned=(*pointers, "stride_xm", "stride_hm"),
+        aligned=(*pointers, *strides),
     )
 
 
-def _compile_report(block_m: int, stages: int, maxnreg: int | None) -> str:
+def _compile_report(gemm: int, block_m: int, stages: int, maxnreg: int | None) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import sass_report
     import wgmma_hazard
 
-    kernel = compile_for_hopper(block_m=block_m, stages=stages, maxnreg=maxnreg)
+    kernel = compile_for_hopper(gemm, block_m=block_m, stages=stages, maxnreg=maxnreg)
     instructions = sass_report.all_instructions(kernel)
     facts = sass_report.kernel_facts(kernel, instructions)
     return (
-        f"block_m {block_m}, {stages} stages, maxnreg {maxnreg}: {facts['registers']} registers, "
+        f"GEMM{gemm} block_m {block_m}, {stages} stages, maxnreg {maxnreg}: {facts['registers']} registers, "
         f"{kernel.metadata.shared} B shared, {facts['local_memory_ops']} spill ops, "
         f"{sass_report.issued_under_mma(instructions)} instructions under the MMA, "
         f"{len(wgmma_hazard.simulate(kernel)['writes'])} writes to in-flight A registers"
     )
-
-
-def _shipped_gemm1_us(chosen, layer, weights, x, logits, flush, repeats: int = 10) -> float:
-    """GPU time of the layer's own GEMM1 kernels per layer: the planned layer's graph replayed (L2 flushed
-    before each layer) under torch.profiler, as benchmarks/profile_stages.py measures stages."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from moekit.app.bench import capture_graph, whole_layer
-
-    graph, _ = capture_graph(
-        whole_layer(chosen, layer, weights, x, logits), x.device, repeats=repeats, flush=flush
-    )
-    graph.replay()
-    torch.cuda.synchronize(x.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize(x.device)
-    return (
-        sum(
-            e.device_time
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and "_moe_gemm1" in e.name
-        )
-        / repeats
-    )
-
-
-def _reference_h(layer, spec, x, ids):
-    """fp32 h [T*K, I] in pair order: act(x[p // K] @ w13[e]^T + b13[e]) from the dequantized weights."""
-    import torch
-
-    from moekit.reference import apply_activation, split_gate_up
-
-    flat = ids.reshape(-1)
-    h = torch.empty(flat.numel(), spec.I, dtype=torch.float32, device=x.device)
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
-        pre = x[pairs // spec.K].float() @ layer.weights.dequantize_w13(e).T
-        if layer.weights.b13 is not None:
-            pre = pre + layer.weights.b13[e].float()
-        h[pairs] = apply_activation(*split_gate_up(pre, spec.gate_layout), spec.activation)
-    return h
-
-
-def _launch(*, spec, x, weights, aligned, h, block_m: int, stages: int, maxnreg: int | None) -> None:
-    """`_gemm1` on the alignment's blocks into h."""
-    from moekit.kernels.triton._details.codes import ACT_SWIGLU_OAI
-
-    act = spec.activation
-    _gemm1[(aligned.max_blocks * (2 * spec.I // W_ROWS),)](
-        x, weights.w13, weights.w13_scale, weights.b13, aligned.sorted_pair_ids, aligned.block_expert,
-        aligned.num_valid_blocks, h, aligned.num_pairs, aligned.max_blocks, x.stride(0), h.stride(0),
-        HIDDEN=spec.H, INTER_SIZE=spec.I, TOP_K=spec.K, ACTIVATION=ACT_SWIGLU_OAI.value, ALPHA=act.alpha,
-        HAS_LIMIT=act.limit is not None, LIMIT=0.0 if act.limit is None else act.limit,
-        BLOCK_M=block_m, STAGES=stages, GROUP_M=8, num_warps=NUM_WARPS,
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
-    )  # fmt: skip
-
-
-def run(preset_name: str, token_counts: list[int], tiles: list[tuple[int, int]], maxnreg: int | None) -> int:
-    """Each T: the layer's GEMM1 time; each tile: the prototype's h (NaN-poisoned first) against the
-    reference, and its time (graph replay, L2 flushed, as `flushed_seconds` measures)."""
-    import torch
-
-    from moekit.app.bench import flushed_seconds, prepared_weights
-    from moekit.kernels.base import DeviceInfo
-    from moekit.kernels.triton.align import align_routing
-    from moekit.ops import route
-    from moekit.planning.plan import plan
-    from moekit.presets import preset_at
-    from moekit.reference import relative_l2_error
-    from moekit.spec import GateLayout, WeightFormat
-    from moekit.synthetic import random_batch, random_layer
-    from moekit.weights import WeightPacking
-
-    device = torch.device("cuda")
-    spec = preset_at(preset_name)
-    if spec.weight_format is not WeightFormat.MXFP4 or spec.gate_layout is not GateLayout.INTERLEAVED:
-        raise SystemExit(f"the prototype runs MXFP4 layers with INTERLEAVED gate/up rows, got {spec}")
-    layer = random_layer(spec, seed=0, device=device)
-    info = DeviceInfo.of(device)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    cache: dict = {}
-    for t in token_counts:
-        chosen = plan(spec, num_tokens=t, device=info)
-        weights = prepared_weights(chosen, layer, cache)
-        assert weights.packing is WeightPacking.MXFP4_MMA_WORDS, weights.packing
-        x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
-        shipped_us = _shipped_gemm1_us(chosen, layer, weights, x, logits, flush)
-        ids = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias).ids
-        expected = _reference_h(layer, spec, x, ids)
-        flops = 2.0 * t * spec.K * 2 * spec.I * spec.H
-        print(
-            f"T={t}: layer's GEMM1 {shipped_us:.1f} us ({flops / shipped_us / 1e6:.0f} TFLOP/s), "
-            f"config {chosen.config.as_dict()}",
-            flush=True,
-        )
-        for block_m, stages in tiles:
-            aligned = align_routing(ids, num_local_experts=spec.E_local, block_m=block_m)
-            h = torch.full((t * spec.K, spec.I), float("nan"), dtype=torch.bfloat16, device=device)
-
-            launch = functools.partial(
-                _launch,
-                spec=spec,
-                x=x,
-                weights=weights,
-                aligned=aligned,
-                h=h,
-                block_m=block_m,
-                stages=stages,
-                maxnreg=maxnreg,
-            )
-            launch()
-            torch.cuda.synchronize(device)
-            error = relative_l2_error(h.float(), expected)
-            nan_rows = int(h.isnan().any(dim=1).sum())
-            us = flushed_seconds(launch, device, flush, repeats=20) * 1e6
-            print(
-                f"   block_m {block_m}, {stages} stages: {us:.1f} us ({flops / us / 1e6:.0f} TFLOP/s), "
-                f"layer / prototype {shipped_us / us:.3f}; rel L2 {error:.2e}, rows with NaN {nan_rows}",
-                flush=True,
-            )
-    return 0
 
 
 def main() -> int:
@@ -418,9 +386,12 @@ def main() -> int:
     tiles = [(int(m), int(s)) for m in args.block_m.split(",") for s in args.stages.split(",")]
     maxnreg = args.maxnreg or None
     if args.compile_only:
-        for m, s in tiles:
-            print(_compile_report(m, s, maxnreg), flush=True)
+        for gemm in (1, 2):
+            for m, s in tiles:
+                print(_compile_report(gemm, m, s, maxnreg), flush=True)
         return 0
+    from proto_gluon_words_run import run  # the GPU half
+
     return run(args.preset, [int(t) for t in args.tokens.split(",")], tiles, maxnreg)
 
 
