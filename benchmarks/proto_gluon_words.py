@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
-"""Prototype, not in the layer: GEMM1 of the MXFP4 word path written in Gluon, with each K-step's
-weight decode under the previous step's wgmma, checked against torch and timed against the layer's
-own GEMM1 on the same batch.
+"""Prototype, not in the layer: both GEMMs of the MXFP4 word path written in Gluon, with each K-step's
+weight decode under the previous step's wgmma, checked against torch and timed against the layer's own
+GEMMs on the same batch (`proto_gluon_words_run.py`, the GPU half).
 
 Why: Triton 3.6's `tl.dot` runs the word path's decode and its register-A wgmma one after the other
 inside a program (docs/performance.md, the Mixtral-like MXFP4 shape); `tools/gluon_overlap_probe.py`
 shows Gluon putting the next step's decode under the wgmma without a hazard.
 
 Data flow: a preset layer (MXFP4, INTERLEAVED gate/up, bf16 activations), prepared as the layer
-prepares it (MXFP4_MMA_WORDS, N-major scales) -> routing -> `align.align_routing(block_m)` -> `_gemm1`:
-one program = BLOCK_M sorted pairs x 128 w13 rows (64 columns of h), 8 warps (two warpgroups of 64
-weight rows, the wgmma's register-A M side; the pairs' gathered x rows are its N side, in a ring of
+prepares it (MXFP4_MMA_WORDS, N-major scales) -> routing -> `align.align_routing(block_m)` ->
+`_gemm1`: one program = BLOCK_M sorted pairs x 128 w13 rows (64 columns of h), 8 warps (two warpgroups
+of 64 weight rows, the wgmma's register-A M side; the pairs' gathered x rows its N side, in a ring of
 shared-memory stages filled by cp.async) -> bias, gated activation -> h [P, I] bf16 in pair order, as
-`_moe_gemm1` writes it.
-K-loop, step k: wgmma of step k on w(k) (async) -> decode w(k + 1) from words and scales loaded one step
-earlier, load those of step k + 2 -> wait for the wgmma, w(k) among the wait's `deps` -> wait for step
-k + 1's x rows, CTA barrier (every warpgroup's wgmma k is done), proxy fence -> cp.async step k +
-STAGES into the stage wgmma k read.
+`_moe_gemm1` writes it -> `_gemm2`: the same K-loop over h's rows and 128 w2 rows -> b2, router weight ->
+y [P, H] bf16 in pair order, as `_moe_gemm2` writes it (the layer's top-k sum follows).
+K-loop (`_words_kloop`), step k: wgmma of step k on w(k) (async) -> decode w(k + 1) from words and scales
+loaded one step earlier, load those of step k + 2 -> wait for step k + 1's rows, proxy fence, CTA
+barrier (every warpgroup has also waited for its wgmma k - 1) -> cp.async of step k + STAGES - 1 into the
+stage wgmma k - 1 read -> wait for wgmma k, w(k) among the wait's `deps`.
 
 Usage:
   python benchmarks/proto_gluon_words.py --compile-only          # any machine: sm_90 compile facts
@@ -46,7 +47,7 @@ _MANTISSA_MASK = gl.constexpr(MANTISSA_MASK)
 _ROT = gl.constexpr(PAIR_ROTATIONS)
 _RUN = gl.constexpr(CHUNKS_PER_RUN)
 BLOCK_K = 64  # four 16-column chunks a step: half a stored run
-W_ROWS = 128  # w13 rows a program: gate and up of 64 columns of h (INTERLEAVED)
+W_ROWS = 128  # weight rows a program: gate and up of 64 columns of h (INTERLEAVED), or 128 columns of y
 NUM_WARPS = 8
 
 
