@@ -120,7 +120,9 @@ def _load_step(w_base, s_base, k, rows_left, NB_RUNS: gl.constexpr, N_ROWS: gl.c
 @gluon.jit
 def _to_fragment(p0, p1, p2, p3, fragment: gl.constexpr):
     """Four [8, 32, 4] tensors of bf16 pairs (uint32) in the word layout -> [128, 64] bf16 in the
-    register-A `fragment` layout: a renaming of registers, no data movement."""
+    register-A `fragment` layout. Meant as a renaming of registers, but ptxas swaps the halves of each
+    register on the way (PRMT ..., 0x5432: 37 PRMT a K-step with the factors, against 9 in the tl.dot word
+    path's loop); why is not known."""
     t = gl.join(gl.join(_halves(p0), _halves(p1)), gl.join(_halves(p2), _halves(p3)))
     t = gl.reshape(t, [8, 8, 4, 4, 2, 2, 2])  # rb, g, q, chunk, odd, row half, column half
     t = gl.permute(t, [0, 5, 1, 3, 6, 2, 4])  # rb, row half, g, chunk, column half, q, odd
