@@ -180,6 +180,7 @@ def _words_kloop(
     weights in register A (decoded one step ahead, under the previous step's wgmma) and A's gathered rows
     in a cp.async ring of STAGES shared-memory stages (the wgmma's N side)."""
     gl.static_assert(IN_DIM % 64 == 0)
+    gl.static_assert(STAGES >= 3)  # the loop waits with STAGES - 3 copy groups left in flight
     gl.static_assert(N_ROWS % 16 == 0)  # whole row blocks of the words; a last N-tile may hold fewer than 8
     KT: gl.constexpr = IN_DIM // 64
     NB_RUNS: gl.constexpr = (IN_DIM // 16 + _RUN - 1) // _RUN
