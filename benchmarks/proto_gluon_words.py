@@ -14,10 +14,11 @@ of 64 weight rows, the wgmma's register-A M side; the pairs' gathered x rows its
 shared-memory stages filled by cp.async) -> bias, gated activation -> h [P, I] bf16 in pair order, as
 `_moe_gemm1` writes it -> `_gemm2`: the same K-loop over h's rows and 128 w2 rows -> b2, router weight ->
 y [P, H] bf16 in pair order, as `_moe_gemm2` writes it (the layer's top-k sum follows).
-K-loop (`_words_kloop`), step k: wgmma of step k on w(k) (async) -> decode w(k + 1) from words and scales
+K-loop (`_words_kloop`), step k: wgmma of step k on w(k) (async) -> the codes of step k + 1 from words
 loaded one step earlier, load those of step k + 2 -> wait for step k + 1's rows, proxy fence, CTA
 barrier (every warpgroup has also waited for its wgmma k - 1) -> cp.async of step k + STAGES - 1 into the
-stage wgmma k - 1 read -> wait for wgmma k, w(k) among the wait's `deps`.
+stage wgmma k - 1 read -> wait for wgmma k, w(k) among the wait's `deps` -> w(k + 1): the codes times
+their scales, one bf16x2 multiply a register, renamed into the A fragment.
 
 Usage:
   python benchmarks/proto_gluon_words.py --compile-only          # any machine: sm_90 compile facts
@@ -86,6 +87,13 @@ def _halves(p):
 
 
 @gluon.jit
+def _mul2(p, f):
+    return gl.inline_asm_elementwise(
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, f], dtype=gl.uint32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
 def _factor(s):
     """E8M0 bytes -> bf16 pairs 2^(s - 1) (uint32): the scale times the 2^126 the bit placement omits."""
     e = s.to(gl.uint32) + 126
@@ -120,9 +128,8 @@ def _load_step(w_base, s_base, k, rows_left, NB_RUNS: gl.constexpr, N_ROWS: gl.c
 @gluon.jit
 def _to_fragment(p0, p1, p2, p3, fragment: gl.constexpr):
     """Four [8, 32, 4] tensors of bf16 pairs (uint32) in the word layout -> [128, 64] bf16 in the
-    register-A `fragment` layout. Meant as a renaming of registers, but ptxas swaps the halves of each
-    register on the way (PRMT ..., 0x5432: 37 PRMT a K-step with the factors, against 9 in the tl.dot word
-    path's loop); why is not known."""
+    register-A `fragment` layout: a renaming of registers when every input is a finished pair (bf16
+    arithmetic on the split halves made LLVM compute each half apart: 37 PRMT a K-step instead of 0)."""
     t = gl.join(gl.join(_halves(p0), _halves(p1)), gl.join(_halves(p2), _halves(p3)))
     t = gl.reshape(t, [8, 8, 4, 4, 2, 2, 2])  # rb, g, q, chunk, odd, row half, column half
     t = gl.permute(t, [0, 5, 1, 3, 6, 2, 4])  # rb, row half, g, chunk, column half, q, odd
@@ -130,14 +137,21 @@ def _to_fragment(p0, p1, p2, p3, fragment: gl.constexpr):
 
 
 @gluon.jit
-def _decode(words, f_top, f_bottom, fragment: gl.constexpr):
-    """[128 rows, 64 columns] bf16 in the register-A `fragment` layout. The scale multiply comes last, on
-    the fragment itself: the instructions that define a wgmma's A registers are then only those
-    multiplies, which ptxas can place after the previous wgmma's wait; defining them earlier in the
-    decode makes ptxas serialize every wgmma (C7513)."""
-    codes = _to_fragment(_pair(words, 0), _pair(words, 1), _pair(words, 2), _pair(words, 3), fragment)
-    factors = _to_fragment(f_top, f_bottom, f_top, f_bottom, fragment)  # rows g, g + 8, g, g + 8
-    return codes * factors
+def _codes(words):
+    """The four bf16 pairs (uint32, value * 2^-126) of each word: the bulk of the decode."""
+    return _pair(words, 0), _pair(words, 1), _pair(words, 2), _pair(words, 3)
+
+
+@gluon.jit
+def _scaled_fragment(codes, f_top, f_bottom, fragment: gl.constexpr):
+    """[128 rows, 64 columns] bf16 in the register-A `fragment` layout: each pair times its row's factor
+    (one bf16x2 multiply a register), then a renaming of registers. These multiplies are the only
+    instructions that define a wgmma's A registers; placed after the previous wgmma's wait they let
+    ptxas keep the wgmma unserialized (C7513 otherwise)."""
+    p0, p1, p2, p3 = codes
+    return _to_fragment(
+        _mul2(p0, f_top), _mul2(p1, f_bottom), _mul2(p2, f_top), _mul2(p3, f_bottom), fragment
+    )  # rows g, g + 8, g, g + 8
 
 
 @gluon.jit
@@ -200,7 +214,7 @@ def _words_kloop(
     s_base = s_ptr + expert * (G * N_ROWS) + pid_n * 128
     rows_left = N_ROWS - pid_n * 128
     words, f_top, f_bottom = _load_step(w_base, s_base, 0, rows_left, NB_RUNS, N_ROWS, L3)
-    w = _decode(words, f_top, f_bottom, fragment)
+    w = _scaled_fragment(_codes(words), f_top, f_bottom, fragment)
     words, f_top, f_bottom = _load_step(w_base, s_base, gl.minimum(1, KT - 1), rows_left, NB_RUNS, N_ROWS, L3)
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
@@ -209,7 +223,8 @@ def _words_kloop(
     acc = gl.zeros([128, BLOCK_M], gl.float32, mma)
     for k in range(KT):
         acc = warpgroup_mma(w, a_smem.index(k % STAGES).permute((1, 0)), acc, is_async=True)
-        following = _decode(words, f_top, f_bottom, fragment)  # step k + 1 (clamped: the last repeats)
+        # Step k + 1 (clamped: the last repeats): its codes now, under wgmma k; its scaling after the wait.
+        codes, next_top, next_bottom = _codes(words), f_top, f_bottom
         words, f_top, f_bottom = _load_step(
             w_base, s_base, gl.minimum(k + 2, KT - 1), rows_left, NB_RUNS, N_ROWS, L3
         )
@@ -221,7 +236,7 @@ def _words_kloop(
         refill = k + STAGES - 1
         _copy_x(a_ptr, a_rows, a_mask, stride_am, refill, KT, a_smem.index(refill % STAGES), XL)
         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
-        w = following
+        w = _scaled_fragment(codes, next_top, next_bottom, fragment)
     return acc
 
 

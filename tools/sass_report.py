@@ -314,6 +314,19 @@ def loop_instructions(kernel, instructions: list[tuple[int, str]] | None = None)
     return [(a, t) for a, t in instructions if loop[0] <= a <= loop[1]]
 
 
+def mma_loop_instructions(instructions: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """(address, instruction) of the first loop (a backward branch and its target) whose body issues a
+    wgmma: the K-loop of a kernel whose last loop is something else (a Gluon kernel's barrier spins)."""
+    addresses = [a for a, _ in instructions]
+    for address, text in instructions:
+        branch = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            body = [(a, t) for a, t in instructions if int(branch.group(1), 16) <= a <= address]
+            if any(unpredicated(t).startswith(("HGMMA", "QGMMA")) for _, t in body):
+                return body
+    raise RuntimeError(f"no loop issues a wgmma among {len(addresses)} instructions")
+
+
 def unpredicated(text: str) -> str:
     """An instruction without its predicate (@P0, @!UP1 ...)."""
     return re.sub(r"^@!?U?P\w+\s+", "", text)
