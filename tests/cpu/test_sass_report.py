@@ -321,3 +321,28 @@ def test_gluon_words_prototype_compiles_with_its_decode_under_the_mma():
     for tile in _compiled_json(["-c", _GLUON_WORDS_GEMMS]):
         assert tile["registers"] <= 128 and tile["loop_spills"] == 0 and tile["loop_waits"] == 1, tile
         assert tile["under"] >= tile["loop"] // 2 and tile["hazards"] == 0, tile
+
+
+_GLUON_FP8_GEMM1_ROWS128 = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import proto_gluon_fp8_gemm1 as proto
+import sass_report
+kernel = proto.compile_for_hopper(stages=4)
+loop = sass_report.mma_loop_instructions(sass_report.all_instructions(kernel))
+print(json.dumps(dict(
+    waits=sass_report.wgmma_waits(loop),
+    fp8_wgmma=sum(1 for _, t in loop if sass_report.unpredicated(t).startswith("QGMMA")),
+    under=sass_report.issued_under_mma(loop), loop=len(loop),
+)))
+"""
+
+
+def test_gluon_fp8_gemm1_prototype_keeps_a_step_in_flight_while_it_promotes():
+    """benchmarks/proto_gluon_fp8_gemm1.py, compiled for sm_90 at DeepSeek-V3's shape: a window of two
+    K-steps issues four FP8 wgmma groups (gate and up of each step, 4 x 64x64x32 each), waits first with
+    the second step's two groups left in flight (the promotion of the first runs under them), and most
+    of the loop issues while a wgmma runs."""
+    facts = _compiled_json(["-c", _GLUON_FP8_GEMM1_ROWS128])
+    assert facts["waits"] == [2, 0] and facts["fp8_wgmma"] == 16, facts
+    assert facts["under"] >= facts["loop"] // 3, facts
