@@ -18,9 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from moekit.app.bench import capture_graph, flushed_seconds, prepared_weights, whole_layer
+from moekit.app.bench import flushed_seconds, prepared_weights, profiled_kernels, whole_layer
 from moekit.kernels.base import DeviceInfo
 from moekit.planning.plan import plan
 from moekit.presets import preset_at
@@ -61,22 +60,13 @@ def main() -> int:
         weights = prepared_weights(chosen, layer, prepared)
         x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
         layer_fn = whole_layer(chosen, layer, weights, x, logits)
-        graph, _ = capture_graph(layer_fn, device, repeats=args.repeats, flush=flush)
-        graph.replay()
-        torch.cuda.synchronize(device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graph.replay()
-            torch.cuda.synchronize(device)
         per_stage: dict[str, float] = defaultdict(float)
         kernels: dict[str, float] = defaultdict(float)
         launches = 0
-        for event in prof.events():
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = event.device_time / args.repeats
-            per_stage[_stage(event.name)] += us
-            kernels[event.name[:60]] += us
-            launches += _stage(event.name) != "flush"
+        for name, us in profiled_kernels(layer_fn, device, flush, repeats=args.repeats):
+            per_stage[_stage(name)] += us
+            kernels[name[:60]] += us
+            launches += _stage(name) != "flush"
         per_stage.pop("flush", None)
         busy = sum(per_stage.values())
         layer_us = flushed_seconds(layer_fn, device, flush, repeats=args.repeats) * 1e6
@@ -98,7 +88,6 @@ def main() -> int:
         )
         named = sorted(((v, k) for k, v in kernels.items() if _stage(k) != "flush"), reverse=True)
         print("   kernels: " + "; ".join(f"{k} {v:.1f}" for v, k in named), flush=True)
-        del graph
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:

@@ -194,10 +194,20 @@ def _gemm1_rows128(
     )
 
 
+def _tools():
+    """tools/sass_report.py and tools/wgmma_hazard.py (offline sm_90 compiles and their checks)."""
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import sass_report
+    import wgmma_hazard
+
+    return sass_report, wgmma_hazard
+
+
 def compile_for_hopper(*, stages: int = 4, h_dtype: str = "fp32", hidden: int = 7168, inter: int = 2048):
     """`_gemm1_rows128` compiled for sm_90 (no GPU needed), DeepSeek-V3's shape, the engine's budgets."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import sass_report
+    sass_report, _ = _tools()
 
     from moekit.kernels.triton import wgmma_fp8 as host
     from moekit.kernels.triton._details.codes import ACT_SILU
@@ -229,8 +239,7 @@ def main() -> int:
     args = p.parse_args()
     stages = [int(s) for s in args.stages.split(",")]
     if args.compile_only:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-        import sass_report
+        sass_report, _ = _tools()
 
         for s in stages:
             kernel = compile_for_hopper(stages=s)

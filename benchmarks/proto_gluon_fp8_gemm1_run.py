@@ -25,7 +25,7 @@ def _engine_gemm1(*, spec, host, weights, aligned, xq, xs, h, hs, stages: int) -
         w_desc=host._fp8_rows(weights.w13.reshape(-1, spec.H), host.TILE_N),
         x_scale_ptr=xs, w_scale_ptr=s13, h_ptr=h, h_scale_ptr=hs, block_expert_ptr=aligned.block_expert,
         num_blocks_ptr=aligned.num_valid_blocks, num_pid_m=aligned.max_blocks, stride_xsm=xs.stride(0),
-        stride_wse=s13.stride(0), stride_wsn=s13.stride(1), stride_wsk=s13.stride(2), stride_hm=h.stride(0),
+        **host.block_scale_strides(s13), stride_hm=h.stride(0),
         stride_hsm=hs.stride(0), HIDDEN=spec.H, INTER_SIZE=spec.I, ACTIVATION=ACT_SILU.value, ALPHA=0.0,
         HAS_LIMIT=False, LIMIT=0.0, GROUP_M=8, NUM_STAGES=stages, MATH_REGISTERS=host.MATH_REGISTERS,
         LOAD_REGISTERS=host.LOAD_REGISTERS, num_warps=4,
@@ -45,7 +45,7 @@ def _prototype_gemm1(*, spec, host, weights, aligned, blocks, xq, xs, h32, stage
         x_scale_ptr=xs, w_scale_ptr=s13, h_ptr=h32, block_expert_ptr=blocks.block_expert,
         block_start_ptr=blocks.block_start, num_blocks_ptr=blocks.num_valid_blocks,
         expert_end_ptr=aligned.expert_offsets, num_pid_m=blocks.max_blocks, stride_xsm=xs.stride(0),
-        stride_wse=s13.stride(0), stride_wsn=s13.stride(1), stride_wsk=s13.stride(2), stride_hm=h32.stride(0),
+        **host.block_scale_strides(s13), stride_hm=h32.stride(0),
         HIDDEN=spec.H, INTER_SIZE=spec.I, ACTIVATION=ACT_SILU.value, GROUP_M=8, NUM_STAGES=stages,
         MATH_REGISTERS=host.MATH_REGISTERS, LOAD_REGISTERS=host.LOAD_REGISTERS, num_warps=4,
     )  # fmt: skip
@@ -53,8 +53,10 @@ def _prototype_gemm1(*, spec, host, weights, aligned, blocks, xq, xs, h32, stage
 
 
 def _reference_h(layer, spec, xq, xs, aligned, rows):
-    """fp32 h of the sorted `rows`: silu(gate) * up from the dequantized FP8 x rows and weights."""
+    """fp32 h of the sorted `rows` from the dequantized FP8 x rows and weights (`expert_hidden`)."""
     import torch
+
+    from moekit.reference import expert_hidden
 
     x = xq[rows].float() * xs[rows].repeat_interleave(128, dim=1)
     experts = torch.repeat_interleave(
@@ -63,8 +65,7 @@ def _reference_h(layer, spec, xq, xs, aligned, rows):
     h = torch.empty(rows.numel(), spec.I, dtype=torch.float32, device=xq.device)
     for e in experts.unique().tolist():
         sel = (experts == e).nonzero().squeeze(1)
-        pre = x[sel] @ layer.weights.dequantize_w13(e).T
-        h[sel] = torch.nn.functional.silu(pre[:, : spec.I]) * pre[:, spec.I :]
+        h[sel] = expert_hidden(x[sel], layer.weights, e, spec=spec)
     return h
 
 

@@ -47,7 +47,6 @@ _PAIR_MASK = gl.constexpr(PAIR_MASK)
 _MANTISSA_MASK = gl.constexpr(MANTISSA_MASK)
 _ROT = gl.constexpr(PAIR_ROTATIONS)
 _RUN = gl.constexpr(CHUNKS_PER_RUN)
-BLOCK_K = 64  # four 16-column chunks a step: half a stored run
 W_ROWS = 128  # weight rows a program: gate and up of 64 columns of h (INTERLEAVED), or 128 columns of y
 NUM_WARPS = 8
 
@@ -70,13 +69,6 @@ def _pair(w, P: gl.constexpr):
         rest = _rotr(w, _ROT[P][0]) & (_PAIR_MASK & ~_MANTISSA_MASK)
         out = rest | (_rotr(w, _ROT[P][1]) & _MANTISSA_MASK)
     return out
-
-
-@gluon.jit
-def _pinned(v):
-    """`v` through a volatile move: LLVM keeps volatile inline asm in program order, so work on the
-    result cannot be scheduled before the wgmma issued just above (which is inline asm too)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=gl.uint32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -155,12 +147,12 @@ def _scaled_fragment(codes, f_top, f_bottom, fragment: gl.constexpr):
 
 
 @gluon.jit
-def _copy_x(x_ptr, tokens, row_mask, stride_xm, k, KT: gl.constexpr, stage, XL: gl.constexpr):
-    """cp.async of step k's 64 columns of A's rows `tokens` into `stage` (nothing past the last step)."""
+def _copy_a(a_ptr, a_rows, row_mask, stride_am, k, KT: gl.constexpr, stage, XL: gl.constexpr):
+    """cp.async of step k's 64 columns of A's rows `a_rows` into `stage` (nothing past the last step)."""
     cols = k * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
     mask = row_mask[:, None] & (k < KT)
     async_copy.async_copy_global_to_shared(
-        stage, x_ptr + tokens[:, None] * stride_xm + cols[None, :], mask=mask & (cols[None, :] >= 0)
+        stage, a_ptr + a_rows[:, None] * stride_am + cols[None, :], mask=mask & (cols[None, :] >= 0)
     )
     async_copy.commit_group()
 
@@ -209,7 +201,7 @@ def _words_kloop(
 
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], a_layout)
     for s in gl.static_range(STAGES - 1):
-        _copy_x(a_ptr, a_rows, a_mask, stride_am, s, KT, a_smem.index(s), XL)
+        _copy_a(a_ptr, a_rows, a_mask, stride_am, s, KT, a_smem.index(s), XL)
     w_base = w_ptr + (expert * (N_ROWS // 16) + pid_n * 8) * (NB_RUNS * 32 * _RUN)
     s_base = s_ptr + expert * (G * N_ROWS) + pid_n * 128
     rows_left = N_ROWS - pid_n * 128
@@ -234,7 +226,7 @@ def _words_kloop(
         fence_async_shared()  # this thread's copies, visible to the async proxy (wgmma)
         gl.thread_barrier()
         refill = k + STAGES - 1
-        _copy_x(a_ptr, a_rows, a_mask, stride_am, refill, KT, a_smem.index(refill % STAGES), XL)
+        _copy_a(a_ptr, a_rows, a_mask, stride_am, refill, KT, a_smem.index(refill % STAGES), XL)
         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
         w = _scaled_fragment(codes, next_top, next_bottom, fragment)
     return acc
@@ -344,6 +336,17 @@ def _gemm2(
     gl.store(y_ptr + pairs[None, :] * stride_ym + cols[:, None], y, mask=mask[None, :] & col_in[:, None])
 
 
+def _tools():
+    """tools/sass_report.py and tools/wgmma_hazard.py (offline sm_90 compiles and their checks)."""
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import sass_report
+    import wgmma_hazard
+
+    return sass_report, wgmma_hazard
+
+
 def compile_for_hopper(
     gemm: int = 1,
     *,
@@ -354,8 +357,7 @@ def compile_for_hopper(
     inter: int = 2880,
 ):
     """`_gemm1` or `_gemm2` compiled for sm_90 (no GPU needed), gpt-oss's math, as `run` launches them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import sass_report
+    sass_report, _ = _tools()
 
     pointers = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
     pointers |= dict(block_expert_ptr="*i32", num_blocks_ptr="*i32", h_ptr="*bf16")
@@ -378,9 +380,7 @@ def compile_for_hopper(
 
 
 def _compile_report(gemm: int, block_m: int, stages: int, maxnreg: int | None) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import sass_report
-    import wgmma_hazard
+    sass_report, wgmma_hazard = _tools()
 
     kernel = compile_for_hopper(gemm, block_m=block_m, stages=stages, maxnreg=maxnreg)
     instructions = sass_report.all_instructions(kernel)

@@ -3,8 +3,8 @@ profiled graph replay) and, per tile, each prototype GEMM's output (NaN-poisoned
 dequantized reference and its time (graph replay, L2 flushed, as `flushed_seconds` measures).
 
 Data flow: preset layer -> the layer's plan and prepared weights (MXFP4_MMA_WORDS) -> routing ->
-`_reference_h` (fp32 h from the dequantized w13) and `_reference_y` (from that h in bf16, as GEMM2 reads
-it) -> `align_routing(block_m)` -> `_launch` / `_launch2` -> rel L2 and µs, printed.
+`_reference_pairs` (fp32 h from the dequantized w13, and y from that h in bf16, as GEMM2 reads it) ->
+`align_routing(block_m)` -> `_launch` / `_launch2` -> rel L2 and µs, printed.
 """
 
 from __future__ import annotations
@@ -15,39 +15,31 @@ from proto_gluon_words import NUM_WARPS, W_ROWS, _gemm1, _gemm2
 
 
 def _shipped_gemm_us(chosen, layer, weights, x, logits, flush, repeats: int = 10) -> dict[int, float]:
-    """GPU time of the layer's own GEMM1 and GEMM2 kernels per layer: the planned layer's graph replayed
-    (L2 flushed before each layer) under torch.profiler, as benchmarks/profile_stages.py measures."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from moekit.app.bench import capture_graph, whole_layer
+    """GPU time of the layer's own GEMM1 and GEMM2 kernels per layer (profiled graph replay, L2 flushed
+    before each layer), as benchmarks/profile_stages.py measures stages."""
+    from moekit.app.bench import profiled_kernels, whole_layer
 
     layer_fn = whole_layer(chosen, layer, weights, x, logits)
-    graph, _ = capture_graph(layer_fn, x.device, repeats=repeats, flush=flush)
-    graph.replay()
-    torch.cuda.synchronize(x.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize(x.device)
-    cuda = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {g: sum(e.device_time for e in cuda if f"_moe_gemm{g}" in e.name) / repeats for g in (1, 2)}
+    kernels = profiled_kernels(layer_fn, x.device, flush, repeats=repeats)
+    return {g: sum(us for name, us in kernels if f"_moe_gemm{g}" in name) for g in (1, 2)}
 
 
-def _reference_h(layer, spec, x, ids):
-    """fp32 h [T*K, I] in pair order: act(x[p // K] @ w13[e]^T + b13[e]) from the dequantized weights."""
+def _reference_pairs(layer, spec, x, routing):
+    """fp32 h [T*K, I] and y [T*K, H] in pair order from the dequantized weights (`moekit.reference`'s
+    per-expert steps): h = act(x[p // K] @ w13[e]^T + b13[e]); y from h in bf16, as GEMM2 reads it,
+    times the router weight."""
     import torch
 
-    from moekit.reference import apply_activation, split_gate_up
+    from moekit.reference import expert_hidden, expert_output
 
-    flat = ids.reshape(-1)
+    flat, route_w = routing.ids.reshape(-1), routing.weights.reshape(-1).float()
     h = torch.empty(flat.numel(), spec.I, dtype=torch.float32, device=x.device)
+    y = torch.empty(flat.numel(), spec.H, dtype=torch.float32, device=x.device)
     for e in flat.unique().tolist():
         pairs = (flat == e).nonzero().squeeze(1)
-        pre = x[pairs // spec.K].float() @ layer.weights.dequantize_w13(e).T
-        if layer.weights.b13 is not None:
-            pre = pre + layer.weights.b13[e].float()
-        h[pairs] = apply_activation(*split_gate_up(pre, spec.gate_layout), spec.activation)
-    return h
+        h[pairs] = expert_hidden(x[pairs // spec.K].float(), layer.weights, e, spec=spec)
+        y[pairs] = expert_output(h[pairs].bfloat16().float(), layer.weights, e) * route_w[pairs, None]
+    return h, y
 
 
 def _launch(*, spec, x, weights, aligned, h, block_m: int, stages: int, maxnreg: int | None) -> None:
@@ -63,21 +55,6 @@ def _launch(*, spec, x, weights, aligned, h, block_m: int, stages: int, maxnreg:
         BLOCK_M=block_m, STAGES=stages, GROUP_M=8, num_warps=NUM_WARPS,
         **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )  # fmt: skip
-
-
-def _reference_y(layer, spec, h, routing):
-    """fp32 y [T*K, H] in pair order: (h[p] @ w2[e]^T + b2[e]) * router weight[p]."""
-    import torch
-
-    flat = routing.ids.reshape(-1)
-    y = torch.empty(flat.numel(), spec.H, dtype=torch.float32, device=h.device)
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
-        out = h[pairs].float() @ layer.weights.dequantize_w2(e).T
-        if layer.weights.b2 is not None:
-            out = out + layer.weights.b2[e].float()
-        y[pairs] = out * routing.weights.reshape(-1)[pairs, None].float()
-    return y
 
 
 def _launch2(
@@ -124,9 +101,8 @@ def run(preset_name: str, token_counts: list[int], tiles: list[tuple[int, int]],
         x, logits, _ = random_batch(spec, t, correction_bias=layer.correction_bias, seed=t, device=device)
         shipped = _shipped_gemm_us(chosen, layer, weights, x, logits, flush)
         routing = route(logits, top_k=spec.K, spec=spec.routing, correction_bias=layer.correction_bias)
-        h_expected = _reference_h(layer, spec, x, routing.ids)
+        h_expected, y_expected = _reference_pairs(layer, spec, x, routing)
         h_in = h_expected.to(torch.bfloat16)  # GEMM2's input: the reference h, as the layer stores h
-        y_expected = _reference_y(layer, spec, h_in, routing)
         route_w = routing.weights.reshape(-1).float().contiguous()
         flops = 2.0 * t * spec.K * spec.I * spec.H  # one GEMM2; GEMM1 is twice that
         print(

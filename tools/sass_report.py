@@ -300,31 +300,38 @@ def all_instructions(kernel) -> list[tuple[int, str]]:
     return instructions
 
 
+def _loops(instructions: list[tuple[int, str]], *, conditional: bool):
+    """(first, last) address of each loop: a backward branch's target and the branch, in program order
+    of the branches; `conditional`: predicated branches only."""
+    pattern = r"@!?U?P\w+\s+BRA (0x[0-9a-f]+)" if conditional else r"BRA (0x[0-9a-f]+)"
+    for address, text in instructions:
+        branch = re.search(pattern, text)
+        if branch and int(branch.group(1), 16) < address:
+            yield int(branch.group(1), 16), address
+
+
+def _body(instructions: list[tuple[int, str]], loop: tuple[int, int]) -> list[tuple[int, str]]:
+    return [(a, t) for a, t in instructions if loop[0] <= a <= loop[1]]
+
+
 def loop_instructions(kernel, instructions: list[tuple[int, str]] | None = None) -> list[tuple[int, str]]:
     """(address, instruction) of the K-loop: from the target of the last conditional backward branch
     to that branch. `instructions`: the kernel's `all_instructions`, when the caller already has them."""
     instructions = all_instructions(kernel) if instructions is None else instructions
-    loop = None
-    for address, text in instructions:
-        branch = re.search(r"@!?U?P\w+\s+BRA (0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            loop = (int(branch.group(1), 16), address)
-    if loop is None:
+    loops = list(_loops(instructions, conditional=True))
+    if not loops:
         raise RuntimeError("no backward branch found: the kernel has no K-loop at this size")
-    return [(a, t) for a, t in instructions if loop[0] <= a <= loop[1]]
+    return _body(instructions, loops[-1])
 
 
 def mma_loop_instructions(instructions: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """(address, instruction) of the first loop (a backward branch and its target) whose body issues a
     wgmma: the K-loop of a kernel whose last loop is something else (a Gluon kernel's barrier spins)."""
-    addresses = [a for a, _ in instructions]
-    for address, text in instructions:
-        branch = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            body = [(a, t) for a, t in instructions if int(branch.group(1), 16) <= a <= address]
-            if any(unpredicated(t).startswith(("HGMMA", "QGMMA")) for _, t in body):
-                return body
-    raise RuntimeError(f"no loop issues a wgmma among {len(addresses)} instructions")
+    for loop in _loops(instructions, conditional=False):
+        body = _body(instructions, loop)
+        if any(unpredicated(t).startswith(("HGMMA", "QGMMA")) for _, t in body):
+            return body
+    raise RuntimeError(f"no loop issues a wgmma among {len(instructions)} instructions")
 
 
 def unpredicated(text: str) -> str:

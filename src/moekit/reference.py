@@ -2,9 +2,10 @@
 
 Data flow, one step per line, fp32 throughout:
   x [T, H] -> (FP8 act quant round trip, if the spec says so) -> for each local expert hit:
-  gather its tokens -> (router weight on the input, K = 1) -> h = x @ w13^T + b13 -> split gate/up by
-  layout -> activation (alpha, clamp) -> (FP8 act quant of h) -> y = h @ w2^T + b2 -> times router
-  weight -> added into out[token]. Experts mapped to -1 by the expert map contribute nothing.
+  gather its tokens -> (router weight on the input, K = 1) -> `expert_hidden`: h = x @ w13^T + b13, split
+  gate/up by layout, activation (alpha, clamp) -> (FP8 act quant of h) -> `expert_output`: y = h @ w2^T
+  + b2 -> times router weight -> added into out[token]. Experts mapped to -1 by the expert map contribute
+  nothing. The two per-expert steps stand alone for checking a single GEMM of a fast path.
 
 Weights are dequantized one expert at a time, and only for experts that some token hits, so the
 reference stays usable at real sizes on a CPU for small T.
@@ -118,19 +119,30 @@ def reference_forward(
         xe = x32[token_idx]
         if spec.router_weight_placement is RouterWeightPlacement.INPUT:
             xe = fake_quant_activation(x.float()[token_idx] * route_w, spec.act_quant)
-        h = xe @ weights.dequantize_w13(expert).T
-        if weights.b13 is not None:
-            h = h + weights.b13[expert].float()
-        gate, up = split_gate_up(h, spec.gate_layout)
-        a = apply_activation(gate, up, spec.activation)
-        a = fake_quant_activation(a, spec.act_quant)
-        y = a @ weights.dequantize_w2(expert).T
-        if weights.b2 is not None:
-            y = y + weights.b2[expert].float()
+        a = fake_quant_activation(expert_hidden(xe, weights, expert, spec=spec), spec.act_quant)
+        y = expert_output(a, weights, expert)
         if spec.router_weight_placement is RouterWeightPlacement.OUTPUT:
             y = y * route_w
         out.index_add_(0, token_idx, y)
     return out.to(spec.act_dtype)
+
+
+def expert_hidden(xe: torch.Tensor, weights: ExpertWeights, expert: int, *, spec: MoESpec) -> torch.Tensor:
+    """fp32 act(xe @ w13[expert]^T + b13[expert]) of fp32 rows `xe` [n, H]: GEMM1 and the activation of
+    one local expert, before h's activation quantization."""
+    h = xe @ weights.dequantize_w13(expert).T
+    if weights.b13 is not None:
+        h = h + weights.b13[expert].float()
+    return apply_activation(*split_gate_up(h, spec.gate_layout), spec.activation)
+
+
+def expert_output(a: torch.Tensor, weights: ExpertWeights, expert: int) -> torch.Tensor:
+    """fp32 a @ w2[expert]^T + b2[expert] of fp32 rows `a` [n, I]: GEMM2 of one local expert, before the
+    router weight."""
+    y = a @ weights.dequantize_w2(expert).T
+    if weights.b2 is not None:
+        y = y + weights.b2[expert].float()
+    return y
 
 
 def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -104,6 +104,24 @@ def capture_graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Te
     return graph, out
 
 
+def profiled_kernels(
+    fn, device: torch.device, flush: torch.Tensor, *, repeats: int
+) -> list[tuple[str, float]]:
+    """(kernel name, its GPU µs / `repeats`) of every kernel launch in a graph of `repeats` x ([zero the
+    flush buffer]; fn), replayed once under torch.profiler (CUPTI); the flush's own launches included.
+    Summed by name, the µs are per call of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = capture_graph(fn, device, repeats=repeats, flush=flush)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize(device)
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.name, e.device_time / repeats) for e in prof.events() if e.device_type == cuda]
+
+
 def flushed_seconds(fn, device: torch.device, flush: torch.Tensor, *, repeats: int) -> float:
     """Per-call time with L2 flushed before every call, as the peer measures it:
     (graph[flush; fn] x n - graph[flush] x n) / n, medians of event-timed replays."""

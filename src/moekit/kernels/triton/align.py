@@ -365,8 +365,7 @@ def split_tail_blocks(
     An expert's last pairs then fill half a large block instead of wasting the other half on padding.
     TORCH computes the same lists with torch ops (the specification); otherwise Triton programs."""
     max_big, max_tail = aligned.max_blocks // 2, min(aligned.expert_counts.numel(), aligned.max_blocks)
-    big, tail = _big_blocks(aligned, max_big=max_big, max_tail=max_tail, method=method)
-    return big, tail
+    return _big_blocks(aligned, max_big=max_big, max_tail=max_tail, method=method)
 
 
 def paired_blocks(aligned: AlignedRouting, *, method: AlignMethod | None = None) -> BlockList:

@@ -144,9 +144,7 @@ def wgmma_fp8_moe(
         num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
         num_pid_m=aligned.max_blocks,
         stride_xsm=xs.stride(0),
-        stride_wse=s13.stride(0),
-        stride_wsn=s13.stride(1),
-        stride_wsk=s13.stride(2),
+        **block_scale_strides(s13),
         stride_hm=h.stride(0),
         stride_hsm=hs.stride(0),
         HIDDEN=spec.H,
@@ -177,15 +175,18 @@ def wgmma_fp8_moe(
         num_pid_m=blocks.max_blocks,
         num_pairs=aligned.num_pairs,
         stride_hsm=hs.stride(0),
-        stride_wse=s2.stride(0),
-        stride_wsn=s2.stride(1),
-        stride_wsk=s2.stride(2),
+        **block_scale_strides(s2),
         stride_ym=y.stride(0),
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
         **tuning,
     )
     return sum_top_k(y, pair_expert=aligned.pair_expert, out=out, spec=spec)
+
+
+def block_scale_strides(scales: torch.Tensor) -> dict:
+    """The GEMMs' stride arguments of weight block scales [E_local, N/128, K/128] (any strides)."""
+    return dict(stride_wse=scales.stride(0), stride_wsn=scales.stride(1), stride_wsk=scales.stride(2))
 
 
 def _sorted_fp8_rows(
