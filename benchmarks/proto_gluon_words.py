@@ -51,6 +51,12 @@ W_ROWS = 128  # weight rows a program: gate and up of 64 columns of h (INTERLEAV
 NUM_WARPS = 8
 
 
+def register_cap(block_m: int) -> int | None:
+    """ptxas's register cap for a tile: 128 keeps two 8-warp programs an SM up to BLOCK_M 128; a 256-row
+    tile's accumulator alone takes 128 registers a thread, so it runs one program an SM, uncapped."""
+    return 128 if block_m <= 128 else None
+
+
 @gluon.jit
 def _rotr(w, R: gl.constexpr):
     if R == 0:
@@ -400,18 +406,18 @@ def main() -> int:
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--block-m", default="64,128")
     p.add_argument("--stages", default="3,4")
-    p.add_argument("--maxnreg", type=int, default=128, help="ptxas register cap (0: none)")
+    p.add_argument("--maxnreg", type=int, default=None, help="ptxas register cap (0: none; default: register_cap)")
     args = p.parse_args()
     tiles = [(int(m), int(s)) for m in args.block_m.split(",") for s in args.stages.split(",")]
-    maxnreg = args.maxnreg or None
+    caps = {m: register_cap(m) if args.maxnreg is None else args.maxnreg or None for m, _ in tiles}
     if args.compile_only:
         for gemm in (1, 2):
             for m, s in tiles:
-                print(_compile_report(gemm, m, s, maxnreg), flush=True)
+                print(_compile_report(gemm, m, s, caps[m]), flush=True)
         return 0
     from proto_gluon_words_run import run  # the GPU half
 
-    return run(args.preset, [int(t) for t in args.tokens.split(",")], tiles, maxnreg)
+    return run(args.preset, [int(t) for t in args.tokens.split(",")], tiles, caps)
 
 
 if __name__ == "__main__":

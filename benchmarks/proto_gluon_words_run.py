@@ -70,9 +70,12 @@ def _launch2(
     )  # fmt: skip
 
 
-def run(preset_name: str, token_counts: list[int], tiles: list[tuple[int, int]], maxnreg: int | None) -> int:
+def run(
+    preset_name: str, token_counts: list[int], tiles: list[tuple[int, int]], caps: dict[int, int | None]
+) -> int:
     """Each T: the layer's GEMM times; each tile: both prototype GEMMs' outputs (NaN-poisoned first)
-    against the reference, and their times (graph replay, L2 flushed, as `flushed_seconds` measures)."""
+    against the reference, and their times (graph replay, L2 flushed, as `flushed_seconds` measures).
+    `caps`: ptxas's register cap per BLOCK_M."""
     import torch
 
     from moekit.app.bench import flushed_seconds, prepared_weights
@@ -114,7 +117,7 @@ def run(preset_name: str, token_counts: list[int], tiles: list[tuple[int, int]],
             aligned = align_routing(routing.ids, num_local_experts=spec.E_local, block_m=block_m)
             h = torch.full((t * spec.K, spec.I), float("nan"), dtype=torch.bfloat16, device=device)
             y = torch.full((t * spec.K, spec.H), float("nan"), dtype=torch.bfloat16, device=device)
-            tile = dict(aligned=aligned, block_m=block_m, stages=stages, maxnreg=maxnreg)
+            tile = dict(aligned=aligned, block_m=block_m, stages=stages, maxnreg=caps[block_m])
             gemm1 = functools.partial(_launch, spec=spec, x=x, weights=weights, h=h, **tile)
             gemm2 = functools.partial(
                 _launch2, spec=spec, h=h_in, weights=weights, route_w=route_w, y=y, **tile
