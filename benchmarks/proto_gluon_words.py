@@ -406,7 +406,7 @@ def main() -> int:
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--block-m", default="64,128")
     p.add_argument("--stages", default="3,4")
-    p.add_argument("--maxnreg", type=int, default=None, help="ptxas register cap (0: none; default: register_cap)")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap (0: none; default: register_cap)")
     args = p.parse_args()
     tiles = [(int(m), int(s)) for m in args.block_m.split(",") for s in args.stages.split(",")]
     caps = {m: register_cap(m) if args.maxnreg is None else args.maxnreg or None for m, _ in tiles}
