@@ -219,6 +219,35 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, int
     return compile_gluon_for_hopper(fn, pointers=pointers, constants=constants, warps=4)
 
 
+def compile_wgmma_words_for_hopper(
+    gemm: int, *, block_m: int = 128, stages: int = 4, hidden=2880, inter=2880
+):
+    """The WGMMA_WORDS engine's Gluon GEMM (`gemm` 1 or 2) compiled for sm_90 at a layer's H and I with
+    gpt-oss's math (SwiGLU with its limit, biases), as `wgmma_words_moe` launches it (its register cap)."""
+    from moekit.kernels.triton import wgmma_words as host
+    from moekit.kernels.triton._details import codes, wgmma_words
+
+    pointers = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
+    pointers |= dict(block_expert_ptr="*i32", num_blocks_ptr="*i32", h_ptr="*bf16")
+    constants = dict(HIDDEN=hidden, INTER_SIZE=inter, BLOCK_M=block_m, STAGES=stages, GROUP_M=8)
+    if gemm == 1:
+        fn, strides = wgmma_words._gemm1, ("stride_xm", "stride_hm")
+        pointers["x_ptr"] = "*bf16"
+        act = dict(ACTIVATION=codes.ACT_SWIGLU_OAI.value, ALPHA=1.702, HAS_LIMIT=True, LIMIT=7.0)
+        constants |= dict(TOP_K=4, **act)
+    else:
+        fn, strides = wgmma_words._gemm2, ("stride_hm", "stride_ym")
+        pointers |= dict(route_w_ptr="*fp32", y_ptr="*bf16")
+    return compile_gluon_for_hopper(
+        fn,
+        pointers=pointers,
+        constants=constants,
+        warps=host.NUM_WARPS,
+        maxnreg=host.register_cap(block_m),
+        aligned=(*pointers, *strides),
+    )
+
+
 def compile_gluon_for_hopper(
     fn,
     *,

@@ -6,8 +6,9 @@ config type and its checks) and `tuning` (default configs, tuning spaces) -> `la
 `_details/` run the two grouped GEMMs (`gemm`, with the K-loop in `matmul`), the FP8 activation
 quantization (`quant`) and the fixed-order sums (`reduce`, launched by `sum_k`). A config whose
 `engine` is `MatmulEngine.WGMMA_FP8` (block-128 W8A8 prefill on sm_90) runs `wgmma_fp8.wgmma_fp8_moe`
-instead: Gluon GEMMs under `_details/wgmma_fp8*`. `route` is the one-launch routing (softmax methods and
-DeepSeek-V3's grouped sigmoid).
+instead: Gluon GEMMs under `_details/wgmma_fp8*`; `MatmulEngine.WGMMA_WORDS` (MXFP4 W4A16 prefill on
+sm_90) runs `wgmma_words.wgmma_words_moe`, Gluon GEMMs in `_details/wgmma_words`. `route` is the
+one-launch routing (softmax methods and DeepSeek-V3's grouped sigmoid).
 """
 
 from moekit.kernels.triton.config import TRITON_CAPABILITIES, MatmulEngine, TritonMoEConfig, triton_supports

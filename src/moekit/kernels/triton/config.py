@@ -19,6 +19,8 @@ from moekit.errors import SpecError
 from moekit.formats.mxfp4_words import rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
+from moekit.kernels.triton.wgmma_words import BLOCK_MS as WGMMA_WORDS_BLOCK_MS
+from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -100,11 +102,20 @@ class MatmulEngine(enum.Enum):
     # Block-128 W8A8 only (`wgmma_fp8.wgmma_fp8_reason`): Gluon wgmma with each K-step's scaling overlapped
     # with the next step's MMA, a TMA producer warp, 64-row GEMM1 and 128-row GEMM2 blocks.
     WGMMA_FP8 = "Gluon wgmma kernels with overlapped FP8 promotion (block-128 W8A8, sm_90)"
+    # MXFP4 W4A16 with word-packed weights only (`wgmma_words.wgmma_words_reason`): Gluon wgmma, the weights
+    # in register A decoded one K-step ahead under the MMA, 8 warps, 128 weight rows against block_m pairs.
+    WGMMA_WORDS = "Gluon wgmma kernels with the MXFP4 decode under the MMA (W4A16 word path, sm_90)"
 
 
 # The one tiling the WGMMA_FP8 engine runs (its kernels fix the rest): GEMM2's 128-row blocks with
 # 64-row tails, 128 x 128 weight tiles, one 128-deep scale group a K-step, 4-warp warpgroups.
 WGMMA_FP8_TILES = dict(block_m=128, tail_block_m=64, block_n=128, block_k=128, num_warps=4, split_k=1)
+# What the WGMMA_WORDS engine's kernels fix: 64 columns of h a GEMM1 program (128 w13 rows), 128 w2 rows a
+# GEMM2 program, 64-wide K-steps, two warpgroups; block_m one of WGMMA_WORDS_BLOCK_MS, group_m and
+# num_stages (3 - 8) free, and the register cap its own (`wgmma_words.register_cap`).
+WGMMA_WORDS_TILES = dict(
+    block_n=64, gemm2_block_n=128, block_k=64, num_warps=8, split_k=1, tail_block_m=None, swap_ab=False
+)
 
 
 _POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
@@ -202,6 +213,21 @@ class TritonMoEConfig(KernelConfig):
                     f"128, no swap_ab; group_m and num_stages free), got {fixed}, "
                     f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
                 )
+        if self.engine is MatmulEngine.WGMMA_WORDS:
+            fixed = {name: getattr(self, name) for name in WGMMA_WORDS_TILES}
+            if (
+                fixed != WGMMA_WORDS_TILES
+                or self.block_m not in WGMMA_WORDS_BLOCK_MS
+                or self.num_stages < 3
+                or self.max_registers is not None
+            ):
+                raise SpecError(
+                    f"the WGMMA_WORDS engine runs {WGMMA_WORDS_TILES} with block_m in "
+                    f"{WGMMA_WORDS_BLOCK_MS}, num_stages >= 3 and its own register cap (max_registers "
+                    f"None; group_m free), got "
+                    f"{fixed}, block_m={self.block_m}, num_stages={self.num_stages}, "
+                    f"max_registers={self.max_registers}"
+                )
         _check_int(
             "max_registers",
             self.max_registers,
@@ -215,6 +241,9 @@ class TritonMoEConfig(KernelConfig):
         if self.engine is MatmulEngine.WGMMA_FP8:
             reason = wgmma_fp8_reason(spec)
             return None if reason is None else f"the WGMMA_FP8 engine cannot compute this spec: {reason}"
+        if self.engine is MatmulEngine.WGMMA_WORDS:
+            reason = wgmma_words_reason(spec)
+            return None if reason is None else f"the WGMMA_WORDS engine cannot compute this spec: {reason}"
         if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
             return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
         if spec.weight_format is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
@@ -238,3 +267,11 @@ class TritonMoEConfig(KernelConfig):
                 f"and was slower after it); use num_warps=4"
             )
         return None
+
+
+# The tl.dot tiles of MXFP4 prefill (`tuning._mxfp4_config` beyond 48 tokens an expert), and what a
+# WGMMA_WORDS plan runs on weights whose scale bytes kept CHECKPOINT packing (the engine reads words
+# only; `kernel.prepare_weights` warns once when the data rules the words out).
+MXFP4_PREFILL_TILES = TritonMoEConfig(
+    block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, gemm2_block_n=128
+)

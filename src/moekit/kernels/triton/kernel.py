@@ -27,6 +27,7 @@ from moekit.kernels.triton.config import (
 from moekit.kernels.triton.launch import triton_fused_moe, workspace_bytes
 from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_workspace_bytes
+from moekit.kernels.triton.wgmma_words import wgmma_words_workspace_bytes
 from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
 
@@ -37,7 +38,7 @@ def n_major(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _hopper(problem: Problem) -> bool:
-    """Whether the problem's device is sm_90 (the WGMMA_FP8 engine's only target)."""
+    """Whether the problem's device is sm_90 (the Gluon engines' only target)."""
     return problem.device.compute_capability == (9, 0)
 
 
@@ -80,7 +81,8 @@ class TritonFusedKernel(Kernel):
         if data_reason is not None:  # the data rules it out: say why this layer decodes more slowly
             warnings.warn(
                 f"MXFP4 weights keep CHECKPOINT packing ({data_reason}): correct, but decoded by the "
-                "slower tl.dot_scaled path instead of MXFP4_MMA_WORDS",
+                "slower tl.dot_scaled path instead of MXFP4_MMA_WORDS (plans of the WGMMA_WORDS engine "
+                "run the tl.dot tiles MXFP4_PREFILL_TILES on them)",
                 stacklevel=2,
             )
             return dataclasses.replace(weights, **scales)
@@ -97,8 +99,8 @@ class TritonFusedKernel(Kernel):
         BLOCK_K steps in one order, a row's dot never reads another row, and the top-k sum adds a
         token's K rows in a fixed order; with one config for every T only split-K (shares chosen per T)
         and tail blocks (a second, smaller M tile for some rows) would make a row's arithmetic depend
-        on the batch. None for the WGMMA_FP8 engine: it always runs 64-row tails, and its rows' bitwise
-        independence of the batch is not verified (the planner then takes the tl.dot default)."""
+        on the batch. None for the Gluon engines: WGMMA_FP8 always runs 64-row tails, and neither's rows'
+        bitwise independence of the batch is verified (the planner then takes the tl.dot default)."""
         if not isinstance(config, TritonMoEConfig) or config.engine is not MatmulEngine.TL_DOT:
             return None
         return dataclasses.replace(config, split_k=1, tail_block_m=None)
@@ -115,6 +117,8 @@ class TritonFusedKernel(Kernel):
     def workspace_bytes(self, spec: MoESpec, num_tokens: int, config: KernelConfig | None = None) -> int:
         if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_FP8:
             return wgmma_fp8_workspace_bytes(spec, num_tokens)
+        if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_WORDS:
+            return wgmma_words_workspace_bytes(spec, num_tokens, config.block_m)
         splits = config.split_k if isinstance(config, TritonMoEConfig) else 1
         return workspace_bytes(spec=spec, num_tokens=num_tokens, split_k=splits)
 

@@ -29,13 +29,13 @@ from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
 from moekit.kernels.triton._details.quant import _quant_fp8_groups, _quant_fp8_rows
 from moekit.kernels.triton._details.reduce import _moe_gemm1_splits
 from moekit.kernels.triton.align import BlockList, gemm_blocks
-from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig, triton_supports
+from moekit.kernels.triton.config import MXFP4_PREFILL_TILES, MatmulEngine, TritonMoEConfig, triton_supports
 from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.sum_k import sum_shares
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_moe
+from moekit.kernels.triton.wgmma_words import wgmma_words_moe
 from moekit.routing import RoutingResult
 from moekit.spec import (
-    Activation,
     ActivationQuant,
     Fp8Scale,
     GateLayout,
@@ -82,7 +82,7 @@ class _KernelParams:
             route_in_gemm1=on_input and not w8a8,
             route_in_quant=on_input and w8a8,
             route_on_output=not on_input,
-            activation=_ACTIVATION[act.kind],
+            activation=codes.ACTIVATION_CODE[act.kind],
             alpha=float(act.alpha) if act.alpha is not None else 0.0,
             has_limit=act.limit is not None,
             limit=float(act.limit) if act.limit is not None else 0.0,
@@ -108,12 +108,6 @@ _A_QUANT = {
     ActivationQuant.NONE: codes.AQ_NONE.value,
     ActivationQuant.FP8_PER_TOKEN: codes.AQ_TOKEN.value,
     ActivationQuant.FP8_PER_GROUP_128: codes.AQ_GROUP.value,
-}
-_ACTIVATION = {
-    Activation.SILU: codes.ACT_SILU.value,
-    Activation.GELU: codes.ACT_GELU.value,
-    Activation.GELU_TANH: codes.ACT_GELU_TANH.value,
-    Activation.SWIGLU_OAI: codes.ACT_SWIGLU_OAI.value,
 }
 
 
@@ -217,12 +211,12 @@ def _check(x, *, spec, config, out) -> None:
             f"out must be [T, H={spec.H}] {spec.act_dtype} with contiguous rows, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
-    if config.engine is MatmulEngine.WGMMA_FP8 and (
+    if config.engine is not MatmulEngine.TL_DOT and (
         x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0)
     ):
         where = x.device if x.device.type != "cuda" else torch.cuda.get_device_name(x.device)
         raise DeviceError(
-            f"the WGMMA_FP8 engine runs Hopper (sm_90) wgmma and TMA only, not on {where}; use a "
+            f"the {config.engine.name} engine runs Hopper (sm_90) wgmma only, not on {where}; use a "
             f"TritonMoEConfig with engine=MatmulEngine.TL_DOT"
         )
     if out is not None and out.device != x.device:
@@ -331,6 +325,11 @@ def triton_fused_moe(
             expert_map=expert_map,
             out=out,
         )
+    if config.engine is MatmulEngine.WGMMA_WORDS and weights.packing is WeightPacking.MXFP4_MMA_WORDS:
+        tiles = dict(block_m=config.block_m, num_stages=config.num_stages, group_m=config.group_m)
+        return wgmma_words_moe(x, weights, routing, spec=spec, **tiles, expert_map=expert_map, out=out)
+    if config.engine is MatmulEngine.WGMMA_WORDS:  # scale bytes above 128 kept CHECKPOINT packing (warned)
+        config = MXFP4_PREFILL_TILES
     p = _KernelParams.of(spec)
     cfg = config
     num_pairs = routing.ids.numel()

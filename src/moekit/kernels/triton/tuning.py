@@ -14,8 +14,15 @@ from dataclasses import replace
 
 import torch
 
-from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig
+from moekit.kernels.triton.config import (
+    MXFP4_PREFILL_TILES,
+    WGMMA_FP8_TILES,
+    WGMMA_WORDS_TILES,
+    MatmulEngine,
+    TritonMoEConfig,
+)
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
+from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 
 
@@ -39,6 +46,30 @@ def _experts_hit(spec: MoESpec, num_tokens: int) -> int:
 # DeepSeek-V3 (E 256, H 7168, I 2048) and held-out shapes (E 128 / 64, H 4096 / 2048, I 1536 / 1280).
 WGMMA_MIN_TOKENS_PER_EXPERT = 64
 WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_FP8)
+
+# MXFP4 W4A16 takes the WGMMA_WORDS engine on Hopper from this many tokens an expert when both GEMMs' K-loops
+# are long (min(H, I) >= WGMMA_WORDS_MIN_K): a program's fixed costs (the ring's fill, the first decode,
+# the epilogue through shared memory) then spread over 64 or more K-steps. On an H200 (each GEMM alone,
+# graph replay, L2 flushed, against the layer's tl.dot tiles): E 8 / K 2 / H 4096 / I 14336, 128 - 2048
+# tokens an expert, GEMM1 -2 to +11 %, GEMM2 +0 to +17 %; with H = I = 2880 (gpt-oss-120b, -20b) -28 % at 32
+# tokens an expert, -13 to +4 % at 128 - 512, +1 to +7 % at 512 - 2048: left to tuned rows.
+WGMMA_WORDS_MIN_TOKENS_PER_EXPERT = 128
+WGMMA_WORDS_MIN_K = 4096
+# 256 pairs a program (wgmma N = 256) decode each weight tile for twice the tokens; with an expert's last
+# block padded to 256 they pay from 1024 tokens an expert: GEMM1 -1 to +3 %, GEMM2 +4 to +6 % against
+# 128-pair tiles at 1024 - 2048 (the shape above).
+WGMMA_WORDS_WIDE_FROM = 1024
+
+
+def _wgmma_words(per_expert: float, num_stages: int = 4, group_m: int = 8) -> TritonMoEConfig:
+    """The WGMMA_WORDS engine's config for `per_expert` tokens an expert."""
+    return TritonMoEConfig(
+        **WGMMA_WORDS_TILES,
+        block_m=256 if per_expert >= WGMMA_WORDS_WIDE_FROM else 128,
+        group_m=group_m,
+        num_stages=num_stages,
+        engine=MatmulEngine.WGMMA_WORDS,
+    )
 
 
 # Streaming multiprocessors of the parts the thresholds below were measured on (H100 SXM, H200), assumed
@@ -65,6 +96,15 @@ def _gemm2_programs(spec: MoESpec, num_tokens: int, config: TritonMoEConfig) -> 
     per_expert = _tokens_per_expert(spec, num_tokens)
     blocks = _experts_hit(spec, num_tokens) * math.ceil(per_expert / config.block_m)
     return blocks * -(-spec.H // config.block_n_gemm2)
+
+
+def _takes_wgmma_words(spec: MoESpec, per_expert: float) -> bool:
+    """Whether MXFP4 prefill defaults to the WGMMA_WORDS engine on Hopper (the thresholds above)."""
+    return (
+        per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
+        and min(spec.H, spec.I) >= WGMMA_WORDS_MIN_K
+        and wgmma_words_reason(spec) is None
+    )
 
 
 def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -> TritonMoEConfig:
@@ -94,9 +134,7 @@ def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -
         return TritonMoEConfig(
             block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3, gemm2_block_n=128
         )
-    return TritonMoEConfig(
-        block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, gemm2_block_n=128
-    )
+    return MXFP4_PREFILL_TILES
 
 
 def _w4a8_tiles(per_expert: float) -> tuple[TritonMoEConfig, ...]:
@@ -123,7 +161,8 @@ def default_config(
     spec: MoESpec, num_tokens: int, multiprocessors: int | None = None, *, hopper: bool = False
 ) -> TritonMoEConfig:
     """A capable config without tuning: tiles grow with the tokens each expert sees on average.
-    `hopper`: the device is sm_90, where block-128 W8A8 prefill takes the WGMMA_FP8 engine.
+    `hopper`: the device is sm_90, where block-128 W8A8 prefill takes the WGMMA_FP8 engine and MXFP4
+    prefill with long K-loops the WGMMA_WORDS engine.
 
     Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed); the tuned rows of
     `moekit/planning/tables/h200.json` refine it per model and T.
@@ -136,6 +175,8 @@ def default_config(
     if fmt is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
         return _w4a8_tiles(per_expert)[0]
     if fmt is WeightFormat.MXFP4:
+        if hopper and _takes_wgmma_words(spec, per_expert):
+            return _wgmma_words(per_expert)
         return _mxfp4_config(spec, num_tokens, per_expert, multiprocessors or _MEASURED_SMS)
     # Float and FP8 weights decode nothing, so a decode step puts the weight rows on the MMA's M side
     # (swap_ab): 64 of them against 16 token columns, as the H200 sweeps of Qwen3-30B, Mixtral and
@@ -309,6 +350,11 @@ def tuning_space(
                 block_m=m, block_n=n, block_k=128, group_m=8, num_warps=8, num_stages=st, gemm2_block_n=128
             )
             for m, n, st in ((128, 64, 3), (128, 64, 4), (64, 128, 3), (128, 128, 3))
+        ]
+    if hopper and mxfp4 and per_expert >= 64 and wgmma_words_reason(spec) is None:
+        # The WGMMA_WORDS engine at both pair tiles and depths, wherever it may pay (tuned rows choose).
+        grid += [
+            _wgmma_words(wide * WGMMA_WORDS_WIDE_FROM, num_stages=st) for wide in (0, 1) for st in (3, 4)
         ]
     if hopper and spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
         # The WGMMA_FP8 engine's free knobs (it refuses specs it cannot compute: dropped below).

@@ -6,6 +6,7 @@ time, so a compiled kernel holds the code of one format, scale granularity and a
 """
 
 import triton.language as tl
+from moekit.spec import Activation
 
 # Weight storage (W_FORMAT).
 WFMT_FLOAT = tl.constexpr(0)  # bf16 / fp16 / fp32 [E, N, K]
@@ -27,3 +28,9 @@ ACT_SILU = tl.constexpr(0)
 ACT_GELU = tl.constexpr(1)
 ACT_GELU_TANH = tl.constexpr(2)
 ACT_SWIGLU_OAI = tl.constexpr(3)
+ACTIVATION_CODE = {
+    Activation.SILU: ACT_SILU.value,
+    Activation.GELU: ACT_GELU.value,
+    Activation.GELU_TANH: ACT_GELU_TANH.value,
+    Activation.SWIGLU_OAI: ACT_SWIGLU_OAI.value,
+}

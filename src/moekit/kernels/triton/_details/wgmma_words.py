@@ -1,36 +1,27 @@
-#!/usr/bin/env python3
-"""Prototype, not in the layer: both GEMMs of the MXFP4 word path written in Gluon, with each K-step's
-weight decode under the previous step's wgmma, checked against torch and timed against the layer's own
-GEMMs on the same batch (`proto_gluon_words_run.py`, the GPU half).
+"""The WGMMA_WORDS engine's Gluon kernels (sm_90): both GEMMs of the MXFP4 word path with each K-step's
+weight decode under the previous step's wgmma.
 
-Why: Triton 3.6's `tl.dot` runs the word path's decode and its register-A wgmma one after the other
-inside a program (docs/performance.md, the Mixtral-like MXFP4 shape); `tools/gluon_overlap_probe.py`
-shows Gluon putting the next step's decode under the wgmma without a hazard.
+Why Gluon: Triton 3.6's `tl.dot` runs the word path's decode and its register-A wgmma one after the other
+inside a program (docs/performance.md, the Mixtral-like MXFP4 shape); here the decode of step k + 1 is
+issued between wgmma k and its wait.
 
-Data flow: a preset layer (MXFP4, INTERLEAVED gate/up, bf16 activations), prepared as the layer
-prepares it (MXFP4_MMA_WORDS, N-major scales) -> routing -> `align.align_routing(block_m)` ->
-`_gemm1`: one program = BLOCK_M sorted pairs x 128 w13 rows (64 columns of h), 8 warps (two warpgroups
-of 64 weight rows, the wgmma's register-A M side; the pairs' gathered x rows its N side, in a ring of
-shared-memory stages filled by cp.async) -> bias, gated activation -> h [P, I] bf16 in pair order, as
-`_moe_gemm1` writes it -> `_gemm2`: the same K-loop over h's rows and 128 w2 rows -> b2, router weight ->
-y [P, H] bf16 in pair order, as `_moe_gemm2` writes it (the layer's top-k sum follows).
+A program: 8 warps, 128 weight rows (two warpgroups of 64, the wgmma's register-A M side: gate and up of
+64 columns of h for GEMM1 (INTERLEAVED rows), 128 columns of y for GEMM2) against BLOCK_M sorted pairs'
+activation rows (the wgmma's N side, gathered into a ring of shared-memory stages by cp.async).
 K-loop (`_words_kloop`), step k: wgmma of step k on w(k) (async) -> the codes of step k + 1 from words
 loaded one step earlier, load those of step k + 2 -> wait for step k + 1's rows, proxy fence, CTA
 barrier (every warpgroup has also waited for its wgmma k - 1) -> cp.async of step k + STAGES - 1 into the
 stage wgmma k - 1 read -> wait for wgmma k, w(k) among the wait's `deps` -> w(k + 1): the codes times
 their scales, one bf16x2 multiply a register, renamed into the A fragment.
-
-Usage:
-  python benchmarks/proto_gluon_words.py --compile-only          # any machine: sm_90 compile facts
-  python benchmarks/proto_gluon_words.py --preset gpt-oss-120b@8x2x4096x14336 --tokens 512,2048,8192
+Three placements decide what ptxas makes of it (docs/performance.md): the A-defining multiplies after the
+previous wait (else C7513 serializes every wgmma), on packed pairs (else PRMTs), and the ring's barrier
+between the decode and the wait (else the decode sinks below it).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, MANTISSA_MASK, PAIR_MASK, PAIR_ROTATIONS
+from moekit.kernels.triton._details.activation import _gated_activation
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -40,23 +31,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, MANTISSA_MASK, PAIR_MASK, PAIR_ROTATIONS
-from moekit.kernels.triton._details.activation import _gated_activation
-
 _PAIR_MASK = gl.constexpr(PAIR_MASK)
 _MANTISSA_MASK = gl.constexpr(MANTISSA_MASK)
 _ROT = gl.constexpr(PAIR_ROTATIONS)
 _RUN = gl.constexpr(CHUNKS_PER_RUN)
-W_ROWS = 128  # weight rows a program: gate and up of 64 columns of h (INTERLEAVED), or 128 columns of y
-NUM_WARPS = 8
 
 
-def register_cap(block_m: int) -> int | None:
-    """ptxas's register cap for a tile: 128 keeps two 8-warp programs an SM up to BLOCK_M 128; a 256-row
-    tile's accumulator alone takes 128 registers a thread, so it runs one program an SM, uncapped."""
-    return 128 if block_m <= 128 else None
-
-
+# _rotr and _pair are `_details.mxfp4`'s `_rotate_right` and `_mxfp4_word_pair` in Gluon: a Gluon kernel
+# calls Gluon functions only.
 @gluon.jit
 def _rotr(w, R: gl.constexpr):
     if R == 0:
@@ -340,85 +322,3 @@ def _gemm2(
     acc = acc * gl.load(route_w_ptr + pairs, mask=mask, other=0.0)[None, :]
     y = acc.to(gl.bfloat16)
     gl.store(y_ptr + pairs[None, :] * stride_ym + cols[:, None], y, mask=mask[None, :] & col_in[:, None])
-
-
-def _tools():
-    """tools/sass_report.py and tools/wgmma_hazard.py (offline sm_90 compiles and their checks)."""
-    tools = str(Path(__file__).resolve().parents[1] / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    import sass_report
-    import wgmma_hazard
-
-    return sass_report, wgmma_hazard
-
-
-def compile_for_hopper(
-    gemm: int = 1,
-    *,
-    block_m: int = 128,
-    stages: int = 3,
-    maxnreg: int | None = None,
-    hidden: int = 2880,
-    inter: int = 2880,
-):
-    """`_gemm1` or `_gemm2` compiled for sm_90 (no GPU needed), gpt-oss's math, as `run` launches them."""
-    sass_report, _ = _tools()
-
-    pointers = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
-    pointers |= dict(block_expert_ptr="*i32", num_blocks_ptr="*i32", h_ptr="*bf16")
-    constants = dict(HIDDEN=hidden, INTER_SIZE=inter, BLOCK_M=block_m, STAGES=stages, GROUP_M=8)
-    if gemm == 1:
-        fn, strides = _gemm1, ("stride_xm", "stride_hm")
-        pointers["x_ptr"] = "*bf16"
-        constants |= dict(TOP_K=4, ACTIVATION=3, ALPHA=1.702, HAS_LIMIT=True, LIMIT=7.0)
-    else:
-        fn, strides = _gemm2, ("stride_hm", "stride_ym")
-        pointers |= dict(route_w_ptr="*fp32", y_ptr="*bf16")
-    return sass_report.compile_gluon_for_hopper(
-        fn,
-        pointers=pointers,
-        constants=constants,
-        warps=NUM_WARPS,
-        maxnreg=maxnreg,
-        aligned=(*pointers, *strides),
-    )
-
-
-def _compile_report(gemm: int, block_m: int, stages: int, maxnreg: int | None) -> str:
-    sass_report, wgmma_hazard = _tools()
-
-    kernel = compile_for_hopper(gemm, block_m=block_m, stages=stages, maxnreg=maxnreg)
-    instructions = sass_report.all_instructions(kernel)
-    facts = sass_report.kernel_facts(kernel, instructions)
-    return (
-        f"GEMM{gemm} block_m {block_m}, {stages} stages, maxnreg {maxnreg}: {facts['registers']} registers, "
-        f"{kernel.metadata.shared} B shared, {facts['local_memory_ops']} spill ops, "
-        f"{sass_report.issued_under_mma(instructions)} instructions under the MMA, "
-        f"{len(wgmma_hazard.simulate(kernel)['writes'])} writes to in-flight A registers"
-    )
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--preset", default="gpt-oss-120b@8x2x4096x14336")
-    p.add_argument("--tokens", default="512,2048,8192")
-    p.add_argument("--block-m", default="64,128")
-    p.add_argument("--stages", default="3,4")
-    p.add_argument("--maxnreg", type=int, default=None, help="register cap (0: none; default: register_cap)")
-    args = p.parse_args()
-    tiles = [(int(m), int(s)) for m in args.block_m.split(",") for s in args.stages.split(",")]
-    caps = {m: register_cap(m) if args.maxnreg is None else args.maxnreg or None for m, _ in tiles}
-    if args.compile_only:
-        for gemm in (1, 2):
-            for m, s in tiles:
-                print(_compile_report(gemm, m, s, caps[m]), flush=True)
-        return 0
-    from proto_gluon_words_run import run  # the GPU half
-
-    return run(args.preset, [int(t) for t in args.tokens.split(",")], tiles, caps)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

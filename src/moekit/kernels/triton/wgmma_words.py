@@ -1,0 +1,148 @@
+"""The MXFP4 prefill path on Hopper: Gluon wgmma GEMMs over the word-packed weights, each K-step's decode
+under the previous step's MMA (`_details.wgmma_words`).
+
+Data flow of `wgmma_words_moe` (no host sync; graph-capturable):
+  ids -> `align_routing` at BLOCK_M rows (both GEMMs' M-blocks)
+  -> `_gemm1`: x's gathered rows x 128 w13 rows (INTERLEAVED gate/up of 64 columns of h) -> b13,
+     gated activation -> h [T*K, I] bf16 in pair order
+  -> `_gemm2`: h's gathered rows x 128 w2 rows -> b2, router weight -> y [T*K, H] in pair order
+  -> `sum_k.sum_top_k` -> out [T, H].
+Which specs it takes is `wgmma_words_reason`; the planner offers it only where that is None, and only
+on sm_90 with enough tokens an expert (`tuning`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moekit.formats.mxfp4_words import rows_reason
+from moekit.kernels.triton._details.codes import ACTIVATION_CODE
+from moekit.kernels.triton.align import align_routing, max_blocks_bound
+from moekit.kernels.triton.sum_k import sum_top_k
+from moekit.routing import RoutingResult
+from moekit.spec import ActivationQuant, GateLayout, MoESpec, RouterWeightPlacement, WeightFormat
+from moekit.weights import ExpertWeights
+
+WEIGHT_ROWS = 128  # weight rows a program: two warpgroups of 64, the wgmma's register-A M side
+K_STEP = 64  # columns of K a step: two 32-wide MX scale groups
+NUM_WARPS = 8
+BLOCK_MS = (128, 256)  # sorted pairs a program (the wgmma's N side)
+
+
+def register_cap(block_m: int) -> int | None:
+    """ptxas's register cap for a tile: 128 keeps two 8-warp programs an SM up to BLOCK_M 128 (compiled
+    for sm_90: no spill in the K-loop); a 256-pair tile's accumulator alone takes 128 registers a
+    thread, so it runs one program an SM, uncapped."""
+    return 128 if block_m <= 128 else None
+
+
+@functools.cache
+def _kernels() -> tuple | None:
+    """(`_gemm1`, `_gemm2`), or None where this Triton has no Gluon Hopper support."""
+    try:
+        from moekit.kernels.triton._details import wgmma_words
+    except ImportError:
+        return None
+    return wgmma_words._gemm1, wgmma_words._gemm2
+
+
+def wgmma_words_reason(spec: MoESpec) -> str | None:
+    """None if the Gluon word-path kernels compute `spec` (shapes and math), else why not: a narrower
+    `config.words_reason` (bf16 activations only). The weights must also be word-packed
+    (MXFP4_MMA_WORDS), which their scale bytes decide at load time."""
+    if spec.weight_format is not WeightFormat.MXFP4 or spec.act_quant is not ActivationQuant.NONE:
+        return "it is the MXFP4 weight path with bf16 activations (W4A16)"
+    if spec.act_dtype is not torch.bfloat16:
+        return f"its decode writes bf16 MMA operands, activations are {spec.act_dtype}"
+    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
+        reason = rows_reason(rows)
+        if reason is not None:
+            return f"it reads MXFP4_MMA_WORDS weights: {name}: {reason}"
+    if spec.gate_layout is not GateLayout.INTERLEAVED:
+        return "its GEMM1 tiles hold interleaved gate/up rows (row 2j gate j, 2j + 1 up j)"
+    if spec.router_weight_placement is not RouterWeightPlacement.OUTPUT:
+        return "it applies the router weight to GEMM2's output"
+    for name, size in (("H", spec.H), ("I", spec.I)):
+        if size % K_STEP:
+            return f"its K-loop runs {K_STEP}-wide steps: {name} must be a multiple of {K_STEP}, got {size}"
+    if _kernels() is None:
+        return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
+    return None
+
+
+def wgmma_words_workspace_bytes(spec: MoESpec, num_tokens: int, block_m: int) -> int:
+    """Device memory one `wgmma_words_moe` call allocates besides `out`: h and y in pair order and the
+    routing metadata (at most `max_blocks_bound` blocks of `block_m` pairs)."""
+    pairs = num_tokens * spec.K
+    act = torch.empty((), dtype=spec.act_dtype).element_size()
+    blocks = max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=block_m)
+    return pairs * (spec.I + spec.H) * act + 16 * pairs + 4 * blocks * (block_m + 1)
+
+
+def wgmma_words_moe(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    routing: RoutingResult,
+    *,
+    spec: MoESpec,
+    block_m: int,
+    num_stages: int,
+    group_m: int,
+    expert_map: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE layer of `spec` into `out` [T, H] (T > 0); the caller checked the inputs, the spec
+    (`wgmma_words_reason`), the weights' packing and the device (sm_90)."""
+    gemm1, gemm2 = _kernels()
+    aligned = align_routing(
+        routing.ids, num_local_experts=spec.E_local, block_m=block_m, expert_map=expert_map
+    )
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h = torch.empty(aligned.num_pairs, spec.I, dtype=spec.act_dtype, device=x.device)
+    y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
+    act = spec.activation
+    tiles = dict(BLOCK_M=block_m, STAGES=num_stages, GROUP_M=group_m, num_warps=NUM_WARPS)
+    if (cap := register_cap(block_m)) is not None:
+        tiles["maxnreg"] = cap
+    blocks = dict(
+        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [max_blocks * BLOCK_M]
+        block_expert_ptr=aligned.block_expert,  # int32 [max_blocks]
+        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+        num_pairs=aligned.num_pairs,
+        num_pid_m=aligned.max_blocks,
+    )
+    gemm1[(aligned.max_blocks * (2 * spec.I // WEIGHT_ROWS),)](
+        x_ptr=x,  # [T, H]
+        w_ptr=weights.w13,  # int32 words [E_local, 2I/16, S, 8, 4, 8]
+        s_ptr=weights.w13_scale,  # uint8 [E_local, 2I, H/32], N-major
+        b_ptr=weights.b13,  # [E_local, 2I] or None
+        h_ptr=h,  # [T*K, I], pair order
+        stride_xm=x.stride(0),
+        stride_hm=h.stride(0),
+        HIDDEN=spec.H,
+        INTER_SIZE=spec.I,
+        TOP_K=spec.K,
+        ACTIVATION=ACTIVATION_CODE[act.kind],
+        ALPHA=float(act.alpha) if act.alpha is not None else 0.0,
+        HAS_LIMIT=act.limit is not None,
+        LIMIT=float(act.limit) if act.limit is not None else 0.0,
+        **blocks,
+        **tiles,
+    )
+    gemm2[(aligned.max_blocks * -(-spec.H // WEIGHT_ROWS),)](
+        h_ptr=h,
+        w_ptr=weights.w2,  # int32 words [E_local, H/16, S, 8, 4, 8]
+        s_ptr=weights.w2_scale,  # uint8 [E_local, H, I/32], N-major
+        b_ptr=weights.b2,  # [E_local, H] or None
+        route_w_ptr=routing.weights.contiguous().view(-1),  # fp32 [T*K]
+        y_ptr=y,  # [T*K, H], pair order
+        stride_hm=h.stride(0),
+        stride_ym=y.stride(0),
+        HIDDEN=spec.H,
+        INTER_SIZE=spec.I,
+        **blocks,
+        **tiles,
+    )
+    return sum_top_k(y, pair_expert=aligned.pair_expert, out=out, spec=spec)

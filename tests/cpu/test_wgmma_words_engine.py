@@ -1,0 +1,149 @@
+"""The WGMMA_WORDS engine's rules on the CPU: which specs and configs it takes, when the planner picks it,
+its tuned-table form and the refusal off sm_90. Its kernels compiled for sm_90 are checked in
+tests/cpu/test_sass_report.py; its numbers against the reference are GPU tests
+(tests/gpu/test_wgmma_words_gpu.py)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from layer_shapes import reshaped_specs  # noqa: E402
+from moekit import (  # noqa: E402
+    Activation,
+    ActivationQuant,
+    ActivationSpec,
+    DeviceError,
+    GateLayout,
+    RouterWeightPlacement,
+    SpecError,
+    WeightFormat,
+    preset,
+)
+from moekit.kernels.base import config_from_dict  # noqa: E402
+from moekit.kernels.triton.config import (  # noqa: E402
+    MXFP4_PREFILL_TILES,
+    WGMMA_WORDS_TILES,
+    MatmulEngine,
+    TritonMoEConfig,
+)
+from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
+from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.tuning import (  # noqa: E402
+    WGMMA_WORDS_MIN_K,
+    WGMMA_WORDS_MIN_TOKENS_PER_EXPERT,
+    WGMMA_WORDS_WIDE_FROM,
+    default_config,
+    tuning_space,
+)
+from moekit.kernels.triton.wgmma_words import wgmma_words_reason  # noqa: E402
+from moekit.presets import preset_at  # noqa: E402
+from moekit.synthetic import random_batch, random_layer  # noqa: E402
+
+GPT_OSS = preset("gpt-oss-120b")
+MIXTRAL_LIKE = preset_at("gpt-oss-120b@8x2x4096x14336")  # GPT-OSS's math at Mixtral's shape
+ENGINE = TritonMoEConfig(
+    **WGMMA_WORDS_TILES, block_m=128, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_WORDS
+)
+
+
+def test_takes_mxfp4_w4a16_word_path_and_refuses_other_math_with_the_reason():
+    assert wgmma_words_reason(GPT_OSS) is None and wgmma_words_reason(MIXTRAL_LIKE) is None
+    assert ENGINE.reason_unusable(GPT_OSS) is None
+    refusals = {
+        "W4A16": preset("qwen3-30b-a3b"),
+        "bf16 MMA operands": replace(GPT_OSS, act_dtype=torch.float16),
+        "interleaved": replace(GPT_OSS, gate_layout=GateLayout.CONCAT),
+        "router weight": replace(GPT_OSS, top_k=1, router_weight_placement=RouterWeightPlacement.INPUT),
+        "H must be a multiple of 64": replace(GPT_OSS, hidden_size=2880 + 16),
+        "I must be a multiple of 64": replace(GPT_OSS, intermediate_size=2880 + 32),
+        "MXFP4_MMA_WORDS": replace(GPT_OSS, intermediate_size=2880 + 4),
+    }
+    for words, spec in refusals.items():
+        reason = ENGINE.reason_unusable(spec)
+        assert reason is not None and words in reason, (words, reason)
+    w4a8 = replace(GPT_OSS, act_quant=ActivationQuant.FP8_PER_TOKEN)
+    assert "W4A16" in wgmma_words_reason(w4a8)
+    assert wgmma_words_reason(replace(GPT_OSS, activation=ActivationSpec(Activation.GELU))) is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(block_m=64),
+        dict(block_n=128),
+        dict(block_k=128),
+        dict(num_warps=4),
+        dict(gemm2_block_n=None),
+        dict(num_stages=2),
+        dict(max_registers=128),
+        dict(tail_block_m=64),
+        dict(split_k=2),
+        dict(swap_ab=True),
+    ],
+)
+def test_refuses_any_other_tiling(change):
+    with pytest.raises(SpecError):  # the engine's rule, or a field rule that comes first
+        replace(ENGINE, **change)
+
+
+def test_free_knobs_are_free():
+    for change in (dict(block_m=256), dict(num_stages=3), dict(group_m=1)):
+        assert replace(ENGINE, **change).engine is MatmulEngine.WGMMA_WORDS
+
+
+def test_tuned_table_form_round_trips():
+    raw = json.loads(json.dumps(replace(ENGINE, block_m=256).as_dict()))
+    assert raw["engine"] == "WGMMA_WORDS"
+    assert config_from_dict(TritonMoEConfig, raw, kernel="triton_fused") == replace(ENGINE, block_m=256)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    spec=reshaped_specs([GPT_OSS], experts=[8, 32, 128], dims=[768, 2880, 4096, 7168, 14336]),
+    tokens=st.integers(1, 40000),
+    hopper=st.booleans(),
+)
+def test_default_takes_the_engine_only_on_hopper_for_long_k_prefill(spec, tokens, hopper):
+    config = default_config(spec, tokens, 132, hopper=hopper)
+    assert config.reason_unusable(spec) is None
+    per_expert = tokens * spec.K / spec.E
+    wanted = (
+        hopper
+        and per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
+        and min(spec.H, spec.I) >= WGMMA_WORDS_MIN_K
+        and wgmma_words_reason(spec) is None
+    )
+    assert (config.engine is MatmulEngine.WGMMA_WORDS) == wanted, (spec.describe(), tokens)
+    if wanted:
+        assert config.block_m == (256 if per_expert >= WGMMA_WORDS_WIDE_FROM else 128)
+    space = tuning_space(spec, tokens, 132, hopper=hopper)
+    assert space[0] == config and all(c.reason_unusable(spec) is None for c in space)
+    engines = {c.engine for c in space}
+    if not hopper:
+        assert engines == {MatmulEngine.TL_DOT}
+    elif per_expert >= 64 and wgmma_words_reason(spec) is None:
+        assert MatmulEngine.WGMMA_WORDS in engines  # tuned rows may take it where the default does not
+
+
+def test_off_sm90_the_launch_refuses_before_any_kernel():
+    spec = preset_at("gpt-oss-120b@8x2x256x256")
+    layer = random_layer(spec)
+    weights = TritonFusedKernel().prepare_weights(layer.weights, spec)
+    x, _, routing = random_batch(spec, 3, correction_bias=layer.correction_bias, seed=0)
+    with pytest.raises(DeviceError, match="sm_90"):
+        triton_fused_moe(x, weights, routing, spec=spec, config=ENGINE)
+
+
+def test_words_fallback_is_the_mxfp4_prefill_tiling_of_tl_dot():
+    # What a WGMMA_WORDS plan runs when the scale bytes kept CHECKPOINT packing: the heuristic's tl.dot
+    # prefill tiles, usable for any MXFP4 W4A16 spec.
+    assert MXFP4_PREFILL_TILES.engine is MatmulEngine.TL_DOT
+    assert default_config(GPT_OSS, 8192, 132, hopper=False) == MXFP4_PREFILL_TILES
+    assert MXFP4_PREFILL_TILES.reason_unusable(replace(GPT_OSS, intermediate_size=2880 + 4)) is None
+    assert GPT_OSS.weight_format is WeightFormat.MXFP4

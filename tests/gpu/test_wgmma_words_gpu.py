@@ -1,0 +1,195 @@
+"""The WGMMA_WORDS engine (Gluon MXFP4 word-path GEMMs) on an sm_90 GPU, against the reference.
+
+Data flow per case: an MXFP4 W4A16 spec with interleaved gate/up rows (GPT-OSS's math at reduced shapes,
+with and without biases, other gated activations, H not a multiple of GEMM2's 128-row tile) -> random
+MXFP4 blocks and scales drawn on the GPU, word-packed as the layer prepares them -> softmax top-k
+routing, or ids skewed onto few experts -> `triton_fused_moe` with the engine's config into a
+NaN-poisoned `out` -> relative L2 error against `fused_moe_reference`, and the same layer through the
+tl.dot engine. Also: an expert map, CUDA-graph capture and replay, weights whose scale bytes rule out
+the word packing, the planner's choice on this device and the workspace prediction.
+"""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gpu_only import skip_unless_compiled_gpu
+
+skip_unless_compiled_gpu()
+
+from test_triton_gpu import _gpu_weights, _inputs, scrambled_expert_map  # noqa: E402
+
+from moekit import Activation, ActivationSpec, MoESpec, RoutingResult, fused_moe_reference  # noqa: E402
+from moekit.app.bench import capture_graph  # noqa: E402
+from moekit.kernels.triton.config import WGMMA_WORDS_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
+from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
+from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.tuning import default_config  # noqa: E402
+from moekit.kernels.triton.wgmma_words import wgmma_words_reason  # noqa: E402
+from moekit.presets import preset_at  # noqa: E402
+from moekit.reference import relative_l2_error, tolerance  # noqa: E402
+from moekit.weights import WeightPacking  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.get_device_capability() != (9, 0), reason="the WGMMA_WORDS engine targets sm_90 only"
+    ),
+]
+DEVICE = torch.device("cuda")
+ENGINE = TritonMoEConfig(
+    **WGMMA_WORDS_TILES, block_m=128, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_WORDS
+)
+
+SPECS = {
+    # gpt-oss-120b's math and H = I = 2880 (GEMM2's last N-tile half full) on 16 experts
+    "gpt-oss-e16": preset_at("gpt-oss-120b@16x4x2880x2880"),
+    # Mixtral's proportions, reduced: 8 experts, top-2, long GEMM2 K-loop (I = 4 H)
+    "mixtral-like-small": preset_at("gpt-oss-120b@8x2x1024x4096"),
+    # no biases, plain SiLU, H a multiple of 64 but not of 128
+    "silu-no-bias": replace(
+        preset_at("gpt-oss-120b@32x4x832x1536"), has_bias=False, activation=ActivationSpec(Activation.SILU)
+    ),
+}
+CONFIGS = {
+    "pairs128-stages4": ENGINE,
+    "pairs256-stages3-group1": replace(ENGINE, block_m=256, num_stages=3, group_m=1),
+}
+
+
+def _words(spec: MoESpec, *, seed: int):
+    """Random MXFP4 weights of `spec`, word-packed as the layer prepares them for the Triton path."""
+    weights = TritonFusedKernel().prepare_weights(_gpu_weights(spec, seed=seed), spec)
+    assert weights.packing is WeightPacking.MXFP4_MMA_WORDS
+    return weights
+
+
+def _run(spec: MoESpec, weights, x, routing, config, *, expert_map=None) -> torch.Tensor:
+    out = torch.full((x.shape[0], spec.H), math.nan, dtype=spec.act_dtype, device=DEVICE)
+    got = triton_fused_moe(x, weights, routing, spec=spec, config=config, expert_map=expert_map, out=out)
+    assert got is out
+    return got
+
+
+def _assert_close(got, expected, spec, what):
+    assert torch.isfinite(got).all(), f"non-finite output: {what}"
+    err = relative_l2_error(got, expected)
+    assert err <= tolerance(spec), f"rel L2 {err:.2e} > {tolerance(spec):g}: {what}"
+
+
+@pytest.mark.parametrize("t", [1, 7, 130, 1000, 3000])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_matches_reference(name, config, t):
+    spec = SPECS[name]
+    assert wgmma_words_reason(spec) is None
+    weights = _words(spec, seed=len(name))
+    x, routing = _inputs(spec, t, seed=t)
+    got = _run(spec, weights, x, routing, CONFIGS[config])
+    _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, f"{name} {config} T={t}")
+    dot = _run(spec, weights, x, routing, default_config(spec, t))  # the tl.dot engine, same words
+    assert relative_l2_error(got, dot) <= tolerance(spec)
+
+
+@pytest.mark.parametrize("t", [200, 2500])
+def test_skewed_routing_with_empty_experts(t):
+    # Every token picks the same 4 of 16 experts: 12 experts get nothing, 4 get t pairs each (many full
+    # blocks and a ragged last one).
+    spec = SPECS["gpt-oss-e16"]
+    weights = _words(spec, seed=3)
+    gen = torch.Generator(device=DEVICE).manual_seed(t)
+    x = torch.randn(t, spec.H, generator=gen, device=DEVICE).to(spec.act_dtype)
+    hot = torch.tensor([0, 5, 9, 15], device=DEVICE)
+    order = torch.rand(t, spec.K, generator=gen, device=DEVICE).argsort(dim=1)
+    routing = RoutingResult(
+        weights=torch.rand(t, spec.K, generator=gen, device=DEVICE), ids=hot[order].to(torch.int32)
+    )
+    for config in CONFIGS.values():
+        got = _run(spec, weights, x, routing, config)
+        expected = fused_moe_reference(x, weights, routing, spec=spec)
+        _assert_close(got, expected, spec, f"skewed T={t} block_m {config.block_m}")
+
+
+@pytest.mark.parametrize("t", [9, 1500])
+def test_expert_map(t):
+    # This rank owns 8 of 16 experts in scrambled order; pairs routed elsewhere contribute zero.
+    base = SPECS["gpt-oss-e16"]
+    spec = replace(base, num_local_experts=8)
+    expert_map = scrambled_expert_map(base.E, 8, seed=5)
+    weights = _words(spec, seed=9)
+    x, routing = _inputs(base, t, seed=t)
+    got = _run(spec, weights, x, routing, ENGINE, expert_map=expert_map)
+    expected = fused_moe_reference(x, weights, routing, spec=spec, expert_map=expert_map)
+    _assert_close(got, expected, spec, f"expert map T={t}")
+
+
+def test_cuda_graph_capture_and_replay():
+    spec = SPECS["mixtral-like-small"]
+    weights = _words(spec, seed=2)
+    t = 777
+    x, routing = _inputs(spec, t, seed=1)
+    static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
+    static_out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
+
+    def layer():
+        static_routing = RoutingResult(weights=static_w, ids=static_ids)
+        triton_fused_moe(static_x, weights, static_routing, spec=spec, config=ENGINE, out=static_out)
+
+    graph, _ = capture_graph(layer, DEVICE)  # compiled outside the capture, then captured once
+    for seed in (11, 12):
+        x, routing = _inputs(spec, t, seed=seed)
+        static_x.copy_(x)
+        static_w.copy_(routing.weights)
+        static_ids.copy_(routing.ids)
+        static_out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(static_out, fused_moe_reference(x, weights, routing, spec=spec), spec, f"seed {seed}")
+
+
+def test_scale_bytes_that_rule_out_words_run_the_tl_dot_tiles():
+    # A scale byte above 128 keeps CHECKPOINT packing (with a warning); a plan of this engine then runs
+    # the tl.dot prefill tiles on those bytes, still matching the reference.
+    spec = SPECS["gpt-oss-e16"]
+    raw = _gpu_weights(spec, seed=8)
+    raw.w2_scale[3, 17, 5] = 129
+    with pytest.warns(UserWarning, match="CHECKPOINT packing"):
+        weights = TritonFusedKernel().prepare_weights(raw, spec)
+    assert weights.packing is WeightPacking.CHECKPOINT
+    x, routing = _inputs(spec, 600, seed=8)
+    got = _run(spec, weights, x, routing, ENGINE)
+    _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, "checkpoint packing")
+
+
+def test_planner_takes_the_engine_for_long_k_prefill_here():
+    from moekit.kernels.base import DeviceInfo, DeviceKind, Problem
+
+    props = torch.cuda.get_device_properties(DEVICE)
+    info = DeviceInfo(DeviceKind.CUDA, props.name, (props.major, props.minor), props.multi_processor_count)
+    kernel = TritonFusedKernel()
+    mixtral_like = preset_at("gpt-oss-120b@8x2x4096x14336")
+    prefill = kernel.default_config(mixtral_like, Problem(num_tokens=4096, device=info))
+    decode = kernel.default_config(mixtral_like, Problem(num_tokens=16, device=info))
+    assert prefill.engine is MatmulEngine.WGMMA_WORDS and prefill.block_m == 256
+    assert decode.engine is MatmulEngine.TL_DOT
+    gpt_oss = kernel.default_config(SPECS["gpt-oss-e16"], Problem(num_tokens=4096, device=info))
+    assert gpt_oss.engine is MatmulEngine.TL_DOT  # K-loops of 45 steps: left to tuned rows
+
+
+def test_workspace_prediction_holds():
+    spec = SPECS["gpt-oss-e16"]
+    weights = _words(spec, seed=6)
+    t = 3000
+    x, routing = _inputs(spec, t, seed=6)
+    out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
+    triton_fused_moe(x, weights, routing, spec=spec, config=ENGINE, out=out)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    triton_fused_moe(x, weights, routing, spec=spec, config=ENGINE, out=out)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    predicted = TritonFusedKernel().workspace_bytes(spec, t, ENGINE)
+    assert 0.5 * predicted <= peak <= 1.1 * predicted, (peak, predicted)
