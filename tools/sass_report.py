@@ -220,10 +220,11 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, int
 
 
 def compile_wgmma_words_for_hopper(
-    gemm: int, *, block_m: int = 128, stages: int = 4, hidden=2880, inter=2880
+    gemm: int, *, block_m: int = 128, stages: int = 4, hidden=2880, inter=2880, interleaved: bool = True
 ):
     """The WGMMA_WORDS engine's Gluon GEMM (`gemm` 1 or 2) compiled for sm_90 at a layer's H and I with
-    gpt-oss's math (SwiGLU with its limit, biases), as `wgmma_words_moe` launches it (its register cap)."""
+    gpt-oss's math (SwiGLU with its limit, biases; gate/up rows interleaved or, with `interleaved`
+    False, concatenated), as `wgmma_words_moe` launches it (its register cap)."""
     from moekit.kernels.triton import wgmma_words as host
     from moekit.kernels.triton._details import codes, wgmma_words
 
@@ -234,7 +235,7 @@ def compile_wgmma_words_for_hopper(
         fn, strides = wgmma_words._gemm1, ("stride_xm", "stride_hm")
         pointers["x_ptr"] = "*bf16"
         act = dict(ACTIVATION=codes.ACT_SWIGLU_OAI.value, ALPHA=1.702, HAS_LIMIT=True, LIMIT=7.0)
-        constants |= dict(TOP_K=4, **act)
+        constants |= dict(TOP_K=4, INTERLEAVED=interleaved, **act)
     else:
         fn, strides = wgmma_words._gemm2, ("stride_hm", "stride_ym")
         pointers |= dict(route_w_ptr="*fp32", y_ptr="*bf16")

@@ -297,12 +297,16 @@ _WGMMA_WORDS_GEMMS = """
 import json, re
 import sass_report, wgmma_hazard
 out = []
-for gemm, block_m in ((1, 128), (1, 256), (2, 128), (2, 256)):
-    kernel = sass_report.compile_wgmma_words_for_hopper(gemm, block_m=block_m, stages=4)
+tiles = ((1, 128, True), (1, 256, True), (1, 128, False), (2, 128, True), (2, 256, True))
+for gemm, block_m, interleaved in tiles:
+    kernel = sass_report.compile_wgmma_words_for_hopper(
+        gemm, block_m=block_m, stages=4, interleaved=interleaved
+    )
     loop = sass_report.mma_loop_instructions(sass_report.all_instructions(kernel))
     ops = [sass_report.unpredicated(t) for _, t in loop]
     out.append(dict(
-        gemm=gemm, block_m=block_m, registers=sass_report.kernel_facts(kernel)["registers"],
+        gemm=gemm, block_m=block_m, interleaved=interleaved,
+        registers=sass_report.kernel_facts(kernel)["registers"],
         loop_spills=sum(1 for op in ops if re.match(r"(LDL|STL)", op)),
         loop_waits=len(sass_report.wgmma_waits(loop)), loop=len(ops),
         under=sass_report.issued_under_mma(loop), hazards=len(wgmma_hazard.simulate(kernel)["writes"]),

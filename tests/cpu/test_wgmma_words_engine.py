@@ -58,7 +58,6 @@ def test_takes_mxfp4_w4a16_word_path_and_refuses_other_math_with_the_reason():
     refusals = {
         "W4A16": preset("qwen3-30b-a3b"),
         "bf16 MMA operands": replace(GPT_OSS, act_dtype=torch.float16),
-        "interleaved": replace(GPT_OSS, gate_layout=GateLayout.CONCAT),
         "router weight": replace(GPT_OSS, top_k=1, router_weight_placement=RouterWeightPlacement.INPUT),
         "H must be a multiple of 64": replace(GPT_OSS, hidden_size=2880 + 16),
         "I must be a multiple of 64": replace(GPT_OSS, intermediate_size=2880 + 32),
@@ -70,6 +69,7 @@ def test_takes_mxfp4_w4a16_word_path_and_refuses_other_math_with_the_reason():
     w4a8 = replace(GPT_OSS, act_quant=ActivationQuant.FP8_PER_TOKEN)
     assert "W4A16" in wgmma_words_reason(w4a8)
     assert wgmma_words_reason(replace(GPT_OSS, activation=ActivationSpec(Activation.GELU))) is None
+    assert wgmma_words_reason(replace(GPT_OSS, gate_layout=GateLayout.CONCAT)) is None
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """The WGMMA_WORDS engine (Gluon MXFP4 word-path GEMMs) on an sm_90 GPU, against the reference.
 
-Data flow per case: an MXFP4 W4A16 spec with interleaved gate/up rows (GPT-OSS's math at reduced shapes,
-with and without biases, other gated activations, H not a multiple of GEMM2's 128-row tile) -> random
+Data flow per case: an MXFP4 W4A16 spec (GPT-OSS's math at reduced shapes, gate/up rows interleaved or
+concatenated, with and without biases, another gated activation, H not a multiple of GEMM2's 128-row
+tile) -> random
 MXFP4 blocks and scales drawn on the GPU, word-packed as the layer prepares them -> softmax top-k
 routing, or ids skewed onto few experts -> `triton_fused_moe` with the engine's config into a
 NaN-poisoned `out` -> relative L2 error against `fused_moe_reference`, and the same layer through the
@@ -21,7 +22,14 @@ skip_unless_compiled_gpu()
 
 from test_triton_gpu import _gpu_weights, _inputs, scrambled_expert_map  # noqa: E402
 
-from moekit import Activation, ActivationSpec, MoESpec, RoutingResult, fused_moe_reference  # noqa: E402
+from moekit import (  # noqa: E402
+    Activation,
+    ActivationSpec,
+    GateLayout,
+    MoESpec,
+    RoutingResult,
+    fused_moe_reference,
+)
 from moekit.app.bench import capture_graph  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_WORDS_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
@@ -48,6 +56,8 @@ SPECS = {
     "gpt-oss-e16": preset_at("gpt-oss-120b@16x4x2880x2880"),
     # Mixtral's proportions, reduced: 8 experts, top-2, long GEMM2 K-loop (I = 4 H)
     "mixtral-like-small": preset_at("gpt-oss-120b@8x2x1024x4096"),
+    # concatenated gate/up rows (Mixtral's and Qwen's checkpoints) with biases: the up half 4032 rows on
+    "concat-e8": replace(preset_at("gpt-oss-120b@8x2x1024x4096"), gate_layout=GateLayout.CONCAT),
     # no biases, plain SiLU, H a multiple of 64 but not of 128
     "silu-no-bias": replace(
         preset_at("gpt-oss-120b@32x4x832x1536"), has_bias=False, activation=ActivationSpec(Activation.SILU)

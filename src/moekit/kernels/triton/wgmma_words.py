@@ -3,7 +3,7 @@ under the previous step's MMA (`_details.wgmma_words`).
 
 Data flow of `wgmma_words_moe` (no host sync; graph-capturable):
   ids -> `align_routing` at BLOCK_M rows (both GEMMs' M-blocks)
-  -> `_gemm1`: x's gathered rows x 128 w13 rows (INTERLEAVED gate/up of 64 columns of h) -> b13,
+  -> `_gemm1`: x's gathered rows x 128 w13 rows (the gate and up rows of 64 columns of h) -> b13,
      gated activation -> h [T*K, I] bf16 in pair order
   -> `_gemm2`: h's gathered rows x 128 w2 rows -> b2, router weight -> y [T*K, H] in pair order
   -> `sum_k.sum_top_k` -> out [T, H].
@@ -60,8 +60,6 @@ def wgmma_words_reason(spec: MoESpec) -> str | None:
         reason = rows_reason(rows)
         if reason is not None:
             return f"it reads MXFP4_MMA_WORDS weights: {name}: {reason}"
-    if spec.gate_layout is not GateLayout.INTERLEAVED:
-        return "its GEMM1 tiles hold interleaved gate/up rows (row 2j gate j, 2j + 1 up j)"
     if spec.router_weight_placement is not RouterWeightPlacement.OUTPUT:
         return "it applies the router weight to GEMM2's output"
     for name, size in (("H", spec.H), ("I", spec.I)):
@@ -123,6 +121,7 @@ def wgmma_words_moe(
         stride_hm=h.stride(0),
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
+        INTERLEAVED=spec.gate_layout is GateLayout.INTERLEAVED,
         TOP_K=spec.K,
         ACTIVATION=ACTIVATION_CODE[act.kind],
         ALPHA=float(act.alpha) if act.alpha is not None else 0.0,

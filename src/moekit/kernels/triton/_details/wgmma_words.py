@@ -81,11 +81,25 @@ def _factor(s):
 
 
 @gluon.jit
-def _load_step(w_base, s_base, k, rows_left, NB_RUNS: gl.constexpr, N_ROWS: gl.constexpr, L3: gl.constexpr):
+def _load_step(
+    w_base,
+    s_base,
+    k,
+    rows_left,
+    NB_RUNS: gl.constexpr,
+    N_ROWS: gl.constexpr,
+    HALF_GAP: gl.constexpr,
+    L3: gl.constexpr,
+):
     """Step k's words [8, 32, 4] (row block, lane, chunk) and the E8M0 bytes of rows g and g + 8 of each
-    lane's block for each chunk's group, all in the word layout L3. Row blocks from `rows_left` on (a
-    ragged last N-tile) read zero words: weights of 0."""
-    rb = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    lane's block for each chunk's group, all in the word layout L3. Row blocks 4 - 7 sit HALF_GAP rows
+    further on (CONCAT gate/up halves). Row blocks from `rows_left` on (a ragged last N-tile) read zero
+    words: weights of 0."""
+    tile_rb = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    if HALF_GAP == 0:
+        rb = tile_rb
+    else:
+        rb = gl.where(tile_rb >= 4, tile_rb + HALF_GAP // 16, tile_rb)
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     ch = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     chunk = 4 * k + ch
@@ -98,7 +112,7 @@ def _load_step(w_base, s_base, k, rows_left, NB_RUNS: gl.constexpr, N_ROWS: gl.c
         top = gl.load(s_ptrs)
         bottom = gl.load(s_ptrs + 8)
     else:
-        block_in = (16 * rb < rows_left)[:, None, None]
+        block_in = (16 * tile_rb < rows_left)[:, None, None]
         words = gl.load(w_ptrs + run_offset[None, None, :], mask=block_in, other=0)
         top = gl.load(s_ptrs, mask=block_in, other=0)
         bottom = gl.load(s_ptrs + 8, mask=block_in, other=0)
@@ -164,18 +178,21 @@ def _words_kloop(
     w_ptr,
     s_ptr,
     expert,
-    pid_n,
+    row0,
     IN_DIM: gl.constexpr,
     N_ROWS: gl.constexpr,
+    HALF_GAP: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """fp32 [128 weight rows, BLOCK_M] = W[expert, 128 pid_n + 0..127, :] @ A[a_rows, :]^T, the word path's
-    weights in register A (decoded one step ahead, under the previous step's wgmma) and A's gathered rows
-    in a cp.async ring of STAGES shared-memory stages (the wgmma's N side)."""
+    """fp32 [128 weight rows, BLOCK_M] = W[expert, rows, :] @ A[a_rows, :]^T, rows = row0 + 0..63 and
+    row0 + 64 + HALF_GAP + 0..63 (a multiple of 16), the word path's weights in register A (decoded one
+    step ahead, under the previous step's wgmma) and A's gathered rows in a cp.async ring of STAGES
+    shared-memory stages (the wgmma's N side)."""
     gl.static_assert(IN_DIM % 64 == 0)
     gl.static_assert(STAGES >= 3)  # the loop waits with STAGES - 3 copy groups left in flight
     gl.static_assert(N_ROWS % 16 == 0)  # whole row blocks of the words; a last N-tile may hold fewer than 8
+    gl.static_assert(HALF_GAP % 16 == 0)
     KT: gl.constexpr = IN_DIM // 64
     NB_RUNS: gl.constexpr = (IN_DIM // 16 + _RUN - 1) // _RUN
     G: gl.constexpr = IN_DIM // 32
@@ -190,12 +207,14 @@ def _words_kloop(
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], a_layout)
     for s in gl.static_range(STAGES - 1):
         _copy_a(a_ptr, a_rows, a_mask, stride_am, s, KT, a_smem.index(s), XL)
-    w_base = w_ptr + (expert * (N_ROWS // 16) + pid_n * 8) * (NB_RUNS * 32 * _RUN)
-    s_base = s_ptr + expert * (G * N_ROWS) + pid_n * 128
-    rows_left = N_ROWS - pid_n * 128
-    words, f_top, f_bottom = _load_step(w_base, s_base, 0, rows_left, NB_RUNS, N_ROWS, L3)
+    w_base = w_ptr + (expert * (N_ROWS // 16) + row0 // 16) * (NB_RUNS * 32 * _RUN)
+    s_base = s_ptr + expert * (G * N_ROWS) + row0
+    rows_left = N_ROWS - row0
+    words, f_top, f_bottom = _load_step(w_base, s_base, 0, rows_left, NB_RUNS, N_ROWS, HALF_GAP, L3)
     w = _scaled_fragment(_codes(words), f_top, f_bottom, fragment)
-    words, f_top, f_bottom = _load_step(w_base, s_base, gl.minimum(1, KT - 1), rows_left, NB_RUNS, N_ROWS, L3)
+    words, f_top, f_bottom = _load_step(
+        w_base, s_base, gl.minimum(1, KT - 1), rows_left, NB_RUNS, N_ROWS, HALF_GAP, L3
+    )
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()
     gl.thread_barrier()
@@ -206,7 +225,7 @@ def _words_kloop(
         # Step k + 1 (clamped: the last repeats): its codes now, under wgmma k; its scaling after the wait.
         codes, next_top, next_bottom = _codes(words), f_top, f_bottom
         words, f_top, f_bottom = _load_step(
-            w_base, s_base, gl.minimum(k + 2, KT - 1), rows_left, NB_RUNS, N_ROWS, L3
+            w_base, s_base, gl.minimum(k + 2, KT - 1), rows_left, NB_RUNS, N_ROWS, HALF_GAP, L3
         )
         async_copy.wait_group(STAGES - 3)  # step k + 1's rows are in
         # Every thread's rows of step k + 1 are in, and every warpgroup has waited for its wgmma k - 1, so
@@ -243,6 +262,7 @@ def _gemm1(
     stride_hm,
     HIDDEN: gl.constexpr,
     INTER_SIZE: gl.constexpr,
+    INTERLEAVED: gl.constexpr,  # gate/up rows 2j / 2j + 1; else CONCAT: rows j / I + j
     TOP_K: gl.constexpr,
     ACTIVATION: gl.constexpr,
     ALPHA: gl.constexpr,
@@ -252,9 +272,10 @@ def _gemm1(
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
 ):
-    """h[p, 64 pid_n + n] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block (INTERLEAVED)."""
+    """h[p, 64 pid_n + n] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block: 128 w13 rows,
+    the gate and up rows of those 64 columns of h."""
     N_ROWS: gl.constexpr = 2 * INTER_SIZE
-    gl.static_assert(N_ROWS % 128 == 0)  # whole tiles of gate and up rows
+    gl.static_assert(INTER_SIZE % 64 == 0)  # whole tiles of gate and up rows
     pid_m, pid_n = _tile(num_pid_m, N_ROWS // 128, GROUP_M)
     if pid_m >= gl.load(num_blocks_ptr):
         return
@@ -262,16 +283,41 @@ def _gemm1(
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     pairs_x, mask_x = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(1, XL))
     tokens = gl.where(mask_x, pairs_x // TOP_K, 0)
+    if INTERLEAVED:
+        row0 = pid_n * 128
+        HALF_GAP: gl.constexpr = 0
+    else:
+        row0 = pid_n * 64
+        HALF_GAP: gl.constexpr = INTER_SIZE - 64
     acc = _words_kloop(
-        x_ptr, tokens, mask_x, stride_xm, w_ptr, s_ptr, expert, pid_n, HIDDEN, N_ROWS, BLOCK_M, STAGES
+        x_ptr,
+        tokens,
+        mask_x,
+        stride_xm,
+        w_ptr,
+        s_ptr,
+        expert,
+        row0,
+        HIDDEN,
+        N_ROWS,
+        HALF_GAP,
+        BLOCK_M,
+        STAGES,
     )
-    # Rows 2n (gate) and 2n + 1 (up) of the tile side by side in one thread.
-    EL: gl.constexpr = gl.BlockedLayout([2, 4], [4, 8], [8, 1], [0, 1])
+    # A column's gate and up rows (tile rows 2n and 2n + 1, or n and 64 + n) side by side in one thread.
+    if INTERLEAVED:
+        EL: gl.constexpr = gl.BlockedLayout([2, 4], [4, 8], [8, 1], [0, 1])
+    else:
+        EL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [0, 1])  # rows n, 32 + n, 64 + n, 96 + n
     acc = gl.convert_layout(acc, EL)
     if b_ptr is not None:
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, EL))
-        acc = acc + gl.load(b_ptr + expert * N_ROWS + pid_n * 128 + r).to(gl.float32)[:, None]
-    gate, up = gl.split(gl.permute(gl.reshape(acc, [64, 2, BLOCK_M]), [0, 2, 1]))
+        b_rows = row0 + gl.where(r >= 64, r + HALF_GAP, r)
+        acc = acc + gl.load(b_ptr + expert * N_ROWS + b_rows).to(gl.float32)[:, None]
+    if INTERLEAVED:
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [64, 2, BLOCK_M]), [0, 2, 1]))
+    else:
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 64, BLOCK_M]), [1, 2, 0]))
     h = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT).to(gl.bfloat16)
     SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if BLOCK_M >= 128 else [2, 4], [0, 1])
     h = gl.convert_layout(h, SL)
@@ -310,7 +356,19 @@ def _gemm2(
     pairs_a, mask_a = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(1, XL))
     rows_a = gl.where(mask_a, pairs_a, 0)
     acc = _words_kloop(
-        h_ptr, rows_a, mask_a, stride_hm, w_ptr, s_ptr, expert, pid_n, INTER_SIZE, HIDDEN, BLOCK_M, STAGES
+        h_ptr,
+        rows_a,
+        mask_a,
+        stride_hm,
+        w_ptr,
+        s_ptr,
+        expert,
+        pid_n * 128,
+        INTER_SIZE,
+        HIDDEN,
+        0,
+        BLOCK_M,
+        STAGES,
     )
     SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if BLOCK_M >= 128 else [2, 4], [0, 1])
     acc = gl.convert_layout(acc, SL)
