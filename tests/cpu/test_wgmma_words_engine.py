@@ -35,7 +35,8 @@ from moekit.kernels.triton.config import (  # noqa: E402
 from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import (  # noqa: E402
-    WGMMA_WORDS_MIN_K,
+    WGMMA_WORDS_LONG_K,
+    WGMMA_WORDS_LONG_K_FROM,
     WGMMA_WORDS_MIN_TOKENS_PER_EXPERT,
     WGMMA_WORDS_WIDE_FROM,
     default_config,
@@ -109,16 +110,16 @@ def test_tuned_table_form_round_trips():
     tokens=st.integers(1, 40000),
     hopper=st.booleans(),
 )
-def test_default_takes_the_engine_only_on_hopper_for_long_k_prefill(spec, tokens, hopper):
+def test_default_takes_the_engine_only_on_hopper_for_prefill(spec, tokens, hopper):
     config = default_config(spec, tokens, 132, hopper=hopper)
     assert config.reason_unusable(spec) is None
     per_expert = tokens * spec.K / spec.E
-    wanted = (
-        hopper
-        and per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
-        and min(spec.H, spec.I) >= WGMMA_WORDS_MIN_K
-        and wgmma_words_reason(spec) is None
+    least = (
+        WGMMA_WORDS_LONG_K_FROM
+        if min(spec.H, spec.I) >= WGMMA_WORDS_LONG_K
+        else WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
     )
+    wanted = hopper and per_expert >= least and wgmma_words_reason(spec) is None
     assert (config.engine is MatmulEngine.WGMMA_WORDS) == wanted, (spec.describe(), tokens)
     if wanted:
         assert config.block_m == (256 if per_expert >= WGMMA_WORDS_WIDE_FROM else 128)

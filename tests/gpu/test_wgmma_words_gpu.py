@@ -173,7 +173,7 @@ def test_scale_bytes_that_rule_out_words_run_the_tl_dot_tiles():
     _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, "checkpoint packing")
 
 
-def test_planner_takes_the_engine_for_long_k_prefill_here():
+def test_planner_takes_the_engine_for_prefill_here():
     from moekit.kernels.base import DeviceInfo, DeviceKind, Problem
 
     props = torch.cuda.get_device_properties(DEVICE)
@@ -184,8 +184,12 @@ def test_planner_takes_the_engine_for_long_k_prefill_here():
     decode = kernel.default_config(mixtral_like, Problem(num_tokens=16, device=info))
     assert prefill.engine is MatmulEngine.WGMMA_WORDS and prefill.block_m == 256
     assert decode.engine is MatmulEngine.TL_DOT
-    gpt_oss = kernel.default_config(SPECS["gpt-oss-e16"], Problem(num_tokens=4096, device=info))
-    assert gpt_oss.engine is MatmulEngine.TL_DOT  # K-loops of 45 steps: left to tuned rows
+    short_k = SPECS["gpt-oss-e16"]  # 45 K-steps a GEMM: the engine from 256 tokens an expert
+    assert kernel.default_config(short_k, Problem(num_tokens=512, device=info)).engine is MatmulEngine.TL_DOT
+    assert (
+        kernel.default_config(short_k, Problem(num_tokens=1024, device=info)).engine
+        is not MatmulEngine.TL_DOT
+    )
 
 
 def test_workspace_prediction_holds():
