@@ -47,17 +47,12 @@ def _experts_hit(spec: MoESpec, num_tokens: int) -> int:
 WGMMA_MIN_TOKENS_PER_EXPERT = 64
 WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_FP8)
 
-# MXFP4 W4A16 takes the WGMMA_WORDS engine on Hopper from WGMMA_WORDS_MIN_TOKENS_PER_EXPERT tokens an
-# expert, and from WGMMA_WORDS_LONG_K_FROM when both GEMMs' K-loops are long (min(H, I) >=
-# WGMMA_WORDS_LONG_K): there a program's fixed costs (the ring's fill, the first decode, the epilogue
-# through shared memory) spread over 64 or more K-steps. On an H200, whole layer (graph replay, L2
-# flushed) against the tl.dot default: +5 to +10 % at 256 - 2048 tokens an expert for E 128 / K 8 /
-# H 4096 / I 1536, E 256 / K 8 / H 7168 / I 2048, E 64 / K 6 / H 2048 / I 1408 and gpt-oss-20b;
-# E 8 / K 2 / H 4096 / I 14336 from 128 (+7 % at T = 512). At 128 with H = I = 2880 each GEMM alone ran
-# -13 to +2 % (gpt-oss-120b), and -28 % at 32.
-WGMMA_WORDS_MIN_TOKENS_PER_EXPERT = 256
-WGMMA_WORDS_LONG_K_FROM = 128
-WGMMA_WORDS_LONG_K = 4096
+# MXFP4 W4A16 takes the WGMMA_WORDS engine on Hopper from this many tokens an expert. On an H200, whole
+# layer (graph replay, L2 flushed) against the tl.dot default: +7 to +10 % at 128 (E 8 / K 2 / H 4096 /
+# I 14336, E 64 / K 4 / H = I = 2880, E 128 / K 8 / H 4096 / I 1536) and +5 to +10 % at 256 - 2048 for
+# those and E 256 / K 8 / H 7168 / I 2048, E 64 / K 6 / H 2048 / I 1408 and gpt-oss-20b. At 32 each GEMM
+# alone ran 28 % slower (gpt-oss-120b): an 8-warp program decodes 128 weight rows for a few tokens.
+WGMMA_WORDS_MIN_TOKENS_PER_EXPERT = 128
 # 256 pairs a program (wgmma N = 256) decode each weight tile for twice the tokens; with an expert's last
 # block padded to 256 they pay from 1024 tokens an expert: whole layer +1 to +2 % against 128-pair tiles at
 # 1024 - 2048 (E 128 / K 8 / H 4096 / I 1536, E 64 / K 6 / H 2048 / I 1408, gpt-oss-20b), and -6 % at 256
@@ -104,9 +99,7 @@ def _gemm2_programs(spec: MoESpec, num_tokens: int, config: TritonMoEConfig) -> 
 
 def _takes_wgmma_words(spec: MoESpec, per_expert: float) -> bool:
     """Whether MXFP4 prefill defaults to the WGMMA_WORDS engine on Hopper (the thresholds above)."""
-    long_k = min(spec.H, spec.I) >= WGMMA_WORDS_LONG_K
-    least = WGMMA_WORDS_LONG_K_FROM if long_k else WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
-    return per_expert >= least and wgmma_words_reason(spec) is None
+    return per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT and wgmma_words_reason(spec) is None
 
 
 def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -> TritonMoEConfig:
