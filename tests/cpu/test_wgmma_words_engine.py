@@ -35,6 +35,7 @@ from moekit.kernels.triton.config import (  # noqa: E402
 from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import (  # noqa: E402
+    WGMMA_WORDS_MIN_K,
     WGMMA_WORDS_MIN_TOKENS_PER_EXPERT,
     WGMMA_WORDS_WIDE_FROM,
     default_config,
@@ -112,7 +113,12 @@ def test_default_takes_the_engine_only_on_hopper_for_prefill(spec, tokens, hoppe
     config = default_config(spec, tokens, 132, hopper=hopper)
     assert config.reason_unusable(spec) is None
     per_expert = tokens * spec.K / spec.E
-    wanted = hopper and per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT and wgmma_words_reason(spec) is None
+    wanted = (
+        hopper
+        and per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
+        and min(spec.H, spec.I) >= WGMMA_WORDS_MIN_K
+        and wgmma_words_reason(spec) is None
+    )
     assert (config.engine is MatmulEngine.WGMMA_WORDS) == wanted, (spec.describe(), tokens)
     if wanted:
         assert config.block_m == (256 if per_expert >= WGMMA_WORDS_WIDE_FROM else 128)

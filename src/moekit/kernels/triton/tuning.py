@@ -53,6 +53,9 @@ WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, 
 # those and E 256 / K 8 / H 7168 / I 2048, E 64 / K 6 / H 2048 / I 1408 and gpt-oss-20b. At 32 each GEMM
 # alone ran 28 % slower (gpt-oss-120b): an 8-warp program decodes 128 weight rows for a few tokens.
 WGMMA_WORDS_MIN_TOKENS_PER_EXPERT = 128
+# The shortest K (min(H, I)) it was measured ahead at (22 K-steps); shorter K-loops, where a program's fixed
+# costs (the ring's fill, the first decode, the epilogue) weigh more, keep the tl.dot tiles until measured.
+WGMMA_WORDS_MIN_K = 1408
 # 256 pairs a program (wgmma N = 256) decode each weight tile for twice the tokens; with an expert's last
 # block padded to 256 they pay from 1024 tokens an expert: whole layer +1 to +2 % against 128-pair tiles at
 # 1024 - 2048 (E 128 / K 8 / H 4096 / I 1536, E 64 / K 6 / H 2048 / I 1408, gpt-oss-20b), and -6 % at 256
@@ -99,7 +102,11 @@ def _gemm2_programs(spec: MoESpec, num_tokens: int, config: TritonMoEConfig) -> 
 
 def _takes_wgmma_words(spec: MoESpec, per_expert: float) -> bool:
     """Whether MXFP4 prefill defaults to the WGMMA_WORDS engine on Hopper (the thresholds above)."""
-    return per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT and wgmma_words_reason(spec) is None
+    return (
+        per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
+        and min(spec.H, spec.I) >= WGMMA_WORDS_MIN_K
+        and wgmma_words_reason(spec) is None
+    )
 
 
 def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -> TritonMoEConfig:
