@@ -147,3 +147,16 @@ def test_words_fallback_is_the_mxfp4_prefill_tiling_of_tl_dot():
     assert default_config(GPT_OSS, 8192, 132, hopper=False) == MXFP4_PREFILL_TILES
     assert MXFP4_PREFILL_TILES.reason_unusable(replace(GPT_OSS, intermediate_size=2880 + 4)) is None
     assert GPT_OSS.weight_format is WeightFormat.MXFP4
+
+
+def test_plan_on_an_h200_takes_the_engine_where_no_tuned_row_decides():
+    from moekit.kernels.base import DeviceInfo, DeviceKind
+    from moekit.planning.plan import plan
+
+    h200 = DeviceInfo(DeviceKind.CUDA, "NVIDIA H200", (9, 0), 132)
+    prefill = plan(MIXTRAL_LIKE, num_tokens=4096, device=h200)
+    assert prefill.kernel == "triton_fused" and prefill.config.engine is MatmulEngine.WGMMA_WORDS
+    assert "'engine': 'WGMMA_WORDS'" in prefill.explain() and "kernel default" in prefill.explain()
+    # gpt-oss-120b's shipped rows are measured tl.dot tiles; a tuned row outranks the default.
+    tuned = plan(GPT_OSS, num_tokens=8192, device=h200)
+    assert tuned.config.engine is MatmulEngine.TL_DOT and "tuned" in tuned.explain()
