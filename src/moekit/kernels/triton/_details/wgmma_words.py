@@ -6,8 +6,9 @@ inside a program (docs/performance.md, the Mixtral-like MXFP4 shape); here the d
 issued between wgmma k and its wait.
 
 A program: 8 warps, 128 weight rows (two warpgroups of 64, the wgmma's register-A M side: gate and up of
-64 columns of h for GEMM1 (INTERLEAVED rows), 128 columns of y for GEMM2) against BLOCK_M sorted pairs'
-activation rows (the wgmma's N side, gathered into a ring of shared-memory stages by cp.async).
+64 columns of h for GEMM1 (rows 2j and 2j + 1 when interleaved, j and I + j when concatenated), 128
+columns of y for GEMM2) against BLOCK_M sorted pairs' activation rows (the wgmma's N side, gathered into
+a ring of shared-memory stages by cp.async).
 K-loop (`_words_kloop`), step k: wgmma of step k on w(k) (async) -> the codes of step k + 1 from words
 loaded one step earlier, load those of step k + 2 -> wait for step k + 1's rows, proxy fence, CTA
 barrier (every warpgroup has also waited for its wgmma k - 1) -> cp.async of step k + STAGES - 1 into the
