@@ -55,7 +55,7 @@ def main() -> int:
             ceilings=ceilings,
             device=device,
             progress=lambda r: print(
-                f"  {r.preset} T={r.tokens} {r.kernel}: {r.us:.1f} us, {r.pct_roofline:.0f}% "
+                f"  {r.preset} T={r.tokens} {_kernel_label(r)}: {r.us:.1f} us, {r.pct_roofline:.0f}% "
                 f"roofline, rel L2 {r.rel_l2:.1e} {'ok' if r.ok else 'FAIL'}",
                 flush=True,
             ),
@@ -84,6 +84,12 @@ def _peer_us(data) -> dict[int, float]:
     return out
 
 
+def _kernel_label(record) -> str:
+    """The kernel's name, and its GEMM engine where that is not the default tl.dot one."""
+    engine = record.config.get("engine", "TL_DOT") if record.config else "TL_DOT"
+    return record.kernel if engine == "TL_DOT" else f"{record.kernel} ({engine})"
+
+
 def print_table(records, peer):
     by = {}
     for r in records:
@@ -97,7 +103,7 @@ def print_table(records, peer):
         main_r = next((r for k, r in ks.items() if k != "torch_grouped"), ks.get("torch_grouped"))
         base = ks.get("torch_grouped")
         row = (
-            f"| {name} | {t} | {main_r.kernel} | {main_r.us:.1f} | {main_r.pct_roofline:.0f} | "
+            f"| {name} | {t} | {_kernel_label(main_r)} | {main_r.us:.1f} | {main_r.pct_roofline:.0f} | "
             f"{main_r.tb_per_s:.2f} | {base.us if base else float('nan'):.1f} | "
             f"{(base.us / main_r.us) if base else float('nan'):.2f} |"
         )
