@@ -21,6 +21,7 @@ from gpu_only import skip_unless_compiled_gpu
 skip_unless_compiled_gpu()
 
 from test_triton_gpu import _gpu_weights, _inputs, scrambled_expert_map  # noqa: E402
+from test_wgmma_fp8_gpu import _assert_close, _run  # noqa: E402  (NaN-poisoned out, tolerance(spec))
 
 from moekit import (  # noqa: E402
     Activation,
@@ -74,19 +75,6 @@ def _words(spec: MoESpec, *, seed: int):
     weights = TritonFusedKernel().prepare_weights(_gpu_weights(spec, seed=seed), spec)
     assert weights.packing is WeightPacking.MXFP4_MMA_WORDS
     return weights
-
-
-def _run(spec: MoESpec, weights, x, routing, config, *, expert_map=None) -> torch.Tensor:
-    out = torch.full((x.shape[0], spec.H), math.nan, dtype=spec.act_dtype, device=DEVICE)
-    got = triton_fused_moe(x, weights, routing, spec=spec, config=config, expert_map=expert_map, out=out)
-    assert got is out
-    return got
-
-
-def _assert_close(got, expected, spec, what):
-    assert torch.isfinite(got).all(), f"non-finite output: {what}"
-    err = relative_l2_error(got, expected)
-    assert err <= tolerance(spec), f"rel L2 {err:.2e} > {tolerance(spec):g}: {what}"
 
 
 @pytest.mark.parametrize("t", [1, 7, 130, 1000, 3000])

@@ -17,6 +17,7 @@ import torch
 from moekit.kernels.triton.config import (
     MXFP4_PREFILL_TILES,
     WGMMA_FP8_TILES,
+    WGMMA_WORDS_BLOCK_MS,
     WGMMA_WORDS_TILES,
     MatmulEngine,
     TritonMoEConfig,
@@ -63,14 +64,17 @@ WGMMA_WORDS_MIN_K = 1408
 WGMMA_WORDS_WIDE_FROM = 1024
 
 
-def _wgmma_words(per_expert: float, num_stages: int = 4, group_m: int = 8) -> TritonMoEConfig:
+WGMMA_WORDS_DEFAULT = TritonMoEConfig(
+    **WGMMA_WORDS_TILES, block_m=128, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_WORDS
+)
+
+
+def _wgmma_words(per_expert: float) -> TritonMoEConfig:
     """The WGMMA_WORDS engine's config for `per_expert` tokens an expert."""
-    return TritonMoEConfig(
-        **WGMMA_WORDS_TILES,
-        block_m=256 if per_expert >= WGMMA_WORDS_WIDE_FROM else 128,
-        group_m=group_m,
-        num_stages=num_stages,
-        engine=MatmulEngine.WGMMA_WORDS,
+    return (
+        replace(WGMMA_WORDS_DEFAULT, block_m=256)
+        if per_expert >= WGMMA_WORDS_WIDE_FROM
+        else WGMMA_WORDS_DEFAULT
     )
 
 
@@ -164,7 +168,7 @@ def default_config(
 ) -> TritonMoEConfig:
     """A capable config without tuning: tiles grow with the tokens each expert sees on average.
     `hopper`: the device is sm_90, where block-128 W8A8 prefill takes the WGMMA_FP8 engine and MXFP4
-    prefill with long K-loops the WGMMA_WORDS engine.
+    W4A16 prefill the WGMMA_WORDS engine (`_takes_wgmma_words`).
 
     Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed); the tuned rows of
     `moekit/planning/tables/h200.json` refine it per model and T.
@@ -356,7 +360,9 @@ def tuning_space(
     if hopper and mxfp4 and per_expert >= 64 and wgmma_words_reason(spec) is None:
         # The WGMMA_WORDS engine at both pair tiles and depths, wherever it may pay (tuned rows choose).
         grid += [
-            _wgmma_words(wide * WGMMA_WORDS_WIDE_FROM, num_stages=st) for wide in (0, 1) for st in (3, 4)
+            replace(WGMMA_WORDS_DEFAULT, block_m=m, num_stages=st)
+            for m in WGMMA_WORDS_BLOCK_MS
+            for st in (3, 4)
         ]
     if hopper and spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
         # The WGMMA_FP8 engine's free knobs (it refuses specs it cannot compute: dropped below).

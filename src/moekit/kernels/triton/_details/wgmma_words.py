@@ -21,8 +21,9 @@ between the decode and the wait (else the decode sinks below it).
 
 from __future__ import annotations
 
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, MANTISSA_MASK, PAIR_MASK, PAIR_ROTATIONS
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
 from moekit.kernels.triton._details.activation import _gated_activation
+from moekit.kernels.triton._details.mxfp4 import _bf16_halves, _mul_bf16x2, _mxfp4_word_pair
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -32,46 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-_PAIR_MASK = gl.constexpr(PAIR_MASK)
-_MANTISSA_MASK = gl.constexpr(MANTISSA_MASK)
-_ROT = gl.constexpr(PAIR_ROTATIONS)
 _RUN = gl.constexpr(CHUNKS_PER_RUN)
-
-
-# _rotr and _pair are `_details.mxfp4`'s `_rotate_right` and `_mxfp4_word_pair` in Gluon: a Gluon kernel
-# calls Gluon functions only.
-@gluon.jit
-def _rotr(w, R: gl.constexpr):
-    if R == 0:
-        out = w
-    else:
-        out = (w >> R) | (w << (32 - R))
-    return out
-
-
-@gluon.jit
-def _pair(w, P: gl.constexpr):
-    """Codes P and P + 4 of each word -> a bf16 pair (uint32) of value * 2^-126 (see mxfp4_words)."""
-    if _ROT[P][0] == _ROT[P][1]:
-        out = _rotr(w, _ROT[P][0]) & _PAIR_MASK
-    else:
-        rest = _rotr(w, _ROT[P][0]) & (_PAIR_MASK & ~_MANTISSA_MASK)
-        out = rest | (_rotr(w, _ROT[P][1]) & _MANTISSA_MASK)
-    return out
-
-
-@gluon.jit
-def _halves(p):
-    lo = (p & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
-    hi = (p >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
-    return gl.join(lo, hi)
-
-
-@gluon.jit
-def _mul2(p, f):
-    return gl.inline_asm_elementwise(
-        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [p, f], dtype=gl.uint32, is_pure=True, pack=1
-    )
 
 
 @gluon.jit
@@ -125,7 +87,10 @@ def _to_fragment(p0, p1, p2, p3, fragment: gl.constexpr):
     """Four [8, 32, 4] tensors of bf16 pairs (uint32) in the word layout -> [128, 64] bf16 in the
     register-A `fragment` layout: a renaming of registers when every input is a finished pair (bf16
     arithmetic on the split halves made LLVM compute each half apart: 37 PRMT a K-step instead of 0)."""
-    t = gl.join(gl.join(_halves(p0), _halves(p1)), gl.join(_halves(p2), _halves(p3)))
+    t = gl.join(
+        gl.join(_bf16_halves(p0, gl.bfloat16), _bf16_halves(p1, gl.bfloat16)),
+        gl.join(_bf16_halves(p2, gl.bfloat16), _bf16_halves(p3, gl.bfloat16)),
+    )
     t = gl.reshape(t, [8, 8, 4, 4, 2, 2, 2])  # rb, g, q, chunk, odd, row half, column half
     t = gl.permute(t, [0, 5, 1, 3, 6, 2, 4])  # rb, row half, g, chunk, column half, q, odd
     return gl.convert_layout(gl.reshape(t, [128, 64]), fragment)
@@ -134,7 +99,12 @@ def _to_fragment(p0, p1, p2, p3, fragment: gl.constexpr):
 @gluon.jit
 def _codes(words):
     """The four bf16 pairs (uint32, value * 2^-126) of each word: the bulk of the decode."""
-    return _pair(words, 0), _pair(words, 1), _pair(words, 2), _pair(words, 3)
+    return (
+        _mxfp4_word_pair(words, 0),
+        _mxfp4_word_pair(words, 1),
+        _mxfp4_word_pair(words, 2),
+        _mxfp4_word_pair(words, 3),
+    )
 
 
 @gluon.jit
@@ -145,7 +115,11 @@ def _scaled_fragment(codes, f_top, f_bottom, fragment: gl.constexpr):
     ptxas keep the wgmma unserialized (C7513 otherwise)."""
     p0, p1, p2, p3 = codes
     return _to_fragment(
-        _mul2(p0, f_top), _mul2(p1, f_bottom), _mul2(p2, f_top), _mul2(p3, f_bottom), fragment
+        _mul_bf16x2(p0, f_top),
+        _mul_bf16x2(p1, f_bottom),
+        _mul_bf16x2(p2, f_top),
+        _mul_bf16x2(p3, f_bottom),
+        fragment,
     )  # rows g, g + 8, g, g + 8
 
 
