@@ -354,14 +354,14 @@ def loop_instructions(kernel, instructions: list[tuple[int, str]] | None = None)
     return _body(instructions, loops[-1])
 
 
-def mma_loop_instructions(instructions: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """(address, instruction) of the first loop (a backward branch and its target) whose body issues a
-    wgmma: the K-loop of a kernel whose last loop is something else (a Gluon kernel's barrier spins)."""
-    for loop in _loops(instructions, conditional=False):
-        body = _body(instructions, loop)
-        if any(unpredicated(t).startswith(("HGMMA", "QGMMA")) for _, t in body):
-            return body
-    raise RuntimeError(f"no loop issues a wgmma among {len(instructions)} instructions")
+def mma_loops(instructions: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """(address, instruction) bodies of every loop (a backward branch and its target) that issues a wgmma:
+    a Gluon kernel's K-loops (one per specialization of its tile), not its barrier spins."""
+    bodies = [_body(instructions, loop) for loop in _loops(instructions, conditional=False)]
+    mma = [b for b in bodies if any(unpredicated(t).startswith(("HGMMA", "QGMMA")) for _, t in b)]
+    if not mma:
+        raise RuntimeError(f"no loop issues a wgmma among {len(instructions)} instructions")
+    return mma
 
 
 def unpredicated(text: str) -> str:

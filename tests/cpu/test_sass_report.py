@@ -297,20 +297,23 @@ _WGMMA_WORDS_GEMMS = """
 import json, re
 import sass_report, wgmma_hazard
 out = []
-tiles = ((1, 128, True), (1, 256, True), (1, 128, False), (2, 128, True), (2, 256, True))
-for gemm, block_m, interleaved in tiles:
+tiles = ((1, 128, True, 2880, 2880), (1, 256, True, 2880, 2880), (1, 128, False, 2880, 2880),
+         (2, 128, True, 2880, 2880), (2, 256, True, 2880, 2880), (1, 128, True, 7168, 2048),
+         (2, 128, True, 4096, 1536))
+for gemm, block_m, interleaved, hidden, inter in tiles:
     kernel = sass_report.compile_wgmma_words_for_hopper(
-        gemm, block_m=block_m, stages=4, interleaved=interleaved
+        gemm, block_m=block_m, stages=4, interleaved=interleaved, hidden=hidden, inter=inter
     )
-    loop = sass_report.mma_loop_instructions(sass_report.all_instructions(kernel))
-    ops = [sass_report.unpredicated(t) for _, t in loop]
-    out.append(dict(
-        gemm=gemm, block_m=block_m, interleaved=interleaved,
-        registers=sass_report.kernel_facts(kernel)["registers"],
-        loop_spills=sum(1 for op in ops if re.match(r"(LDL|STL)", op)),
-        loop_waits=len(sass_report.wgmma_waits(loop)), loop=len(ops),
-        under=sass_report.issued_under_mma(loop), hazards=len(wgmma_hazard.simulate(kernel)["writes"]),
-    ))
+    loops = sass_report.mma_loops(sass_report.all_instructions(kernel))
+    for loop in loops:
+        ops = [sass_report.unpredicated(t) for _, t in loop]
+        out.append(dict(
+            gemm=gemm, block_m=block_m, interleaved=interleaved,
+            registers=sass_report.kernel_facts(kernel)["registers"],
+            loop_spills=sum(1 for op in ops if re.match(r"(LDL|STL)", op)),
+            loop_waits=len(sass_report.wgmma_waits(loop)), loop=len(ops),
+            under=sass_report.issued_under_mma(loop), hazards=len(wgmma_hazard.simulate(kernel)["writes"]),
+        ))
 print(json.dumps(out))
 """
 
@@ -319,7 +322,8 @@ def test_wgmma_words_engine_compiles_with_its_decode_under_the_mma():
     """The WGMMA_WORDS engine's GEMMs, compiled for sm_90 as `wgmma_words_moe` launches them: two 8-warp
     programs an SM fit at 128 pairs (128 registers), one at 256; the K-loop spills nothing and waits for
     its wgmma once (ptxas serializing them, C7513, would wait after each), a large part of a K-step
-    issues while the wgmma runs, and no instruction writes an A register a wgmma still reads."""
+    issues while the wgmma runs, and no instruction writes an A register a wgmma still reads (every
+    K-loop of the kernel)."""
     for tile in _compiled_json(["-c", _WGMMA_WORDS_GEMMS]):
         assert tile["registers"] <= (128 if tile["block_m"] <= 128 else 255), tile
         assert tile["loop_spills"] == 0 and tile["loop_waits"] == 1 and tile["hazards"] == 0, tile

@@ -172,10 +172,10 @@ def test_planner_takes_the_engine_for_prefill_here():
     decode = kernel.default_config(mixtral_like, Problem(num_tokens=16, device=info))
     assert prefill.engine is MatmulEngine.WGMMA_WORDS and prefill.block_m == 256
     assert decode.engine is MatmulEngine.TL_DOT
-    gpt_oss = SPECS["gpt-oss-e16"]  # 64, then 128 tokens an expert
-    assert kernel.default_config(gpt_oss, Problem(num_tokens=256, device=info)).engine is MatmulEngine.TL_DOT
-    at_128 = kernel.default_config(gpt_oss, Problem(num_tokens=512, device=info))
-    assert at_128.engine is MatmulEngine.WGMMA_WORDS and at_128.block_m == 128
+    gpt_oss = SPECS["gpt-oss-e16"]  # 32, then 64 tokens an expert
+    assert kernel.default_config(gpt_oss, Problem(num_tokens=128, device=info)).engine is MatmulEngine.TL_DOT
+    at_64 = kernel.default_config(gpt_oss, Problem(num_tokens=256, device=info))
+    assert at_64.engine is MatmulEngine.WGMMA_WORDS and at_64.block_m == 128
 
 
 def test_workspace_prediction_holds():

@@ -49,11 +49,12 @@ WGMMA_MIN_TOKENS_PER_EXPERT = 64
 WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_FP8)
 
 # MXFP4 W4A16 takes the WGMMA_WORDS engine on Hopper from this many tokens an expert. On an H200, whole
-# layer (graph replay, L2 flushed) against the tl.dot default: +7 to +10 % at 128 (E 8 / K 2 / H 4096 /
-# I 14336, E 64 / K 4 / H = I = 2880, E 128 / K 8 / H 4096 / I 1536) and +5 to +10 % at 256 - 2048 for
-# those and E 256 / K 8 / H 7168 / I 2048, E 64 / K 6 / H 2048 / I 1408 and gpt-oss-20b. At 32 each GEMM
-# alone ran 28 % slower (gpt-oss-120b): an 8-warp program decodes 128 weight rows for a few tokens.
-WGMMA_WORDS_MIN_TOKENS_PER_EXPERT = 128
+# layer (graph replay, L2 flushed) against the tl.dot default, at 64 (two device calls each): +4 to +8 %
+# for E 8 / K 2 / H 4096 / I 14336, E 64 / K 6 / H 2048 / I 1408, E 128 / K 8 / H 4096 / I 1536, E 256 /
+# K 8 / H 7168 / I 2048 and gpt-oss-20b, +1 to +3 % for gpt-oss-120b; +7 to +10 % at 128 and +5 to +10 %
+# at 256 - 2048. At 32 it lost 10 - 27 % (gpt-oss-120b, 128 or 64 pairs a program): an 8-warp program
+# decodes 128 weight rows for a few tokens.
+WGMMA_WORDS_MIN_TOKENS_PER_EXPERT = 64
 # The shortest K (min(H, I)) it was measured ahead at (22 K-steps); shorter K-loops, where a program's fixed
 # costs (the ring's fill, the first decode, the epilogue) weigh more, keep the tl.dot tiles until measured.
 WGMMA_WORDS_MIN_K = 1408
@@ -357,7 +358,12 @@ def tuning_space(
             )
             for m, n, st in ((128, 64, 3), (128, 64, 4), (64, 128, 3), (128, 128, 3))
         ]
-    if hopper and mxfp4 and per_expert >= 64 and wgmma_words_reason(spec) is None:
+    if (
+        hopper
+        and mxfp4
+        and per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
+        and wgmma_words_reason(spec) is None
+    ):
         # The WGMMA_WORDS engine at both pair tiles and depths, wherever it may pay (tuned rows choose).
         grid += [
             replace(WGMMA_WORDS_DEFAULT, block_m=m, num_stages=st)
