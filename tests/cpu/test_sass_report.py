@@ -294,8 +294,8 @@ def test_gluon_decodes_the_next_step_under_the_register_a_wgmma_without_a_hazard
 
 
 _WGMMA_WORDS_GEMMS = """
-import json, re
-import sass_report, wgmma_hazard
+import json
+import sass_report, wgmma_hazard, words_engine_report
 out = []
 tiles = ((1, 128, True, 2880, 2880), (1, 256, True, 2880, 2880), (1, 128, False, 2880, 2880),
          (2, 128, True, 2880, 2880), (2, 256, True, 2880, 2880), (1, 128, True, 7168, 2048),
@@ -304,16 +304,9 @@ for gemm, block_m, interleaved, hidden, inter in tiles:
     kernel = sass_report.compile_wgmma_words_for_hopper(
         gemm, block_m=block_m, stages=4, interleaved=interleaved, hidden=hidden, inter=inter
     )
-    loops = sass_report.mma_loops(sass_report.all_instructions(kernel))
-    for loop in loops:
-        ops = [sass_report.unpredicated(t) for _, t in loop]
-        out.append(dict(
-            gemm=gemm, block_m=block_m, interleaved=interleaved,
-            registers=sass_report.kernel_facts(kernel)["registers"],
-            loop_spills=sum(1 for op in ops if re.match(r"(LDL|STL)", op)),
-            loop_waits=len(sass_report.wgmma_waits(loop)), loop=len(ops),
-            under=sass_report.issued_under_mma(loop), hazards=len(wgmma_hazard.simulate(kernel)["writes"]),
-        ))
+    hazards = len(wgmma_hazard.simulate(kernel)["writes"])
+    for line in words_engine_report.loop_lines(kernel):
+        out.append(dict(line, gemm=gemm, block_m=block_m, interleaved=interleaved, hazards=hazards))
 print(json.dumps(out))
 """
 
@@ -326,5 +319,5 @@ def test_wgmma_words_engine_compiles_with_its_decode_under_the_mma():
     K-loop of the kernel)."""
     for tile in _compiled_json(["-c", _WGMMA_WORDS_GEMMS]):
         assert tile["registers"] <= (128 if tile["block_m"] <= 128 else 255), tile
-        assert tile["loop_spills"] == 0 and tile["loop_waits"] == 1 and tile["hazards"] == 0, tile
-        assert tile["under"] >= tile["loop"] // 3, tile
+        assert tile["spills"] == 0 and tile["waits"] == 1 and tile["hazards"] == 0, tile
+        assert tile["under_mma"] >= tile["loop"] // 3, tile
