@@ -35,6 +35,7 @@ from moekit import (  # noqa: E402
     preset,
     route,
 )
+from moekit.app.bench import capture_graph  # noqa: E402
 from moekit.formats import fp8_weight_scale_shape, mxfp4_groups, quantize_fp8_activation  # noqa: E402
 from moekit.kernels.triton.config import TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
@@ -170,6 +171,44 @@ def _inputs(spec: MoESpec, t: int, *, seed: int) -> tuple[torch.Tensor, RoutingR
     return x, route(logits, top_k=spec.K, spec=spec.routing, correction_bias=bias)
 
 
+def skewed_inputs(
+    spec: MoESpec, t: int, hot_experts: list[int], *, seed: int
+) -> tuple[torch.Tensor, RoutingResult]:
+    """Every token routed to the same K experts `hot_experts`, each in its own order, with random router
+    weights: the other experts get no pair, the hot ones t pairs each (full blocks and a ragged last)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(t, spec.H, generator=gen, device=DEVICE).to(spec.act_dtype)
+    hot = torch.tensor(hot_experts, device=DEVICE)
+    order = torch.rand(t, spec.K, generator=gen, device=DEVICE).argsort(dim=1)
+    weights = torch.rand(t, spec.K, generator=gen, device=DEVICE)
+    return x, RoutingResult(weights=weights, ids=hot[order].to(torch.int32))
+
+
+def graph_replays(spec: MoESpec, weights, config, first, inputs, seeds):
+    """(seed, output, x, routing) for each of `seeds`: `triton_fused_moe` captured once in a CUDA graph on
+    static copies of `first` (x, routing), compiled outside the capture, then replayed on `inputs(seed)`
+    copied into those buffers, the output poisoned with NaN before each replay. The layer must neither sync
+    (capture would fail) nor keep anything from the captured data."""
+    x, routing = first
+    static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
+    static_out = torch.empty(x.shape[0], spec.H, dtype=spec.act_dtype, device=DEVICE)
+
+    def layer():
+        static_routing = RoutingResult(weights=static_w, ids=static_ids)
+        triton_fused_moe(static_x, weights, static_routing, spec=spec, config=config, out=static_out)
+
+    graph, _ = capture_graph(layer, DEVICE)
+    for seed in seeds:
+        x, routing = inputs(seed)
+        static_x.copy_(x)
+        static_w.copy_(routing.weights)
+        static_ids.copy_(routing.ids)
+        static_out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield seed, static_out, x, routing
+
+
 def _run(spec, weights, x, routing, *, expert_map=None, config=None):
     out = torch.full((x.shape[0], spec.H), math.nan, dtype=spec.act_dtype, device=DEVICE)
     config = config or default_config(spec, x.shape[0])
@@ -284,37 +323,15 @@ GRAPH_CASES += [("gpt-oss-20b", 1024, True), ("deepseek-v3-e16", 1024, True)]  #
 
 @pytest.mark.parametrize(("name", "t", "tail"), GRAPH_CASES)
 def test_cuda_graph_capture_and_replay(name, t, tail):
-    # Capture once with static buffers, then replay on new tokens and new routing: the layer must
-    # neither sync (capture would fail) nor keep anything from the captured data.
     spec = SPECS[name][0]
     weights = _weights(name)
     config = default_config(spec, t)
     if tail:  # the block-list program and both GEMMs' second launch inside the graph
         config = replace(config, tail_block_m=config.block_m // 2)
-    x, routing = _inputs(spec, t, seed=100 + t)
-    static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
-    static_out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
-
-    def layer():
-        static_routing = RoutingResult(weights=static_w, ids=static_ids)
-        triton_fused_moe(static_x, weights, static_routing, spec=spec, config=config, out=static_out)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer()
-    for seed in (200 + t, 300 + t):
-        x, routing = _inputs(spec, t, seed=seed)
-        static_x.copy_(x)
-        static_w.copy_(routing.weights)
-        static_ids.copy_(routing.ids)
-        static_out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
+    first = _inputs(spec, t, seed=100 + t)
+    seeds = (200 + t, 300 + t)
+    replays = graph_replays(spec, weights, config, first, lambda seed: _inputs(spec, t, seed=seed), seeds)
+    for seed, static_out, x, routing in replays:
         expected = fused_moe_reference(x, weights, routing, spec=spec)
         _assert_close(static_out, expected, spec, f"{name} graph replay T={t} seed={seed}")
 

@@ -18,10 +18,9 @@ from gpu_only import skip_unless_compiled_gpu
 
 skip_unless_compiled_gpu()
 
-from test_triton_gpu import _gpu_weights, _inputs, scrambled_expert_map  # noqa: E402
+from test_triton_gpu import _gpu_weights, _inputs, graph_replays, scrambled_expert_map, skewed_inputs  # noqa: E402
 
-from moekit import MoESpec, RoutingResult, fused_moe_reference, preset  # noqa: E402
-from moekit.app.bench import capture_graph  # noqa: E402
+from moekit import MoESpec, fused_moe_reference, preset  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import WGMMA_FP8_DEFAULT, default_config  # noqa: E402
@@ -89,13 +88,7 @@ def test_skewed_routing_with_empty_experts_and_tails(t):
     # t pairs each, long runs of 64-row blocks (GEMM2's 128-row blocks plus a 64-row tail when odd).
     spec = SPECS["small-e64"]
     weights = _gpu_weights(spec, seed=3)
-    gen = torch.Generator(device=DEVICE).manual_seed(t)
-    x = torch.randn(t, spec.H, generator=gen, device=DEVICE).to(spec.act_dtype)
-    hot = torch.tensor([1, 4, 7, 11, 40, 63], device=DEVICE)
-    order = torch.rand(t, spec.K, generator=gen, device=DEVICE).argsort(dim=1)
-    routing = RoutingResult(
-        weights=torch.rand(t, spec.K, generator=gen, device=DEVICE), ids=hot[order].to(torch.int32)
-    )
+    x, routing = skewed_inputs(spec, t, [1, 4, 7, 11, 40, 63], seed=t)
     got = _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT)
     _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, f"skewed T={t}")
 
@@ -117,25 +110,12 @@ def test_cuda_graph_capture_and_replay():
     spec = SPECS["deepseek-v3-e16"]
     weights = _gpu_weights(spec, seed=2)
     t = 777
-    _, x, routing = _spec_inputs("deepseek-v3-e16", t, seed=1)
-    static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
-    static_out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
 
-    def layer():
-        static_routing = RoutingResult(weights=static_w, ids=static_ids)
-        triton_fused_moe(
-            static_x, weights, static_routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=static_out
-        )
+    def inputs(seed):
+        return _spec_inputs("deepseek-v3-e16", t, seed=seed)[1:]
 
-    graph, _ = capture_graph(layer, DEVICE)  # compiled outside the capture, then captured once
-    for seed in (11, 12):
-        _, x, routing = _spec_inputs("deepseek-v3-e16", t, seed=seed)
-        static_x.copy_(x)
-        static_w.copy_(routing.weights)
-        static_ids.copy_(routing.ids)
-        static_out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
+    replays = graph_replays(spec, weights, WGMMA_FP8_DEFAULT, inputs(1), inputs, (11, 12))
+    for seed, static_out, x, routing in replays:
         _assert_close(static_out, fused_moe_reference(x, weights, routing, spec=spec), spec, f"seed {seed}")
 
 

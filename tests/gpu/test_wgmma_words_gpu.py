@@ -10,7 +10,6 @@ tl.dot engine. Also: an expert map, CUDA-graph capture and replay, weights whose
 the word packing, the planner's choice on this device and the workspace prediction.
 """
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -20,7 +19,7 @@ from gpu_only import skip_unless_compiled_gpu
 
 skip_unless_compiled_gpu()
 
-from test_triton_gpu import _gpu_weights, _inputs, scrambled_expert_map  # noqa: E402
+from test_triton_gpu import _gpu_weights, _inputs, graph_replays, scrambled_expert_map, skewed_inputs  # noqa: E402
 from test_wgmma_fp8_gpu import _assert_close, _run  # noqa: E402  (NaN-poisoned out, tolerance(spec))
 
 from moekit import (  # noqa: E402
@@ -28,10 +27,8 @@ from moekit import (  # noqa: E402
     ActivationSpec,
     GateLayout,
     MoESpec,
-    RoutingResult,
     fused_moe_reference,
 )
-from moekit.app.bench import capture_graph  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_WORDS_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
@@ -97,13 +94,7 @@ def test_skewed_routing_with_empty_experts(t):
     # blocks and a ragged last one).
     spec = SPECS["gpt-oss-e16"]
     weights = _words(spec, seed=3)
-    gen = torch.Generator(device=DEVICE).manual_seed(t)
-    x = torch.randn(t, spec.H, generator=gen, device=DEVICE).to(spec.act_dtype)
-    hot = torch.tensor([0, 5, 9, 15], device=DEVICE)
-    order = torch.rand(t, spec.K, generator=gen, device=DEVICE).argsort(dim=1)
-    routing = RoutingResult(
-        weights=torch.rand(t, spec.K, generator=gen, device=DEVICE), ids=hot[order].to(torch.int32)
-    )
+    x, routing = skewed_inputs(spec, t, [0, 5, 9, 15], seed=t)
     for config in CONFIGS.values():
         got = _run(spec, weights, x, routing, config)
         expected = fused_moe_reference(x, weights, routing, spec=spec)
@@ -127,23 +118,12 @@ def test_cuda_graph_capture_and_replay():
     spec = SPECS["mixtral-like-small"]
     weights = _words(spec, seed=2)
     t = 777
-    x, routing = _inputs(spec, t, seed=1)
-    static_x, static_w, static_ids = x.clone(), routing.weights.clone(), routing.ids.clone()
-    static_out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
 
-    def layer():
-        static_routing = RoutingResult(weights=static_w, ids=static_ids)
-        triton_fused_moe(static_x, weights, static_routing, spec=spec, config=ENGINE, out=static_out)
+    def inputs(seed):
+        return _inputs(spec, t, seed=seed)
 
-    graph, _ = capture_graph(layer, DEVICE)  # compiled outside the capture, then captured once
-    for seed in (11, 12):
-        x, routing = _inputs(spec, t, seed=seed)
-        static_x.copy_(x)
-        static_w.copy_(routing.weights)
-        static_ids.copy_(routing.ids)
-        static_out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
+    replays = graph_replays(spec, weights, ENGINE, inputs(1), inputs, (11, 12))
+    for seed, static_out, x, routing in replays:
         _assert_close(static_out, fused_moe_reference(x, weights, routing, spec=spec), spec, f"seed {seed}")
 
 

@@ -105,13 +105,15 @@ def _gemm2_programs(spec: MoESpec, num_tokens: int, config: TritonMoEConfig) -> 
     return blocks * -(-spec.H // config.block_n_gemm2)
 
 
+def _wgmma_words_may_pay(spec: MoESpec, per_expert: float) -> bool:
+    """Whether the WGMMA_WORDS engine computes `spec` at enough tokens an expert to be worth a try on
+    Hopper: the tuning space offers it there, whatever the K-loop's length."""
+    return per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT and wgmma_words_reason(spec) is None
+
+
 def _takes_wgmma_words(spec: MoESpec, per_expert: float) -> bool:
     """Whether MXFP4 prefill defaults to the WGMMA_WORDS engine on Hopper (the thresholds above)."""
-    return (
-        per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
-        and min(spec.H, spec.I) >= WGMMA_WORDS_MIN_K
-        and wgmma_words_reason(spec) is None
-    )
+    return _wgmma_words_may_pay(spec, per_expert) and min(spec.H, spec.I) >= WGMMA_WORDS_MIN_K
 
 
 def _mxfp4_config(spec: MoESpec, num_tokens: int, per_expert: float, sms: int) -> TritonMoEConfig:
@@ -358,12 +360,7 @@ def tuning_space(
             )
             for m, n, st in ((128, 64, 3), (128, 64, 4), (64, 128, 3), (128, 128, 3))
         ]
-    if (
-        hopper
-        and mxfp4
-        and per_expert >= WGMMA_WORDS_MIN_TOKENS_PER_EXPERT
-        and wgmma_words_reason(spec) is None
-    ):
+    if hopper and mxfp4 and _wgmma_words_may_pay(spec, per_expert):
         # The WGMMA_WORDS engine at both pair tiles and depths, wherever it may pay (tuned rows choose).
         grid += [
             replace(WGMMA_WORDS_DEFAULT, block_m=m, num_stages=st)
