@@ -220,17 +220,26 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, int
 
 
 def compile_wgmma_words_for_hopper(
-    gemm: int, *, block_m: int = 128, stages: int = 4, hidden=2880, inter=2880, interleaved: bool = True
+    gemm: int,
+    *,
+    block_m: int = 128,
+    stages: int = 4,
+    hidden=2880,
+    inter=2880,
+    interleaved: bool = True,
+    half_wide: bool = False,
 ):
     """The WGMMA_WORDS engine's Gluon GEMM (`gemm` 1 or 2) compiled for sm_90 at a layer's H and I with
     gpt-oss's math (SwiGLU with its limit, biases; gate/up rows interleaved or, with `interleaved`
-    False, concatenated), as `wgmma_words_moe` launches it (its register cap)."""
+    False, concatenated), as `wgmma_words_moe` launches it (its register cap); `half_wide`: the kernels
+    with a second, half-wide tile for blocks at most half full (two K-loops)."""
     from moekit.kernels.triton import wgmma_words as host
     from moekit.kernels.triton._details import codes, wgmma_words
 
     pointers = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
     pointers |= dict(block_expert_ptr="*i32", num_blocks_ptr="*i32", h_ptr="*bf16")
     constants = dict(HIDDEN=hidden, INTER_SIZE=inter, BLOCK_M=block_m, STAGES=stages, GROUP_M=8)
+    constants["HALF_WIDE"] = half_wide
     if gemm == 1:
         fn, strides = wgmma_words._gemm1, ("stride_xm", "stride_hm")
         pointers["x_ptr"] = "*bf16"

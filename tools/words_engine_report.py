@@ -42,13 +42,19 @@ def main() -> int:
     p.add_argument("--shapes", default="2880x2880,7168x2048,4096x1536", help="HxI, comma-separated")
     p.add_argument("--pairs", default="128,256", help="block_m values (pairs a program)")
     p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--half-wide", action="store_true", help="the kernels with a half-wide tile (two K-loops)")
     args = p.parse_args()
     for shape in args.shapes.split(","):
         hidden, inter = (int(v) for v in shape.split("x"))
         for block_m in (int(v) for v in args.pairs.split(",")):
             for gemm in (1, 2):
                 kernel = sass_report.compile_wgmma_words_for_hopper(
-                    gemm, block_m=block_m, stages=args.stages, hidden=hidden, inter=inter
+                    gemm,
+                    block_m=block_m,
+                    stages=args.stages,
+                    hidden=hidden,
+                    inter=inter,
+                    half_wide=args.half_wide,
                 )
                 for line in loop_lines(kernel):
                     print(

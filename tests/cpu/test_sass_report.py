@@ -297,16 +297,22 @@ _WGMMA_WORDS_GEMMS = """
 import json
 import sass_report, wgmma_hazard, words_engine_report
 out = []
-tiles = ((1, 128, True, 2880, 2880), (1, 256, True, 2880, 2880), (1, 128, False, 2880, 2880),
-         (2, 128, True, 2880, 2880), (2, 256, True, 2880, 2880), (1, 128, True, 7168, 2048),
-         (2, 128, True, 4096, 1536))
-for gemm, block_m, interleaved, hidden, inter in tiles:
+tiles = ((1, 128, True, 2880, 2880, False), (1, 256, True, 2880, 2880, False),
+         (1, 128, False, 2880, 2880, False), (2, 128, True, 2880, 2880, False),
+         (2, 256, True, 2880, 2880, False), (1, 128, True, 7168, 2048, False),
+         (2, 128, True, 4096, 1536, False),
+         (1, 128, True, 2880, 2880, True), (2, 256, True, 2880, 2880, True), (1, 128, True, 7168, 2048, True),
+         (2, 128, True, 4096, 1536, True))
+for gemm, block_m, interleaved, hidden, inter, half_wide in tiles:
     kernel = sass_report.compile_wgmma_words_for_hopper(
-        gemm, block_m=block_m, stages=4, interleaved=interleaved, hidden=hidden, inter=inter
+        gemm, block_m=block_m, stages=4, interleaved=interleaved, hidden=hidden, inter=inter,
+        half_wide=half_wide,
     )
     hazards = len(wgmma_hazard.simulate(kernel)["writes"])
-    for line in words_engine_report.loop_lines(kernel):
-        out.append(dict(line, gemm=gemm, block_m=block_m, interleaved=interleaved, hazards=hazards))
+    lines = words_engine_report.loop_lines(kernel)
+    for line in lines:
+        out.append(dict(line, gemm=gemm, block_m=block_m, interleaved=interleaved, half_wide=half_wide,
+                        hazards=hazards, loops=len(lines)))
 print(json.dumps(out))
 """
 
@@ -316,8 +322,12 @@ def test_wgmma_words_engine_compiles_with_its_decode_under_the_mma():
     programs an SM fit at 128 pairs (128 registers), one at 256; the K-loop spills nothing and waits for
     its wgmma once (ptxas serializing them, C7513, would wait after each), a large part of a K-step
     issues while the wgmma runs, and no instruction writes an A register a wgmma still reads (every
-    K-loop of the kernel)."""
+    K-loop of the kernel). The half-wide kernels hold two such loops (BLOCK_M and BLOCK_M / 2 pairs); at
+    128 pairs their full-width loop may keep one value in local memory (one local access a step, as
+    compiled when they were measured faster than the one-loop kernels, `wgmma_words.HALF_WIDE_MIN_SHARE`)."""
     for tile in _compiled_json(["-c", _WGMMA_WORDS_GEMMS]):
         assert tile["registers"] <= (128 if tile["block_m"] <= 128 else 255), tile
-        assert tile["spills"] == 0 and tile["waits"] == 1 and tile["hazards"] == 0, tile
+        assert tile["loops"] == (2 if tile["half_wide"] else 1), tile
+        assert tile["spills"] <= (1 if tile["half_wide"] else 0), tile
+        assert tile["waits"] == 1 and tile["hazards"] == 0, tile
         assert tile["under_mma"] >= tile["loop"] // 3, tile

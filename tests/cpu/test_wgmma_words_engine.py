@@ -41,7 +41,12 @@ from moekit.kernels.triton.tuning import (  # noqa: E402
     default_config,
     tuning_space,
 )
-from moekit.kernels.triton.wgmma_words import wgmma_words_reason  # noqa: E402
+from moekit.kernels.triton.wgmma_words import (  # noqa: E402
+    HALF_WIDE_MIN_SHARE,
+    half_full_share,
+    runs_half_wide,
+    wgmma_words_reason,
+)
 from moekit.presets import preset_at  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
 
@@ -160,3 +165,53 @@ def test_plan_on_an_h200_takes_the_engine_where_no_tuned_row_decides():
     # gpt-oss-120b's shipped rows are measured tl.dot tiles; a tuned row outranks the default.
     tuned = plan(GPT_OSS, num_tokens=8192, device=h200)
     assert tuned.config.engine is MatmulEngine.TL_DOT and "tuned" in tuned.explain()
+
+
+def _simulated_share(num_pairs: int, num_experts: int, block_m: int, trials: int = 200) -> float:
+    """The share `half_full_share` predicts, counted over uniformly routed random pairs: M-blocks at
+    most half full over all M-blocks."""
+    generator = torch.Generator().manual_seed(num_pairs + num_experts)
+    counts = torch.stack(
+        [torch.bincount(torch.randint(num_experts, (num_pairs,), generator=generator), minlength=num_experts)
+         for _ in range(trials)]
+    )  # fmt: skip
+    last = counts % block_m
+    half_full = ((last >= 1) & (last <= block_m // 2)).sum()
+    return (half_full / (counts + block_m - 1).div(block_m, rounding_mode="floor").sum()).item()
+
+
+@pytest.mark.parametrize(
+    "pairs, experts, block_m",
+    [(8192, 128, 128), (6144, 64, 128), (3072, 64, 128), (16384, 128, 128), (32768, 128, 256), (40, 16, 128),
+     (2048, 8, 128)],
+)  # fmt: skip
+def test_half_full_share_is_the_binomial_expectation(pairs, experts, block_m):
+    # 64, 96, 48 and 128 tokens an expert at 128 pairs a block, 256 at 256, a decode-sized batch, and 256
+    # at 128 (experts of two or three blocks).
+    assert half_full_share(pairs, experts, block_m) == pytest.approx(
+        _simulated_share(pairs, experts, block_m), abs=0.03
+    )
+
+
+def test_half_wide_follows_the_tokens_an_expert_not_the_model():
+    """The rule reads T * K / E against BLOCK_M: any model at 48, 64 or 128 tokens an expert with 128 pairs
+    a block (a third to all of the blocks at most half full) takes the half-wide kernels; at 96 (every last
+    block more than half full) or 256 (one block in five) it does not."""
+    for spec in (GPT_OSS, MIXTRAL_LIKE, preset_at("gpt-oss-120b@64x6x2048x1408")):
+        for per_expert, expected in ((48, True), (64, True), (128, True), (96, False), (256, False)):
+            tokens = per_expert * spec.E // spec.K
+            assert runs_half_wide(spec, tokens, 128, spec.H) is expected, (spec.describe(), per_expert)
+        assert runs_half_wide(spec, 256 * spec.E // spec.K, 256, spec.H)  # 256 at 256 pairs a block
+    assert half_full_share(80 * 128, 128, 128) < HALF_WIDE_MIN_SHARE  # 80 an expert: 4 % of last blocks
+
+
+def test_half_wide_needs_int32_row_offsets():
+    """Its kernels compute activation row offsets in int32: T x row stride and T x K x I must stay
+    below 2^31, else the one-loop kernels (64-bit row pointers) run."""
+    spec = preset_at("gpt-oss-120b@16x4x2880x2880")
+    tokens = 16 * 64 // 4  # 64 tokens an expert
+    assert runs_half_wide(spec, tokens, 128, spec.H)
+    assert not runs_half_wide(spec, tokens, 128, 2**31 // tokens)  # a strided x whose rows lie far apart
+    big = preset_at("gpt-oss-120b@16x4x2880x2880")
+    big_tokens = 2**31 // (big.K * big.I) + 1  # T x K x I just past 2^31 (h's offsets)
+    assert big_tokens * big.H < 2**31 and not runs_half_wide(big, big_tokens, 128, big.H)

@@ -29,6 +29,7 @@ from moekit import (  # noqa: E402
     MoESpec,
     fused_moe_reference,
 )
+from moekit.kernels.triton import wgmma_words as wgmma_words_host  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_WORDS_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
@@ -67,6 +68,17 @@ CONFIGS = {
 }
 
 
+# Both kernel sets whatever the routing's share of half-full blocks: a bar of 0 takes the half-wide kernels
+# (a block at most half full runs a wgmma of BLOCK_M / 2 pairs), one above 1 the one-loop kernels.
+HALF_WIDE_BARS = {"half-wide": 0.0, "one-loop": 2.0}
+
+
+@pytest.fixture(params=list(HALF_WIDE_BARS))
+def kernel_set(request, monkeypatch):
+    monkeypatch.setattr(wgmma_words_host, "HALF_WIDE_MIN_SHARE", HALF_WIDE_BARS[request.param])
+    return request.param
+
+
 def _words(spec: MoESpec, *, seed: int):
     """Random MXFP4 weights of `spec`, word-packed as the layer prepares them for the Triton path."""
     weights = TritonFusedKernel().prepare_weights(_gpu_weights(spec, seed=seed), spec)
@@ -77,32 +89,33 @@ def _words(spec: MoESpec, *, seed: int):
 @pytest.mark.parametrize("t", [1, 7, 130, 1000, 3000])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", list(SPECS))
-def test_matches_reference(name, config, t):
+def test_matches_reference(name, config, t, kernel_set):
     spec = SPECS[name]
     assert wgmma_words_reason(spec) is None
     weights = _words(spec, seed=len(name))
     x, routing = _inputs(spec, t, seed=t)
     got = _run(spec, weights, x, routing, CONFIGS[config])
-    _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, f"{name} {config} T={t}")
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    _assert_close(got, expected, spec, f"{name} {config} {kernel_set} T={t}")
     dot = _run(spec, weights, x, routing, default_config(spec, t))  # the tl.dot engine, same words
     assert relative_l2_error(got, dot) <= tolerance(spec)
 
 
-@pytest.mark.parametrize("t", [200, 2500])
-def test_skewed_routing_with_empty_experts(t):
+@pytest.mark.parametrize("t", [200, 2600])
+def test_skewed_routing_with_empty_experts(t, kernel_set):
     # Every token picks the same 4 of 16 experts: 12 experts get nothing, 4 get t pairs each (many full
-    # blocks and a ragged last one).
+    # blocks and a ragged last one: more than half full at T = 200, 40 pairs at T = 2600).
     spec = SPECS["gpt-oss-e16"]
     weights = _words(spec, seed=3)
     x, routing = skewed_inputs(spec, t, [0, 5, 9, 15], seed=t)
     for config in CONFIGS.values():
         got = _run(spec, weights, x, routing, config)
         expected = fused_moe_reference(x, weights, routing, spec=spec)
-        _assert_close(got, expected, spec, f"skewed T={t} block_m {config.block_m}")
+        _assert_close(got, expected, spec, f"skewed T={t} block_m {config.block_m} {kernel_set}")
 
 
 @pytest.mark.parametrize("t", [9, 1500])
-def test_expert_map(t):
+def test_expert_map(t, kernel_set):
     # This rank owns 8 of 16 experts in scrambled order; pairs routed elsewhere contribute zero.
     base = SPECS["gpt-oss-e16"]
     spec = replace(base, num_local_experts=8)
@@ -111,7 +124,7 @@ def test_expert_map(t):
     x, routing = _inputs(base, t, seed=t)
     got = _run(spec, weights, x, routing, ENGINE, expert_map=expert_map)
     expected = fused_moe_reference(x, weights, routing, spec=spec, expert_map=expert_map)
-    _assert_close(got, expected, spec, f"expert map T={t}")
+    _assert_close(got, expected, spec, f"expert map T={t} {kernel_set}")
 
 
 def test_cuda_graph_capture_and_replay():

@@ -7,6 +7,8 @@ Data flow of `wgmma_words_moe` (no host sync; graph-capturable):
      gated activation -> h [T*K, I] bf16 in pair order
   -> `_gemm2`: h's gathered rows x 128 w2 rows -> b2, router weight -> y [T*K, H] in pair order
   -> `sum_k.sum_top_k` -> out [T, H].
+Both GEMMs run the half-wide kernels (blocks at most half full on a wgmma of BLOCK_M / 2 pairs) where
+`runs_half_wide` expects enough such blocks from the tokens an expert.
 Which specs it takes is `wgmma_words_reason`; the planner offers it only where that is None, and only
 on sm_90 with enough tokens an expert (`tuning`).
 """
@@ -14,6 +16,7 @@ on sm_90 with enough tokens an expert (`tuning`).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -34,6 +37,19 @@ NUM_WARPS = 8
 # decodes 128 weight rows whatever the pairs, so the decode's issue slots and the weight stream are
 # spent on fewer tokens.
 BLOCK_MS = (128, 256)
+
+
+# The half-wide kernels (a block at most half full runs a wgmma of BLOCK_M / 2 pairs) from this expected
+# share of M-blocks at most half full (`half_full_share`); every other block runs a full-width loop a few
+# instructions a step longer than the one-loop kernels'. On an H200 (whole layer, graph replay, L2
+# flushed), against the one-loop kernels: 1 - 12 % faster at shares 0.32 - 0.99 (48 - 128 tokens an
+# expert at 128 pairs a block, 256 at 256: gpt-oss-120b / -20b, E 64 / K 6 / H 2048 / I 1408, E 128 / K 8
+# / H 4096 / I 1536, E 256 / K 8 / H 7168 / I 2048, E 8 / K 2 / H 4096 / I 14336); at shares 0.1 - 0.2
+# 2 - 4 % slower at 128 pairs (256 and 512 tokens an expert: E 8 / K 2 / H 4096 / I 14336, E 128 / K 8 / H
+# 4096 / I 1536) and 0.5 - 3 % faster at 256 (512 and 1024: gpt-oss-120b, E 8 / K 2); 5 % slower at 0.001
+# (96 tokens an expert at 128 pairs, E 64 / K 6 / H 2048 / I 1408).
+HALF_WIDE_MIN_SHARE = 0.25
+_INT32_LIMIT = 2**31
 
 
 def register_cap(block_m: int) -> int | None:
@@ -75,6 +91,34 @@ def wgmma_words_reason(spec: MoESpec) -> str | None:
     return None
 
 
+@functools.cache
+def half_full_share(num_pairs: int, num_experts: int, block_m: int) -> float:
+    """Expected share of the M-blocks of `block_m` pairs that are at most half full, with the pairs routed
+    uniformly: an expert's count n ~ Binomial(num_pairs, 1 / num_experts) fills ceil(n / block_m)
+    blocks, the last at most half full when 1 <= n mod block_m <= block_m / 2."""
+    if num_experts == 1:
+        return (1 <= num_pairs % block_m <= block_m // 2) / max(1, -(-num_pairs // block_m))
+    p = 1.0 / num_experts
+    mean, spread = num_pairs * p, math.sqrt(num_pairs * p * (1 - p))
+    low, high = max(1, int(mean - 12 * spread)), min(num_pairs, int(mean + 12 * spread) + 1)
+    log_choose = math.lgamma(num_pairs + 1)
+    half_full = blocks = 0.0
+    for n in range(low, high + 1):
+        log_pmf = log_choose - math.lgamma(n + 1) - math.lgamma(num_pairs - n + 1)
+        pmf = math.exp(log_pmf + n * math.log(p) + (num_pairs - n) * math.log1p(-p))
+        half_full += pmf * (1 <= n % block_m <= block_m // 2)
+        blocks += pmf * -(-n // block_m)
+    return half_full / blocks if blocks else 0.0
+
+
+def runs_half_wide(spec: MoESpec, num_tokens: int, block_m: int, x_row_stride: int) -> bool:
+    """Whether a call launches the half-wide kernels: enough blocks expected at most half full
+    (`HALF_WIDE_MIN_SHARE`), and every activation row's offset fits the int32 they compute it in."""
+    pairs = num_tokens * spec.K
+    fits = num_tokens * x_row_stride < _INT32_LIMIT and pairs * spec.I < _INT32_LIMIT
+    return fits and half_full_share(pairs, spec.E, block_m) >= HALF_WIDE_MIN_SHARE
+
+
 def wgmma_words_workspace_bytes(spec: MoESpec, num_tokens: int, block_m: int) -> int:
     """Device memory one `wgmma_words_moe` call allocates besides `out`: h and y in pair order and the
     routing metadata (at most `max_blocks_bound` blocks of `block_m` pairs)."""
@@ -106,7 +150,10 @@ def wgmma_words_moe(
     h = torch.empty(aligned.num_pairs, spec.I, dtype=spec.act_dtype, device=x.device)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     act = spec.activation
-    tiles = dict(BLOCK_M=block_m, STAGES=num_stages, GROUP_M=group_m, num_warps=NUM_WARPS)
+    half_wide = runs_half_wide(spec, x.shape[0], block_m, x.stride(0))
+    tiles = dict(
+        BLOCK_M=block_m, STAGES=num_stages, GROUP_M=group_m, HALF_WIDE=half_wide, num_warps=NUM_WARPS
+    )
     if (cap := register_cap(block_m)) is not None:
         tiles["maxnreg"] = cap
     blocks = dict(

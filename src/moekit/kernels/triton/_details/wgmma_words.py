@@ -17,6 +17,10 @@ their scales, one bf16x2 multiply a register, renamed into the A fragment.
 Three placements decide what ptxas makes of it (docs/performance.md): the A-defining multiplies after the
 previous wait (else C7513 serializes every wgmma), on packed pairs (else PRMTs), and the ring's barrier
 between the decode and the wait (else the decode sinks below it).
+HALF_WIDE (the host's `runs_half_wide`): a block at most half full (an expert's last; its padding rows
+close it) runs the K-loop with a wgmma of BLOCK_M / 2 pairs, the others the full-width one. Two loops in
+one kernel raise register pressure at 128 registers: those kernels address the activation rows by int32
+offsets, reload the expert id and recompute the M-block after the loop instead of keeping them live.
 """
 
 from __future__ import annotations
@@ -124,13 +128,26 @@ def _scaled_fragment(codes, f_top, f_bottom, fragment: gl.constexpr):
 
 
 @gluon.jit
-def _copy_a(a_ptr, a_rows, row_mask, stride_am, k, KT: gl.constexpr, stage, XL: gl.constexpr):
-    """cp.async of step k's 64 columns of A's rows `a_rows` into `stage` (nothing past the last step)."""
+def _copy_a(
+    a_ptr,
+    a_rows,
+    row_mask,
+    stride_am,
+    k,
+    KT: gl.constexpr,
+    stage,
+    XL: gl.constexpr,
+    ROW_OFFSETS_32: gl.constexpr,
+):
+    """cp.async of step k's 64 columns of A's rows `a_rows` into `stage` (nothing past the last step);
+    with ROW_OFFSETS_32, `a_rows` are the rows' int32 element offsets."""
     cols = k * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
-    mask = row_mask[:, None] & (k < KT)
-    async_copy.async_copy_global_to_shared(
-        stage, a_ptr + a_rows[:, None] * stride_am + cols[None, :], mask=mask & (cols[None, :] >= 0)
-    )
+    mask = row_mask[:, None] & (k < KT) & (cols[None, :] >= 0)
+    if ROW_OFFSETS_32:
+        ptrs = a_ptr + (a_rows[:, None] + cols[None, :])
+    else:
+        ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :]
+    async_copy.async_copy_global_to_shared(stage, ptrs, mask=mask)
     async_copy.commit_group()
 
 
@@ -159,6 +176,7 @@ def _words_kloop(
     HALF_GAP: gl.constexpr,
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
+    ROW_OFFSETS_32: gl.constexpr,
 ):
     """fp32 [128 weight rows, BLOCK_M] = W[expert, rows, :] @ A[a_rows, :]^T, rows = row0 + 0..63 and
     row0 + 64 + HALF_GAP + 0..63 (a multiple of 16), the word path's weights in register A (decoded one
@@ -180,8 +198,10 @@ def _words_kloop(
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], gl.bfloat16)
 
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], a_layout)
+    if ROW_OFFSETS_32:  # the caller checked that they fit; 64-bit row pointers spill in the half-wide kernels
+        a_rows = a_rows.to(gl.int32) * stride_am
     for s in gl.static_range(STAGES - 1):
-        _copy_a(a_ptr, a_rows, a_mask, stride_am, s, KT, a_smem.index(s), XL)
+        _copy_a(a_ptr, a_rows, a_mask, stride_am, s, KT, a_smem.index(s), XL, ROW_OFFSETS_32)
     w_base = w_ptr + (expert * (N_ROWS // 16) + row0 // 16) * (NB_RUNS * 32 * _RUN)
     s_base = s_ptr + expert * (G * N_ROWS) + row0
     rows_left = N_ROWS - row0
@@ -208,17 +228,28 @@ def _words_kloop(
         fence_async_shared()  # this thread's copies, visible to the async proxy (wgmma)
         gl.thread_barrier()
         refill = k + STAGES - 1
-        _copy_a(a_ptr, a_rows, a_mask, stride_am, refill, KT, a_smem.index(refill % STAGES), XL)
+        _copy_a(
+            a_ptr, a_rows, a_mask, stride_am, refill, KT, a_smem.index(refill % STAGES), XL, ROW_OFFSETS_32
+        )
         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
         w = _scaled_fragment(codes, next_top, next_bottom, fragment)
     return acc
 
 
 @gluon.jit
-def _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """The M-block's pair ids (int64, along `layout`) and which of them are pairs, not padding."""
-    pairs = gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)).to(gl.int64)
+def _block_pairs(
+    sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, layout: gl.constexpr
+):
+    """The first PAIRS pair ids of M-block `pid_m` (int64, along `layout`); which are pairs, not padding."""
+    pairs = gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + gl.arange(0, PAIRS, layout=layout)).to(gl.int64)
     return pairs, pairs < num_pairs
+
+
+@gluon.jit
+def _half_holds_all(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: gl.constexpr):
+    """Whether the M-block's pairs fit its first half: an expert's padding rows close its last block, so
+    the block is at most half full when the row at BLOCK_M / 2 is padding."""
+    return gl.load(sorted_pairs_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_pairs
 
 
 @gluon.jit
@@ -246,17 +277,65 @@ def _gemm1(
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
+    HALF_WIDE: gl.constexpr,  # blocks at most half full run a wgmma half as wide (int32 row offsets)
 ):
     """h[p, 64 pid_n + n] = act(x[p // K] @ w13[e]^T + b13[e]) for the pairs of one M-block: 128 w13 rows,
     the gate and up rows of those 64 columns of h."""
-    N_ROWS: gl.constexpr = 2 * INTER_SIZE
-    gl.static_assert(INTER_SIZE % 64 == 0)  # whole tiles of gate and up rows
-    pid_m, pid_n = _tile(num_pid_m, N_ROWS // 128, GROUP_M)
+    pid_m, pid_n = _tile(num_pid_m, 2 * INTER_SIZE // 128, GROUP_M)
     if pid_m >= gl.load(num_blocks_ptr):
         return
+    args = (x_ptr, w_ptr, s_ptr, b_ptr, sorted_pairs_ptr, block_expert_ptr, h_ptr, num_pairs, stride_xm)
+    args += (stride_hm, pid_m, pid_n)  # constexprs stay out of tuples: they would lose constexpr-ness
+    if not HALF_WIDE:
+        _gemm1_tile(
+            *args, HIDDEN, INTER_SIZE, INTERLEAVED, TOP_K, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, BLOCK_M,
+            BLOCK_M, STAGES, False,
+        )  # fmt: skip
+    elif _half_holds_all(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M):
+        _gemm1_tile(
+            *args, HIDDEN, INTER_SIZE, INTERLEAVED, TOP_K, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, BLOCK_M,
+            BLOCK_M // 2, STAGES, True,
+        )  # fmt: skip
+    else:
+        _gemm1_tile(
+            *args, HIDDEN, INTER_SIZE, INTERLEAVED, TOP_K, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, BLOCK_M,
+            BLOCK_M, STAGES, True,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _gemm1_tile(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    h_ptr,
+    num_pairs,
+    stride_xm,
+    stride_hm,
+    pid_m,
+    pid_n,
+    HIDDEN: gl.constexpr,
+    INTER_SIZE: gl.constexpr,
+    INTERLEAVED: gl.constexpr,
+    TOP_K: gl.constexpr,
+    ACTIVATION: gl.constexpr,
+    ALPHA: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    LIMIT: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    PAIRS: gl.constexpr,  # the block's first PAIRS rows (the wgmma's N)
+    STAGES: gl.constexpr,
+    ROW_OFFSETS_32: gl.constexpr,
+):
+    """`_gemm1` on the first PAIRS rows of M-block `pid_m`."""
+    N_ROWS: gl.constexpr = 2 * INTER_SIZE
+    gl.static_assert(INTER_SIZE % 64 == 0)  # whole tiles of gate and up rows
     expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    pairs_x, mask_x = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(1, XL))
+    pairs_x, mask_x = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, PAIRS, gl.SliceLayout(1, XL))
     tokens = gl.where(mask_x, pairs_x // TOP_K, 0)
     if INTERLEAVED:
         row0 = pid_n * 128
@@ -276,8 +355,9 @@ def _gemm1(
         HIDDEN,
         N_ROWS,
         HALF_GAP,
-        BLOCK_M,
+        PAIRS,
         STAGES,
+        ROW_OFFSETS_32,
     )
     # A column's gate and up rows (tile rows 2n and 2n + 1, or n and 64 + n) side by side in one thread.
     if INTERLEAVED:
@@ -286,18 +366,20 @@ def _gemm1(
         EL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [0, 1])  # rows n, 32 + n, 64 + n, 96 + n
     acc = gl.convert_layout(acc, EL)
     if b_ptr is not None:
+        if ROW_OFFSETS_32:  # the half-wide kernels reload it: live across their loops, it spills
+            expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, EL))
         b_rows = row0 + gl.where(r >= 64, r + HALF_GAP, r)
         acc = acc + gl.load(b_ptr + expert * N_ROWS + b_rows).to(gl.float32)[:, None]
     if INTERLEAVED:
-        gate, up = gl.split(gl.permute(gl.reshape(acc, [64, 2, BLOCK_M]), [0, 2, 1]))
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [64, 2, PAIRS]), [0, 2, 1]))
     else:
-        gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 64, BLOCK_M]), [1, 2, 0]))
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 64, PAIRS]), [1, 2, 0]))
     h = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT).to(gl.bfloat16)
-    SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if BLOCK_M >= 128 else [2, 4], [0, 1])
+    SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if PAIRS >= 128 else [2, 4], [0, 1])
     h = gl.convert_layout(h, SL)
     cols = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
-    pairs, mask = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(0, SL))
+    pairs, mask = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, PAIRS, gl.SliceLayout(0, SL))
     gl.store(h_ptr + pairs[None, :] * stride_hm + cols[:, None], h, mask=mask[None, :])
 
 
@@ -321,14 +403,50 @@ def _gemm2(
     BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
+    HALF_WIDE: gl.constexpr,  # as `_gemm1`'s
 ):
     """y[p, 128 pid_n + n] = (h[p] @ w2[e]^T + b2[e]) * router weight[p] for the pairs of one M-block."""
     pid_m, pid_n = _tile(num_pid_m, (HIDDEN + 127) // 128, GROUP_M)
     if pid_m >= gl.load(num_blocks_ptr):
         return
+    args = (h_ptr, w_ptr, s_ptr, b_ptr, route_w_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, num_pairs)
+    args += (stride_hm, stride_ym, pid_m, pid_n)  # constexprs stay out: they would lose constexpr-ness
+    if not HALF_WIDE:
+        _gemm2_tile(*args, HIDDEN, INTER_SIZE, BLOCK_M, BLOCK_M, STAGES, GROUP_M, False)
+    elif _half_holds_all(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M):
+        _gemm2_tile(*args, HIDDEN, INTER_SIZE, BLOCK_M, BLOCK_M // 2, STAGES, GROUP_M, True)
+    else:
+        _gemm2_tile(*args, HIDDEN, INTER_SIZE, BLOCK_M, BLOCK_M, STAGES, GROUP_M, True)
+
+
+@gluon.jit
+def _gemm2_tile(
+    h_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    route_w_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    y_ptr,
+    num_pairs,
+    stride_hm,
+    stride_ym,
+    pid_m,
+    pid_n,
+    HIDDEN: gl.constexpr,
+    INTER_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    PAIRS: gl.constexpr,  # the block's first PAIRS rows (the wgmma's N)
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    ROW_OFFSETS_32: gl.constexpr,
+):
+    """`_gemm2` on the first PAIRS rows of M-block `pid_m`."""
+    NUM_PID_N: gl.constexpr = (HIDDEN + 127) // 128
     expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    pairs_a, mask_a = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(1, XL))
+    pairs_a, mask_a = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, PAIRS, gl.SliceLayout(1, XL))
     rows_a = gl.where(mask_a, pairs_a, 0)
     acc = _words_kloop(
         h_ptr,
@@ -342,16 +460,23 @@ def _gemm2(
         INTER_SIZE,
         HIDDEN,
         0,
-        BLOCK_M,
+        PAIRS,
         STAGES,
+        ROW_OFFSETS_32,
     )
-    SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if BLOCK_M >= 128 else [2, 4], [0, 1])
+    SL: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, 8] if PAIRS >= 128 else [2, 4], [0, 1])
     acc = gl.convert_layout(acc, SL)
     cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, SL))
     col_in = cols < HIDDEN
     if b_ptr is not None:  # b2 per expert before the router weight, as GPT-OSS adds it
+        if ROW_OFFSETS_32:  # the half-wide kernels reload it: live across their loops, it spills
+            expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
         acc = acc + gl.load(b_ptr + expert * HIDDEN + cols, mask=col_in, other=0.0).to(gl.float32)[:, None]
-    pairs, mask = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, gl.SliceLayout(0, SL))
+    if ROW_OFFSETS_32:
+        # The half-wide kernels take the M-block again from the grid (num_pid_m x N-tiles programs): kept
+        # live across their loops it spills (the expression before the loop would be merged with this one).
+        pid_m = _tile(gl.num_programs(0) // NUM_PID_N, NUM_PID_N, GROUP_M)[0]
+    pairs, mask = _block_pairs(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M, PAIRS, gl.SliceLayout(0, SL))
     acc = acc * gl.load(route_w_ptr + pairs, mask=mask, other=0.0)[None, :]
     y = acc.to(gl.bfloat16)
     gl.store(y_ptr + pairs[None, :] * stride_ym + cols[:, None], y, mask=mask[None, :] & col_in[:, None])
