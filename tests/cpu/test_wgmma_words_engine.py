@@ -162,9 +162,12 @@ def test_plan_on_an_h200_takes_the_engine_where_no_tuned_row_decides():
     prefill = plan(MIXTRAL_LIKE, num_tokens=4096, device=h200)
     assert prefill.kernel == "triton_fused" and prefill.config.engine is MatmulEngine.WGMMA_WORDS
     assert "'engine': 'WGMMA_WORDS'" in prefill.explain() and "kernel default" in prefill.explain()
-    # gpt-oss-120b's shipped rows are measured tl.dot tiles; a tuned row outranks the default.
-    tuned = plan(GPT_OSS, num_tokens=8192, device=h200)
+    # A tuned row outranks the default: gpt-oss-20b's at T = 2048 is a measured tl.dot tile, gpt-oss-120b's
+    # at T = 8192 the engine.
+    tuned = plan(preset("gpt-oss-20b"), num_tokens=2048, device=h200)
     assert tuned.config.engine is MatmulEngine.TL_DOT and "tuned" in tuned.explain()
+    tuned = plan(GPT_OSS, num_tokens=8192, device=h200)
+    assert tuned.config.engine is MatmulEngine.WGMMA_WORDS and "tuned" in tuned.explain()
 
 
 def _simulated_share(num_pairs: int, num_experts: int, block_m: int, trials: int = 200) -> float:
