@@ -7,7 +7,7 @@ imported as its own module -> per case (preset, T, pairs a program): the planned
 at those pairs with the shipped kernels and with each variant (`wgmma_words._kernels` swapped in turn)
 -> one line a case: µs, % of roofline (experts hit) and rel L2 of each.
 
-Usage (GPU): python benchmarks/engine_variants.py --variant half=/tmp/half.py \\
+Usage (GPU): python benchmarks/engine_variants.py --variant ahead3=/tmp/ahead3.py \\
     --cases gpt-oss-120b:2048:128,gpt-oss-120b@8x2x4096x14336:4096:256
 A variant that changes what the host passes (arguments, grid) is out of scope: only the kernels swap.
 Compile first with --compile-only in a few processes (one per case) to time without compile stalls.

@@ -91,7 +91,7 @@ def wgmma_words_reason(spec: MoESpec) -> str | None:
     return None
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # one entry a distinct T (bounded: a server sees many)
 def half_full_share(num_pairs: int, num_experts: int, block_m: int) -> float:
     """Expected share of the M-blocks of `block_m` pairs that are at most half full, with the pairs routed
     uniformly: an expert's count n ~ Binomial(num_pairs, 1 / num_experts) fills ceil(n / block_m)
