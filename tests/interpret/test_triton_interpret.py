@@ -323,8 +323,11 @@ def test_align_invariants(t, k, e, e_local, bm, why, method):
     seen = []
     for b in range(blocks):
         expert = int(a.block_expert[b])
-        block = rows[b][rows[b] < num_pairs]
+        valid = rows[b] < num_pairs
+        block = rows[b][valid]
         assert block.numel() > 0, f"block {b} holds no pair"
+        # Pairs first, padding last: the WGMMA_WORDS half-wide kernels read row bm / 2 as the block's fill.
+        assert valid[: block.numel()].all(), f"block {b} has padding before a pair"
         assert (local[block] == expert).all(), f"block {b} mixes experts"
         seen.append(block)
     # Every local pair exactly once, in increasing pair order within an expert; the rest is padding.
