@@ -238,8 +238,9 @@ def compile_wgmma_words_for_hopper(
 
     pointers = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", sorted_pairs_ptr="*i32")
     pointers |= dict(block_expert_ptr="*i32", num_blocks_ptr="*i32", h_ptr="*bf16")
-    constants = dict(HIDDEN=hidden, INTER_SIZE=inter, BLOCK_M=block_m, STAGES=stages, GROUP_M=8)
-    constants["HALF_WIDE"] = half_wide
+    constants = dict(
+        HIDDEN=hidden, INTER_SIZE=inter, BLOCK_M=block_m, STAGES=stages, GROUP_M=8, HALF_WIDE=half_wide
+    )
     if gemm == 1:
         fn, strides = wgmma_words._gemm1, ("stride_xm", "stride_hm")
         pointers["x_ptr"] = "*bf16"

@@ -96,19 +96,19 @@ def half_full_share(num_pairs: int, num_experts: int, block_m: int) -> float:
     """Expected share of the M-blocks of `block_m` pairs that are at most half full, with the pairs routed
     uniformly: an expert's count n ~ Binomial(num_pairs, 1 / num_experts) fills ceil(n / block_m)
     blocks, the last at most half full when 1 <= n mod block_m <= block_m / 2."""
-    if num_experts == 1:
-        return (1 <= num_pairs % block_m <= block_m // 2) / max(1, -(-num_pairs // block_m))
-    p = 1.0 / num_experts
-    mean, spread = num_pairs * p, math.sqrt(num_pairs * p * (1 - p))
-    low, high = max(1, int(mean - 12 * spread)), min(num_pairs, int(mean + 12 * spread) + 1)
-    log_choose = math.lgamma(num_pairs + 1)
-    half_full = blocks = 0.0
-    for n in range(low, high + 1):
-        log_pmf = log_choose - math.lgamma(n + 1) - math.lgamma(num_pairs - n + 1)
-        pmf = math.exp(log_pmf + n * math.log(p) + (num_pairs - n) * math.log1p(-p))
-        half_full += pmf * (1 <= n % block_m <= block_m // 2)
-        blocks += pmf * -(-n // block_m)
-    return half_full / blocks if blocks else 0.0
+    if num_experts == 1:  # every pair on the one expert (a binomial of probability 1)
+        counts, weights = torch.tensor([num_pairs], dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    else:
+        p = 1.0 / num_experts
+        mean, spread = num_pairs * p, math.sqrt(num_pairs * p * (1 - p))
+        low, high = max(1, int(mean - 12 * spread)), min(num_pairs, int(mean + 12 * spread) + 1)
+        counts = torch.arange(low, high + 1, dtype=torch.float64)  # the counts with any weight
+        weights = torch.distributions.Binomial(num_pairs, probs=torch.tensor(p, dtype=torch.float64))
+        weights = weights.log_prob(counts).exp()
+    last = counts.remainder(block_m)
+    half_full = (weights * ((last >= 1) & (last <= block_m // 2))).sum()
+    blocks = (weights * torch.ceil(counts / block_m)).sum()
+    return float(half_full / blocks) if blocks > 0 else 0.0
 
 
 def runs_half_wide(spec: MoESpec, num_tokens: int, block_m: int, x_row_stride: int) -> bool:
