@@ -259,6 +259,38 @@ def compile_wgmma_words_for_hopper(
     )
 
 
+def compile_words_decode_for_hopper(
+    gemm: int, *, n_tile: int = 8, split_k: int = 2, depth: int = 3, hidden=2880, inter=2880
+):
+    """The MMA_WORDS_DECODE engine's Gluon GEMM compiled for sm_90 as `words_decode.decode_gemm` launches it
+    for GEMM `gemm` (1: K = H, N = 2I; 2: K = I, N = H) of a layer, `n_tile` pairs an MMA (8: one pair a
+    block), with its register cap."""
+    from moekit.kernels.triton import words_decode as host
+    from moekit.kernels.triton._details import words_decode
+
+    in_dim, n_rows = (hidden, 2 * inter) if gemm == 1 else (inter, hidden)
+    pointers = dict(
+        a_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", sorted_pairs_ptr="*i32", block_expert_ptr="*i32"
+    )
+    pointers |= dict(block_start_ptr="*i32", num_blocks_ptr="*i32", part_ptr="*fp32")
+    constants = dict(
+        IN_DIM=in_dim,
+        N_ROWS=n_rows,
+        A_ROW_DIV=4 if gemm == 1 else 1,
+        BLOCK_M=16,
+        N_TILE=n_tile,
+        SPLIT_K=split_k,
+    )
+    return compile_gluon_for_hopper(
+        words_decode._decode_gemm,
+        pointers=pointers,
+        constants=constants | dict(DEPTH=depth),
+        warps=host.NUM_WARPS,
+        maxnreg=host.register_cap(n_tile, depth),
+        aligned=("a_ptr", "w_ptr", "s_ptr", "part_ptr", "stride_am", "stride_part_split", "stride_part_m"),
+    )
+
+
 def compile_gluon_for_hopper(
     fn,
     *,

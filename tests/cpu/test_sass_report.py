@@ -331,3 +331,38 @@ def test_wgmma_words_engine_compiles_with_its_decode_under_the_mma():
         assert tile["spills"] <= (1 if tile["half_wide"] else 0), tile
         assert tile["waits"] == 1 and tile["hazards"] == 0, tile
         assert tile["under_mma"] >= tile["loop"] // 3, tile
+
+
+_WORDS_DECODE_GEMMS = """
+import collections, json
+import sass_report
+rows = []
+CASES = ((1, 2880, 2880, 8, 3), (2, 2880, 2880, 8, 4), (1, 7168, 2048, 16, 3))
+for gemm, hidden, inter, n_tile, depth in CASES:
+    kernel = sass_report.compile_words_decode_for_hopper(gemm, n_tile=n_tile, depth=depth, hidden=hidden,
+                                                         inter=inter, split_k=4)
+    instructions = sass_report.all_instructions(kernel)
+    loops = [sass_report._body(instructions, l) for l in sass_report._loops(instructions, conditional=False)]
+    ops = collections.Counter(sass_report.unpredicated(t).split()[0] for _, t in max(loops, key=len))
+    rows.append(dict(n_tile=n_tile, depth=depth, registers=sass_report.kernel_facts(kernel)["registers"],
+                     ops=dict(ops)))
+print(json.dumps(rows))
+"""
+
+
+def test_words_decode_gemm_runs_its_k_loop_without_barrier_spill_or_register_moves():
+    """The MMA_WORDS_DECODE GEMM compiled for sm_90 as `decode_gemm` launches it: its K-loop (one round of
+    DEPTH K-steps) has no CTA barrier and no wgmma (each warp runs mma.sync on its own rows), no local
+    memory access (one pair a block and a queue of 3 under the 72-register cap), DEPTH x 8 x N / 8
+    mma.sync and DEPTH x 2 16-byte weight loads, and fewer register moves than one queue slot holds (16:
+    8 words, 8 scale bytes; a rotating queue would copy every slot a step, each copy waiting for the load
+    that writes it; the register cap alone leaves a few)."""
+    for row in _compiled_json(["-c", _WORDS_DECODE_GEMMS]):
+        ops, depth, n_tile = row["ops"], row["depth"], row["n_tile"]
+        assert not any(op.startswith("BAR") or op.startswith("HGMMA") for op in ops), row
+        assert ops.get("HMMA.16816.F32.BF16", 0) == depth * 8 * n_tile // 8, row
+        assert ops.get("LDG.E.128", 0) == 2 * depth, row
+        assert ops.get("IMAD.MOV.U32", 0) < 16, row
+        assert not ops.get("LDL") and not ops.get("LDL.LU") and not ops.get("STL"), row
+        if n_tile == 8 and depth == 3:
+            assert row["registers"] <= 72, row

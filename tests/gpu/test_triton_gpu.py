@@ -38,7 +38,8 @@ from moekit import (  # noqa: E402
 from moekit.app.bench import capture_graph  # noqa: E402
 from moekit.formats import fp8_weight_scale_shape, mxfp4_groups, quantize_fp8_activation  # noqa: E402
 from moekit.kernels.triton.config import TritonMoEConfig  # noqa: E402
-from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.quantize import quantize_rows  # noqa: E402
 from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
 from moekit.reference import relative_l2_error  # noqa: E402
 
@@ -262,7 +263,7 @@ def test_fp8_activation_quantization_is_bit_exact(quant, dtype):
     x = torch.randn(300, 2880 + 72, generator=gen, device=DEVICE) * magnitudes
     x[0] = 0.0
     x = x.to(dtype)
-    data, scale = _quantize_rows(x, quant=quant)
+    data, scale = quantize_rows(x, quant=quant)
     ref = quantize_fp8_activation(x, quant=quant)
     bad = scale != ref.scale
     assert not bad.any(), f"{int(bad.sum())} scales differ, first at {bad.nonzero()[0].tolist()}"

@@ -64,7 +64,8 @@ from moekit.kernels.triton.align import (  # noqa: E402
 )
 from moekit.kernels.triton.block_choice import expected_repeats, takes_one_block_per_pair  # noqa: E402
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
-from moekit.kernels.triton.launch import _quantize_rows, triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.quantize import quantize_rows  # noqa: E402
 from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
 from moekit.presets import preset_at  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
@@ -522,7 +523,7 @@ def test_fp8_activation_quantization_is_bit_exact(quant, with_row_mult, cols):
     mult = (torch.rand(6, generator=gen) + 0.5) if with_row_mult else None
     if mult is not None:
         mult[2] = 1.0
-    data, scale = _quantize_rows(x, quant=quant, row_mult=mult)
+    data, scale = quantize_rows(x, quant=quant, row_mult=mult)
     ref = quantize_fp8_activation(x if mult is None else x * mult[:, None], quant=quant)
     assert torch.equal(scale, ref.scale)
     assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))  # -0 included

@@ -21,6 +21,9 @@ from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConf
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
 from moekit.kernels.triton.wgmma_words import BLOCK_MS as WGMMA_WORDS_BLOCK_MS
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
+from moekit.kernels.triton.words_decode import BLOCK_MS as MMA_WORDS_DECODE_BLOCK_MS
+from moekit.kernels.triton.words_decode import DEPTHS as MMA_WORDS_DECODE_DEPTHS
+from moekit.kernels.triton.words_decode import share_reason, words_decode_reason
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -105,6 +108,10 @@ class MatmulEngine(enum.Enum):
     # MXFP4 W4A16 with word-packed weights only (`wgmma_words.wgmma_words_reason`): Gluon wgmma, the weights
     # in register A decoded one K-step ahead under the MMA, 8 warps, 128 weight rows against block_m pairs.
     WGMMA_WORDS = "Gluon wgmma kernels with the MXFP4 decode under the MMA (W4A16 word path, sm_90)"
+    # MXFP4 W4A16 decode on word-packed weights (`words_decode.words_decode_reason`): Gluon mma.sync on
+    # 64 weight rows a program, num_stages K-steps of weights in flight a thread, no barrier in the loop;
+    # both GEMMs write fp32 split-K shares that the tl.dot path's finish kernels complete.
+    MMA_WORDS_DECODE = "Gluon mma.sync split-K kernels streaming MXFP4 words for decode (W4A16, sm_90)"
 
 
 # The one tiling the WGMMA_FP8 engine runs (its kernels fix the rest): GEMM2's 128-row blocks with
@@ -115,6 +122,14 @@ WGMMA_FP8_TILES = dict(block_m=128, tail_block_m=64, block_n=128, block_k=128, n
 # num_stages (3 - 8) free, and the register cap its own (`wgmma_words.register_cap`).
 WGMMA_WORDS_TILES = dict(
     block_n=64, gemm2_block_n=128, block_k=64, num_warps=8, split_k=1, tail_block_m=None, swap_ab=False
+)
+
+# What the MMA_WORDS_DECODE engine's kernel fixes: 64 weight rows a program in both GEMMs (GEMM1: 64 w13
+# rows, the gate and up rows of 32 columns of h when interleaved), 128-wide K-steps, 4 warps; block_m one
+# of MMA_WORDS_DECODE_BLOCK_MS, num_stages (the K-steps of weights in flight) one of MMA_WORDS_DECODE_DEPTHS,
+# split_k free within the shared memory the activation shares take (`words_decode.share_reason`).
+MMA_WORDS_DECODE_TILES = dict(
+    block_n=32, gemm2_block_n=64, block_k=128, num_warps=4, tail_block_m=None, swap_ab=False, group_m=1
 )
 
 
@@ -228,6 +243,21 @@ class TritonMoEConfig(KernelConfig):
                     f"{fixed}, block_m={self.block_m}, num_stages={self.num_stages}, "
                     f"max_registers={self.max_registers}"
                 )
+        if self.engine is MatmulEngine.MMA_WORDS_DECODE:
+            fixed = {name: getattr(self, name) for name in MMA_WORDS_DECODE_TILES}
+            if (
+                fixed != MMA_WORDS_DECODE_TILES
+                or self.block_m not in MMA_WORDS_DECODE_BLOCK_MS
+                or self.num_stages not in MMA_WORDS_DECODE_DEPTHS
+                or self.max_registers is not None
+            ):
+                raise SpecError(
+                    f"the MMA_WORDS_DECODE engine runs {MMA_WORDS_DECODE_TILES} with block_m in "
+                    f"{MMA_WORDS_DECODE_BLOCK_MS}, num_stages (K-steps of weights in flight) in "
+                    f"{MMA_WORDS_DECODE_DEPTHS} and no register cap (split_k free), "
+                    f"got {fixed}, block_m={self.block_m}, num_stages={self.num_stages}, "
+                    f"max_registers={self.max_registers}"
+                )
         _check_int(
             "max_registers",
             self.max_registers,
@@ -244,6 +274,11 @@ class TritonMoEConfig(KernelConfig):
         if self.engine is MatmulEngine.WGMMA_WORDS:
             reason = wgmma_words_reason(spec)
             return None if reason is None else f"the WGMMA_WORDS engine cannot compute this spec: {reason}"
+        if self.engine is MatmulEngine.MMA_WORDS_DECODE:
+            reason = words_decode_reason(spec) or share_reason(
+                spec, block_m=self.block_m, split_k=self.split_k, depth=self.num_stages
+            )
+            return None if reason is None else f"the MMA_WORDS_DECODE engine cannot run this spec: {reason}"
         if spec.weight_format is WeightFormat.MXFP4 and self.block_k % 32:
             return f"MXFP4 needs block_k to cover whole 32-element scale groups, got block_k={self.block_k}"
         if spec.weight_format is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
@@ -275,3 +310,5 @@ class TritonMoEConfig(KernelConfig):
 MXFP4_PREFILL_TILES = TritonMoEConfig(
     block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, gemm2_block_n=128
 )
+# The tl.dot tiles a MMA_WORDS_DECODE plan runs (its split_k kept) on weights that kept CHECKPOINT packing.
+MXFP4_DECODE_TILES = TritonMoEConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)

@@ -17,7 +17,7 @@ Workspace per call (`workspace_bytes`): h, y and the FP8 copies; nothing is cach
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,14 +26,21 @@ from moekit.errors import DeviceError, LayoutMismatchError, ShapeError, SpecErro
 from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
 from moekit.kernels.triton._details import codes
 from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
-from moekit.kernels.triton._details.quant import _quant_fp8_groups, _quant_fp8_rows
 from moekit.kernels.triton._details.reduce import _moe_gemm1_splits
 from moekit.kernels.triton.align import BlockList, gemm_blocks
-from moekit.kernels.triton.config import MXFP4_PREFILL_TILES, MatmulEngine, TritonMoEConfig, triton_supports
+from moekit.kernels.triton.config import (
+    MXFP4_DECODE_TILES,
+    MXFP4_PREFILL_TILES,
+    MatmulEngine,
+    TritonMoEConfig,
+    triton_supports,
+)
 from moekit.kernels.triton.pdl import pdl_args
+from moekit.kernels.triton.quantize import quantize_rows
 from moekit.kernels.triton.sum_k import sum_shares
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_moe
 from moekit.kernels.triton.wgmma_words import wgmma_words_moe
+from moekit.kernels.triton.words_decode import decode_gemm, gemm2_split
 from moekit.routing import RoutingResult
 from moekit.spec import (
     ActivationQuant,
@@ -241,47 +248,6 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
     return 0 if t is None else t.stride(dim)
 
 
-def _quantize_rows(
-    src: torch.Tensor, *, quant: ActivationQuant, row_mult: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 codes [R, C] and fp32 scales [R, 1] / [R, ceil(C/128)] of `src`, exactly as moekit.formats."""
-    rows, cols = src.shape
-    per_group = quant is ActivationQuant.FP8_PER_GROUP_128
-    groups = triton.cdiv(cols, 128) if per_group else 1
-    data = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=src.device)
-    scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
-    if per_group:  # a program quantizes up to 8 adjacent groups of a row (1024 values, 8 a thread)
-        groups_per_program = min(8, triton.next_power_of_2(groups))
-        _quant_fp8_groups[(rows, triton.cdiv(groups, groups_per_program))](
-            **pdl_args(src.device),
-            src_ptr=src,  # [R, C]
-            row_mult_ptr=row_mult,  # fp32 [R] or None
-            dst_ptr=data,  # fp8 [R, C]
-            scale_ptr=scale,  # fp32 [R, G]
-            stride_src=src.stride(0),
-            stride_dst=data.stride(0),
-            stride_scale=scale.stride(0),
-            NUM_COLS=cols,
-            HAS_ROW_MULT=row_mult is not None,
-            GROUPS=groups_per_program,
-        )
-        return data, scale
-    _quant_fp8_rows[(rows,)](
-        **pdl_args(src.device),
-        src_ptr=src,  # [R, C]
-        row_mult_ptr=row_mult,  # fp32 [R] or None
-        dst_ptr=data,  # fp8 [R, C]
-        scale_ptr=scale,  # fp32 [R, 1]
-        stride_src=src.stride(0),
-        stride_dst=data.stride(0),
-        stride_scale=scale.stride(0),
-        NUM_COLS=cols,
-        HAS_ROW_MULT=row_mult is not None,
-        BLOCK=min(1024, triton.next_power_of_2(cols)),
-    )
-    return data, scale
-
-
 def _block_args(blocks: BlockList) -> dict:
     """The M-block arguments of `_moe_gemm1` / `_moe_gemm2` for one launch over `blocks`."""
     return dict(
@@ -328,8 +294,11 @@ def triton_fused_moe(
     if config.engine is MatmulEngine.WGMMA_WORDS and weights.packing is WeightPacking.MXFP4_MMA_WORDS:
         tiles = dict(block_m=config.block_m, num_stages=config.num_stages, group_m=config.group_m)
         return wgmma_words_moe(x, weights, routing, spec=spec, **tiles, expert_map=expert_map, out=out)
-    if config.engine is MatmulEngine.WGMMA_WORDS:  # scale bytes above 128 kept CHECKPOINT packing (warned)
-        config = MXFP4_PREFILL_TILES
+    if weights.packing is not WeightPacking.MXFP4_MMA_WORDS:  # scale bytes above 128 (warned at load)
+        if config.engine is MatmulEngine.WGMMA_WORDS:
+            config = MXFP4_PREFILL_TILES
+        if config.engine is MatmulEngine.MMA_WORDS_DECODE:
+            config = replace(MXFP4_DECODE_TILES, split_k=config.split_k)
     p = _KernelParams.of(spec)
     cfg = config
     num_pairs = routing.ids.numel()
@@ -348,7 +317,7 @@ def triton_fused_moe(
     x_scale = None
     if p.a_quant:
         # INPUT placement has K == 1, so route_w [T*K] is indexed by token.
-        x, x_scale = _quantize_rows(x, quant=quant, row_mult=route_w if p.route_in_quant else None)
+        x, x_scale = quantize_rows(x, quant=quant, row_mult=route_w if p.route_in_quant else None)
     w13 = _WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
     w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
     words = weights.packing is WeightPacking.MXFP4_MMA_WORDS
@@ -384,7 +353,8 @@ def triton_fused_moe(
     )
 
     splits = cfg.split_k
-    split = splits > 1  # fp32 shares, summed and finished by _moe_gemm1_splits / _moe_sum_k
+    decode = cfg.engine is MatmulEngine.MMA_WORDS_DECODE  # its kernel writes shares even unsplit
+    split = splits > 1 or decode  # fp32 shares, summed and finished by _moe_gemm1_splits / _moe_sum_k
     # GEMM1's epilogue (bias, router weight on the input, activation), run by GEMM1 itself or, split,
     # by _moe_gemm1_splits: the same switches for both.
     epilogue1 = dict(
@@ -405,7 +375,20 @@ def triton_fused_moe(
     part1 = (
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
     )
+    dec = dict(sorted_pairs=sorted_pairs, num_pairs=num_pairs, num_local_experts=spec.E_local, split_k=splits)
+    dec |= dict(depth=cfg.num_stages)
     for blocks in block_lists:
+        if decode:
+            decode_gemm(
+                x,
+                a_row_div=top_k,
+                words=weights.w13,
+                scales=weights.w13_scale,
+                blocks=blocks,
+                part=part1,
+                **dec,
+            )
+            continue
         _moe_gemm1[(blocks.max_blocks * triton.cdiv(spec.I, cfg.block_n), splits)](
             x_ptr=x,  # [T, H] act dtype or fp8
             x_scale_ptr=x_scale,  # fp32 [T, G] or None
@@ -450,15 +433,21 @@ def triton_fused_moe(
         )
 
     if p.a_quant and not quant_h:
-        h, h_scale = _quantize_rows(h, quant=quant)
+        h, h_scale = quantize_rows(h, quant=quant)
     direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
     if split:  # GEMM2's raw shares go to part2; _moe_sum_k finishes them into out
-        part2, y = torch.empty(splits, num_pairs, spec.H, dtype=torch.float32, device=x.device), None
+        splits2 = gemm2_split(spec, splits) if decode else splits
+        part2, y = torch.empty(splits2, num_pairs, spec.H, dtype=torch.float32, device=x.device), None
     else:
         part2 = None
         y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     block_n2 = cfg.block_n_gemm2
     for blocks in block_lists:
+        if decode:
+            decode_gemm(
+                h, a_row_div=1, words=weights.w2, scales=weights.w2_scale, blocks=blocks, part=part2, **dec
+            )
+            continue
         _moe_gemm2[(blocks.max_blocks * triton.cdiv(spec.H, block_n2), splits)](
             h_ptr=h,  # [T*K, I] act dtype or fp8
             h_scale_ptr=h_scale,  # fp32 [T*K, G] or None

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from moekit.kernels.triton.config import (
+    MMA_WORDS_DECODE_TILES,
     MXFP4_PREFILL_TILES,
     WGMMA_FP8_TILES,
     WGMMA_WORDS_BLOCK_MS,
@@ -24,6 +25,7 @@ from moekit.kernels.triton.config import (
 )
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
+from moekit.kernels.triton.words_decode import words_decode_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 
 
@@ -67,6 +69,9 @@ WGMMA_WORDS_WIDE_FROM = 1024
 
 WGMMA_WORDS_DEFAULT = TritonMoEConfig(
     **WGMMA_WORDS_TILES, block_m=128, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_WORDS
+)
+WORDS_DECODE_DEFAULT = TritonMoEConfig(
+    **MMA_WORDS_DECODE_TILES, block_m=16, split_k=2, num_stages=3, engine=MatmulEngine.MMA_WORDS_DECODE
 )
 
 
@@ -366,6 +371,12 @@ def tuning_space(
             replace(WGMMA_WORDS_DEFAULT, block_m=m, num_stages=st)
             for m in WGMMA_WORDS_BLOCK_MS
             for st in (3, 4)
+        ]
+    if hopper and mxfp4 and num_tokens * spec.K <= 32 and words_decode_reason(spec) is None:
+        # The MMA_WORDS_DECODE engine at its splits and queue depths (shares too long for shared memory are
+        # refused, dropped below).
+        grid += [
+            replace(WORDS_DECODE_DEFAULT, split_k=s, num_stages=d) for s in (1, 2, 3, 4, 6) for d in (3, 4)
         ]
     if hopper and spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
         # The WGMMA_FP8 engine's free knobs (it refuses specs it cannot compute: dropped below).

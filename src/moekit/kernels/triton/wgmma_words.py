@@ -69,10 +69,9 @@ def _kernels() -> tuple | None:
     return wgmma_words._gemm1, wgmma_words._gemm2
 
 
-def wgmma_words_reason(spec: MoESpec) -> str | None:
-    """None if the Gluon word-path kernels compute `spec` (shapes and math), else why not: a narrower
-    `config.words_reason` (bf16 activations only). The weights must also be word-packed
-    (MXFP4_MMA_WORDS), which their scale bytes decide at load time."""
+def gluon_words_reason(spec: MoESpec) -> str | None:
+    """None if `spec` is what every Gluon kernel on the word-packed weights computes: MXFP4 W4A16 with bf16
+    activations (their decode writes bf16 operands), weight rows in whole 16-row blocks of the words."""
     if spec.weight_format is not WeightFormat.MXFP4 or spec.act_quant is not ActivationQuant.NONE:
         return "it is the MXFP4 weight path with bf16 activations (W4A16)"
     if spec.act_dtype is not torch.bfloat16:
@@ -81,6 +80,15 @@ def wgmma_words_reason(spec: MoESpec) -> str | None:
         reason = rows_reason(rows)
         if reason is not None:
             return f"it reads MXFP4_MMA_WORDS weights: {name}: {reason}"
+    return None
+
+
+def wgmma_words_reason(spec: MoESpec) -> str | None:
+    """None if the Gluon word-path kernels compute `spec` (shapes and math), else why not: a narrower
+    `config.words_reason` (bf16 activations only). The weights must also be word-packed
+    (MXFP4_MMA_WORDS), which their scale bytes decide at load time."""
+    if (reason := gluon_words_reason(spec)) is not None:
+        return reason
     if spec.router_weight_placement is not RouterWeightPlacement.OUTPUT:
         return "it applies the router weight to GEMM2's output"
     for name, size in (("H", spec.H), ("I", spec.I)):

@@ -2,7 +2,7 @@
 
 Data flow: rows [R, C] (x before GEMM1, h before GEMM2) (* the router weight, INPUT placement) -> per
 row, or per 1x128 group: amax -> scale = max(amax / 448, tiny) -> codes rounded to E4M3 nearest-even
--> float8_e4m3fn [R, C] + fp32 scales [R, G]. Host side: `launch._quantize_rows`. GEMM1 quantizes h per
+-> float8_e4m3fn [R, C] + fp32 scales [R, G]. Host side: `quantize.quantize_rows`. GEMM1 quantizes h per
 group in its own epilogue when its tile is whole groups (`_fp8_group_codes`).
 """
 
