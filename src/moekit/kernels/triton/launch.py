@@ -375,7 +375,7 @@ def triton_fused_moe(
     part1 = (
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
     )
-    dec = dict(sorted_pairs=sorted_pairs, num_pairs=num_pairs, num_local_experts=spec.E_local, split_k=splits)
+    dec = dict(sorted_pairs=sorted_pairs, num_pairs=num_pairs, num_local_experts=spec.E_local)
     dec |= dict(depth=cfg.num_stages)
     for blocks in block_lists:
         if decode:
@@ -386,6 +386,7 @@ def triton_fused_moe(
                 scales=weights.w13_scale,
                 blocks=blocks,
                 part=part1,
+                split_k=splits,
                 **dec,
             )
             continue
@@ -444,9 +445,8 @@ def triton_fused_moe(
     block_n2 = cfg.block_n_gemm2
     for blocks in block_lists:
         if decode:
-            decode_gemm(
-                h, a_row_div=1, words=weights.w2, scales=weights.w2_scale, blocks=blocks, part=part2, **dec
-            )
+            w2_words = dict(words=weights.w2, scales=weights.w2_scale)
+            decode_gemm(h, a_row_div=1, **w2_words, blocks=blocks, part=part2, split_k=part2.shape[0], **dec)
             continue
         _moe_gemm2[(blocks.max_blocks * triton.cdiv(spec.H, block_n2), splits)](
             h_ptr=h,  # [T*K, I] act dtype or fp8
