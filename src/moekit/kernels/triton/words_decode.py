@@ -16,12 +16,13 @@ import functools
 
 import torch
 
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, COLS_PER_CHUNK, ROWS_PER_BLOCK
 from moekit.kernels.triton.wgmma_words import gluon_words_reason
 from moekit.spec import MoESpec
 
-ROWS = 64  # weight rows a program: 4 warps of 16 (mma.sync m16n8k16 tiles)
-K_STEP = 128  # columns of K a step: one stored run of the words
 NUM_WARPS = 4
+ROWS = NUM_WARPS * ROWS_PER_BLOCK  # weight rows a program: 16 a warp (mma.sync m16n8k16 tiles)
+K_STEP = CHUNKS_PER_RUN * COLS_PER_CHUNK  # columns of K a step: one stored run of the words
 BLOCK_MS = (16, 32)  # pairs an aligned M-block (the MMA's N side; one pair a block runs N = 8)
 DEPTHS = (3, 4)  # K-steps of weights in flight a thread (the config's num_stages)
 # A program holds its share of the activation rows in shared memory (block_m rows x the share's K-steps,

@@ -18,8 +18,7 @@ Grid: (M-blocks x 64-row N-tiles, SPLIT_K).
 
 from __future__ import annotations
 
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
-from moekit.kernels.triton import words_decode as host
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, COLS_PER_CHUNK, ROWS_PER_BLOCK
 from moekit.kernels.triton._details.mxfp4 import _bf16_halves, _mul_bf16x2
 from moekit.kernels.triton._details.wgmma_words import _codes, _factor
 from triton.experimental import gluon
@@ -27,8 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 _RUN = gl.constexpr(CHUNKS_PER_RUN)
-ROWS: gl.constexpr = gl.constexpr(host.ROWS)  # weight rows a program
-STEP: gl.constexpr = gl.constexpr(host.K_STEP)  # columns of K a step: one run of the words, four scale groups
+ROWS: gl.constexpr = gl.constexpr(4 * ROWS_PER_BLOCK)  # weight rows a program: 4 warps (the layouts below)
+STEP: gl.constexpr = gl.constexpr(CHUNKS_PER_RUN * COLS_PER_CHUNK)  # K a step: one run, four scale groups
 
 
 @gluon.jit
