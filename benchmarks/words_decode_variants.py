@@ -10,6 +10,9 @@ of K too long for shared memory, `words_decode.share_reason`) prints its reason.
 Usage (GPU): python benchmarks/words_decode_variants.py --cases gpt-oss-120b:1,gpt-oss-20b:4 \\
     --variants 2/3,4/3,3/4
 `--no-register-cap` runs every variant without `words_decode.register_cap` (to time what the cap gives).
+`--variants space` takes the engine's candidates of `tuning_space` instead. With `--table`, a case's fastest
+verified variant becomes its tuned row there when at least `--min-gain` faster than the planned config
+(the rule of `sweep_configs.py`, against the config the plan runs today rather than the default).
 Compile first with --compile-only to time without compile stalls.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
 
 def main() -> int:
@@ -26,6 +30,10 @@ def main() -> int:
     p.add_argument("--block-m", type=int, default=16, help="pairs an aligned M-block (16 or 32)")
     p.add_argument("--no-register-cap", action="store_true", help="launch without the register cap")
     p.add_argument("--compile-only", action="store_true", help="run each once, untimed (fills the cache)")
+    p.add_argument("--table", default=None, help="write each case's verified winner to this tuned table")
+    p.add_argument(
+        "--min-gain", type=float, default=0.03, help="a winner's least gain over the planned config"
+    )
     args = p.parse_args()
 
     import torch
@@ -33,8 +41,10 @@ def main() -> int:
     from moekit.app.bench import make_record, measure_ceilings, prepared_weights, time_plan, whole_layer
     from moekit.kernels.base import DeviceInfo
     from moekit.kernels.triton import words_decode
-    from moekit.kernels.triton.tuning import WORDS_DECODE_DEFAULT
+    from moekit.kernels.triton.config import MatmulEngine
+    from moekit.kernels.triton.tuning import WORDS_DECODE_DEFAULT, tuning_space
     from moekit.planning.plan import plan
+    from moekit.planning.tuned import row_to_json, triton_version, write_rows
     from moekit.presets import preset_at
     from moekit.reference import fused_moe_reference
     from moekit.synthetic import random_batch, random_layer
@@ -56,13 +66,19 @@ def main() -> int:
         )
         planned = replace(plan(spec, num_tokens=t, device=info), kernel="triton_fused")
         runs = [(f"planned {planned.config.engine.name}", planned.config)]
-        for item in args.variants.split(","):
-            split, depth = (int(v) for v in item.split("/"))
-            config = replace(WORDS_DECODE_DEFAULT, block_m=args.block_m, split_k=split, num_stages=depth)
-            runs.append((f"s{split}/d{depth}", config))
+        if args.variants == "space":
+            space = tuning_space(spec, t, info.multiprocessors, hopper=True)
+            configs = [c for c in space if c.engine is MatmulEngine.MMA_WORDS_DECODE]
+        else:
+            configs = [
+                replace(WORDS_DECODE_DEFAULT, block_m=args.block_m, split_k=int(s), num_stages=int(d))
+                for s, d in (item.split("/") for item in args.variants.split(","))
+            ]
+        runs += [(f"s{c.split_k}/d{c.num_stages}", c) for c in configs]
         expected = None if args.compile_only else fused_moe_reference(x, layer.weights, routing, spec=spec)
         hit = int(routing.ids.unique().numel())
         row = [f"{preset} T={t}"]
+        timed = []  # (config, record)
         for label, config in runs:
             reason = config.reason_unusable(spec)
             if reason is not None:
@@ -74,8 +90,18 @@ def main() -> int:
                 continue
             sec, rel = time_plan(chosen, layer, x, logits, expected, prepared, flush, device)
             rec = make_record(preset, spec, chosen, t, hit, sec, rel, ceilings)
+            timed.append((config, rec))
             row.append(f"{label} {rec.us:.1f} us {rec.pct_roofline:.0f}% rel {rel:.1e}")
         if not args.compile_only:
+            verified = [(c, r) for c, r in timed[1:] if r.ok]
+            if args.table and verified and timed[0][1].ok:
+                winner, best = min(verified, key=lambda pair: pair[1].us)
+                if best.us * (1 + args.min_gain) <= timed[0][1].us:
+                    fields = dict(spec=spec, device=info.name, triton=triton_version(), tokens=t)
+                    write_rows(
+                        Path(args.table), [row_to_json(**fields, kernel="triton_fused", config=winner)]
+                    )
+                    row.append(f"row: s{winner.split_k}/d{winner.num_stages}")
             print(" | ".join(row), flush=True)
         del layer, prepared
         torch.cuda.empty_cache()
