@@ -10,7 +10,9 @@ at those pairs with the shipped kernels and with each variant (`wgmma_words._ker
 Usage (GPU): python benchmarks/engine_variants.py --variant ahead3=/tmp/ahead3.py \\
     --cases gpt-oss-120b:2048:128,gpt-oss-120b@8x2x4096x14336:4096:256
 A variant that changes what the host passes (arguments, grid) is out of scope: only the kernels swap,
-so a variant's `_gemm1` / `_gemm2` take the shipped ones' arguments (HALF_WIDE included).
+so a variant's `_gemm1` / `_gemm2` take the shipped ones' arguments (HALF_WIDE included). The K-loop lives
+in `_details/wgmma_words_kloop.py`: a variant of it copies the functions it changes into the variant
+file, after the imports, where they replace the shipped ones for that module's GEMMs.
 Compile first with --compile-only in a few processes (one per case) to time without compile stalls.
 """
 

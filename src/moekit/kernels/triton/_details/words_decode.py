@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, COLS_PER_CHUNK, ROWS_PER_BLOCK
 from moekit.kernels.triton._details.mxfp4 import _bf16_halves, _mul_bf16x2
-from moekit.kernels.triton._details.wgmma_words import _codes, _factor
+from moekit.kernels.triton._details.wgmma_words_kloop import _codes, _factor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -62,7 +62,7 @@ def _load_step(w_base, s_base, k, rows_left, IN_DIM: gl.constexpr, N_ROWS: gl.co
 def _scaled_fragment(codes, f_top, f_bottom, fragment: gl.constexpr):
     """[64 rows, 128 columns] bf16 in the register-A `fragment` layout: each [4, 32, 8] pair of `codes`
     times its row's factor (one bf16x2 multiply a register; the only instructions that define the
-    wgmma's A registers, placed after the previous wait as in `wgmma_words._scaled_fragment`), then a
+    wgmma's A registers, placed after the previous wait as in `wgmma_words_kloop._scaled_fragment`), then a
     renaming of registers."""
     p0, p1, p2, p3 = codes
     t = gl.join(
