@@ -149,3 +149,13 @@ def test_checkpoint_packing_fallback_is_a_tl_dot_decode_tiling():
         fallback = replace(MXFP4_DECODE_TILES, split_k=split)
         assert fallback.reason_unusable(GPT_OSS) is None
         assert fallback.reason_unusable(replace(GPT_OSS, intermediate_size=2880 + 4)) is None
+
+
+def test_workspace_counts_both_gemms_shares_even_unsplit():
+    # The engine always writes fp32 shares: GEMM1's split_k of 2I columns, GEMM2's gemm2_split of H.
+    kernel, pairs = TritonFusedKernel(), 1 * GPT_OSS.K
+    unsplit_dot = kernel.workspace_bytes(GPT_OSS, 1, MXFP4_DECODE_TILES)
+    for split in (1, 3):
+        engine = kernel.workspace_bytes(GPT_OSS, 1, replace(ENGINE, split_k=split))
+        shares = split * 2 * GPT_OSS.I + gemm2_split(GPT_OSS, split) * GPT_OSS.H
+        assert engine - unsplit_dot == 4 * pairs * shares

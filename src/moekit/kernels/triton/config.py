@@ -132,6 +132,18 @@ MMA_WORDS_DECODE_TILES = dict(
     block_n=32, gemm2_block_n=64, block_k=128, num_warps=4, tail_block_m=None, swap_ab=False, group_m=1
 )
 
+# The Gluon word engines' tilings: fixed fields, block_m values, num_stages values and what else is free
+# (max_registers is None: their launches set the register cap).
+_WORD_ENGINE_TILINGS = {
+    MatmulEngine.WGMMA_WORDS: (WGMMA_WORDS_TILES, WGMMA_WORDS_BLOCK_MS, range(3, 9), "group_m free"),
+    MatmulEngine.MMA_WORDS_DECODE: (
+        MMA_WORDS_DECODE_TILES,
+        MMA_WORDS_DECODE_BLOCK_MS,
+        MMA_WORDS_DECODE_DEPTHS,
+        "num_stages is the K-steps of weights in flight; split_k free",
+    ),
+}
+
 
 _POW2_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps")
 
@@ -228,34 +240,19 @@ class TritonMoEConfig(KernelConfig):
                     f"128, no swap_ab; group_m and num_stages free), got {fixed}, "
                     f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
                 )
-        if self.engine is MatmulEngine.WGMMA_WORDS:
-            fixed = {name: getattr(self, name) for name in WGMMA_WORDS_TILES}
+        if self.engine in _WORD_ENGINE_TILINGS:
+            tiles, block_ms, stages, free = _WORD_ENGINE_TILINGS[self.engine]
+            fixed = {name: getattr(self, name) for name in tiles}
             if (
-                fixed != WGMMA_WORDS_TILES
-                or self.block_m not in WGMMA_WORDS_BLOCK_MS
-                or self.num_stages < 3
+                fixed != tiles
+                or self.block_m not in block_ms
+                or self.num_stages not in stages
                 or self.max_registers is not None
             ):
                 raise SpecError(
-                    f"the WGMMA_WORDS engine runs {WGMMA_WORDS_TILES} with block_m in "
-                    f"{WGMMA_WORDS_BLOCK_MS}, num_stages >= 3 and its own register cap (max_registers "
-                    f"None; group_m free), got "
-                    f"{fixed}, block_m={self.block_m}, num_stages={self.num_stages}, "
-                    f"max_registers={self.max_registers}"
-                )
-        if self.engine is MatmulEngine.MMA_WORDS_DECODE:
-            fixed = {name: getattr(self, name) for name in MMA_WORDS_DECODE_TILES}
-            if (
-                fixed != MMA_WORDS_DECODE_TILES
-                or self.block_m not in MMA_WORDS_DECODE_BLOCK_MS
-                or self.num_stages not in MMA_WORDS_DECODE_DEPTHS
-                or self.max_registers is not None
-            ):
-                raise SpecError(
-                    f"the MMA_WORDS_DECODE engine runs {MMA_WORDS_DECODE_TILES} with block_m in "
-                    f"{MMA_WORDS_DECODE_BLOCK_MS}, num_stages (K-steps of weights in flight) in "
-                    f"{MMA_WORDS_DECODE_DEPTHS} and no register cap (split_k free), "
-                    f"got {fixed}, block_m={self.block_m}, num_stages={self.num_stages}, "
+                    f"the {self.engine.name} engine runs {tiles} with block_m in {block_ms}, num_stages in "
+                    f"{tuple(stages)} and its own register cap (max_registers None; {free}), got {fixed}, "
+                    f"block_m={self.block_m}, num_stages={self.num_stages}, "
                     f"max_registers={self.max_registers}"
                 )
         _check_int(

@@ -24,7 +24,7 @@ from moekit.kernels.triton.config import (
     triton_supports,
     words_reason,
 )
-from moekit.kernels.triton.launch import triton_fused_moe, workspace_bytes
+from moekit.kernels.triton.launch import share_counts, triton_fused_moe, workspace_bytes
 from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_workspace_bytes
 from moekit.kernels.triton.wgmma_words import wgmma_words_workspace_bytes
@@ -119,8 +119,8 @@ class TritonFusedKernel(Kernel):
             return wgmma_fp8_workspace_bytes(spec, num_tokens)
         if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_WORDS:
             return wgmma_words_workspace_bytes(spec, num_tokens, config.block_m)
-        splits = config.split_k if isinstance(config, TritonMoEConfig) else 1
-        return workspace_bytes(spec=spec, num_tokens=num_tokens, split_k=splits)
+        shares = share_counts(spec, config) if isinstance(config, TritonMoEConfig) else None
+        return workspace_bytes(spec=spec, num_tokens=num_tokens, shares=shares)
 
     def run(self, launch: Launch) -> torch.Tensor:
         return triton_fused_moe(

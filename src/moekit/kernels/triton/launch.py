@@ -118,9 +118,17 @@ _A_QUANT = {
 }
 
 
-def workspace_bytes(*, spec: MoESpec, num_tokens: int, split_k: int = 1) -> int:
+def share_counts(spec: MoESpec, config: TritonMoEConfig) -> tuple[int, int] | None:
+    """The fp32 shares GEMM1 and GEMM2 write for the finish kernels, or None when each GEMM finishes its
+    own rows: split-K > 1, or the MMA_WORDS_DECODE engine (always shares; GEMM2 at `gemm2_split`)."""
+    if config.engine is MatmulEngine.MMA_WORDS_DECODE:
+        return config.split_k, gemm2_split(spec, config.split_k)
+    return (config.split_k, config.split_k) if config.split_k > 1 else None
+
+
+def workspace_bytes(*, spec: MoESpec, num_tokens: int, shares: tuple[int, int] | None = None) -> int:
     """Device memory one call allocates besides `out` (h, y, the FP8 copies for W8A8, and the fp32
-    split-K shares of `config.split_k` > 1). An upper bound when GEMM1 quantizes h itself
+    shares of each GEMM, `share_counts`). An upper bound when GEMM1 quantizes h itself
     (`fuses_h_quantization`: no fp32 h then, only its FP8 copy)."""
     pairs = num_tokens * spec.K
     act = torch.empty((), dtype=spec.act_dtype).element_size()
@@ -130,8 +138,8 @@ def workspace_bytes(*, spec: MoESpec, num_tokens: int, split_k: int = 1) -> int:
     if params.a_quant:
         fp8_bytes = num_tokens * spec.H + pairs * spec.I  # one byte each, plus fp32 scales per 128 at most
         total += fp8_bytes + 4 * (fp8_bytes // 128 + num_tokens + pairs)
-    if split_k > 1:  # the fp32 shares of both GEMMs (y is not allocated then; counted anyway)
-        total += split_k * pairs * (2 * spec.I + spec.H) * 4
+    if shares is not None:  # the fp32 shares of both GEMMs (y is not allocated then; counted anyway)
+        total += pairs * (shares[0] * 2 * spec.I + shares[1] * spec.H) * 4
     return total + 16 * pairs  # routing metadata, roughly
 
 
@@ -353,8 +361,9 @@ def triton_fused_moe(
     )
 
     splits = cfg.split_k
-    decode = cfg.engine is MatmulEngine.MMA_WORDS_DECODE  # its kernel writes shares even unsplit
-    split = splits > 1 or decode  # fp32 shares, summed and finished by _moe_gemm1_splits / _moe_sum_k
+    decode = cfg.engine is MatmulEngine.MMA_WORDS_DECODE
+    shares = share_counts(spec, cfg)
+    split = shares is not None  # fp32 shares, summed and finished by _moe_gemm1_splits / _moe_sum_k
     # GEMM1's epilogue (bias, router weight on the input, activation), run by GEMM1 itself or, split,
     # by _moe_gemm1_splits: the same switches for both.
     epilogue1 = dict(
@@ -375,8 +384,9 @@ def triton_fused_moe(
     part1 = (
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
     )
-    dec = dict(sorted_pairs=sorted_pairs, num_pairs=num_pairs, num_local_experts=spec.E_local)
-    dec |= dict(depth=cfg.num_stages)
+    dec = dict(
+        sorted_pairs=sorted_pairs, num_pairs=num_pairs, num_local_experts=spec.E_local, depth=cfg.num_stages
+    )
     for blocks in block_lists:
         if decode:
             decode_gemm(
@@ -437,8 +447,7 @@ def triton_fused_moe(
         h, h_scale = quantize_rows(h, quant=quant)
     direct = top_k == 1 and expert_map is None  # pair == token and every pair is local: no reduction
     if split:  # GEMM2's raw shares go to part2; _moe_sum_k finishes them into out
-        splits2 = gemm2_split(spec, splits) if decode else splits
-        part2, y = torch.empty(splits2, num_pairs, spec.H, dtype=torch.float32, device=x.device), None
+        part2, y = torch.empty(shares[1], num_pairs, spec.H, dtype=torch.float32, device=x.device), None
     else:
         part2 = None
         y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)

@@ -25,7 +25,6 @@ from moekit.kernels.triton.config import (
 )
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
-from moekit.kernels.triton.words_decode import words_decode_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 
 
@@ -372,9 +371,9 @@ def tuning_space(
             for m in WGMMA_WORDS_BLOCK_MS
             for st in (3, 4)
         ]
-    if hopper and mxfp4 and num_tokens * spec.K <= 32 and words_decode_reason(spec) is None:
-        # The MMA_WORDS_DECODE engine at its splits and queue depths (shares too long for shared memory are
-        # refused, dropped below).
+    if hopper and mxfp4 and num_tokens * spec.K <= 32:
+        # The MMA_WORDS_DECODE engine at its splits and queue depths (specs it cannot compute and shares too
+        # long for shared memory are refused: dropped below).
         grid += [
             replace(WORDS_DECODE_DEFAULT, split_k=s, num_stages=d) for s in (1, 2, 3, 4, 6) for d in (3, 4)
         ]

@@ -76,16 +76,19 @@ def _load_step(
 
 @gluon.jit
 def _to_fragment(p0, p1, p2, p3, fragment: gl.constexpr):
-    """Four [8, 32, 4] tensors of bf16 pairs (uint32) in the word layout -> [128, 64] bf16 in the
-    register-A `fragment` layout: a renaming of registers when every input is a finished pair (bf16
-    arithmetic on the split halves made LLVM compute each half apart: 37 PRMT a K-step instead of 0)."""
+    """Four [RB, 32, C] tensors of bf16 pairs (uint32) in the word layout (RB 16-row blocks, C 16-column
+    chunks) -> [16 RB, 16 C] bf16 in the register-A `fragment` layout: a renaming of registers when every
+    input is a finished pair (bf16 arithmetic on the split halves made LLVM compute each half apart: 37
+    PRMT a K-step instead of 0)."""
+    RB: gl.constexpr = p0.shape[0]
+    C: gl.constexpr = p0.shape[2]
     t = gl.join(
         gl.join(_bf16_halves(p0, gl.bfloat16), _bf16_halves(p1, gl.bfloat16)),
         gl.join(_bf16_halves(p2, gl.bfloat16), _bf16_halves(p3, gl.bfloat16)),
     )
-    t = gl.reshape(t, [8, 8, 4, 4, 2, 2, 2])  # rb, g, q, chunk, odd, row half, column half
+    t = gl.reshape(t, [RB, 8, 4, C, 2, 2, 2])  # rb, g, q, chunk, odd, row half, column half
     t = gl.permute(t, [0, 5, 1, 3, 6, 2, 4])  # rb, row half, g, chunk, column half, q, odd
-    return gl.convert_layout(gl.reshape(t, [128, 64]), fragment)
+    return gl.convert_layout(gl.reshape(t, [16 * RB, 16 * C]), fragment)
 
 
 @gluon.jit
@@ -101,8 +104,9 @@ def _codes(words):
 
 @gluon.jit
 def _scaled_fragment(codes, f_top, f_bottom, fragment: gl.constexpr):
-    """[128 rows, 64 columns] bf16 in the register-A `fragment` layout: each pair times its row's factor
-    (one bf16x2 multiply a register), then a renaming of registers. These multiplies are the only
+    """[16 RB rows, 16 C columns] bf16 ([128, 64] in this engine) in the register-A `fragment` layout (of a
+    wgmma or an mma.sync): each pair times its row's factor (one bf16x2 multiply a register), then a
+    renaming of registers. These multiplies are the only
     instructions that define a wgmma's A registers; placed after the previous wgmma's wait they let
     ptxas keep the wgmma unserialized (C7513 otherwise)."""
     p0, p1, p2, p3 = codes

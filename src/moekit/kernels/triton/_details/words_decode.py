@@ -19,8 +19,7 @@ Grid: (M-blocks x 64-row N-tiles, SPLIT_K).
 from __future__ import annotations
 
 from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, COLS_PER_CHUNK, ROWS_PER_BLOCK
-from moekit.kernels.triton._details.mxfp4 import _bf16_halves, _mul_bf16x2
-from moekit.kernels.triton._details.wgmma_words_kloop import _codes, _factor
+from moekit.kernels.triton._details.wgmma_words_kloop import _codes, _factor, _scaled_fragment
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -56,28 +55,6 @@ def _load_step(w_base, s_base, k, rows_left, IN_DIM: gl.constexpr, N_ROWS: gl.co
         top = gl.load(s_ptrs, mask=block_in, other=0)
         bottom = gl.load(s_ptrs + 8, mask=block_in, other=0)
     return words.to(gl.uint32, bitcast=True), _factor(top), _factor(bottom)
-
-
-@gluon.jit
-def _scaled_fragment(codes, f_top, f_bottom, fragment: gl.constexpr):
-    """[64 rows, 128 columns] bf16 in the register-A `fragment` layout: each [4, 32, 8] pair of `codes`
-    times its row's factor (one bf16x2 multiply a register; the only instructions that define the
-    wgmma's A registers, placed after the previous wait as in `wgmma_words_kloop._scaled_fragment`), then a
-    renaming of registers."""
-    p0, p1, p2, p3 = codes
-    t = gl.join(
-        gl.join(
-            _bf16_halves(_mul_bf16x2(p0, f_top), gl.bfloat16),
-            _bf16_halves(_mul_bf16x2(p1, f_bottom), gl.bfloat16),
-        ),
-        gl.join(
-            _bf16_halves(_mul_bf16x2(p2, f_top), gl.bfloat16),
-            _bf16_halves(_mul_bf16x2(p3, f_bottom), gl.bfloat16),
-        ),
-    )
-    t = gl.reshape(t, [4, 8, 4, 8, 2, 2, 2])  # rb, g, q, chunk, odd, row half, column half
-    t = gl.permute(t, [0, 5, 1, 3, 6, 2, 4])  # rb, row half, g, chunk, column half, q, odd
-    return gl.convert_layout(gl.reshape(t, [64, 128]), fragment)
 
 
 @gluon.jit
