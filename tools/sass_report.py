@@ -167,13 +167,15 @@ def compile_for_hopper(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, inter=2048):
-    """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1 on 64-row blocks, or 2 on 128) compiled for sm_90
-    at a layer's H and I, with the launcher's register budgets."""
+def compile_wgmma_fp8_for_hopper(
+    gemm: int, *, stages: int = 4, hidden=7168, inter=2048, gemm1_rows: int = 64
+):
+    """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1 on 64-row blocks, or on 128 with `gemm1_rows`=128;
+    2 on 128) compiled for sm_90 at a layer's H and I, with the launcher's register budgets."""
     from triton.experimental.gluon import language as gl
 
     from moekit.kernels.triton import wgmma_fp8 as host
-    from moekit.kernels.triton._details import codes, wgmma_fp8_gemm1, wgmma_fp8_gemm2
+    from moekit.kernels.triton._details import codes, wgmma_fp8_gemm1, wgmma_fp8_gemm1_tall, wgmma_fp8_gemm2
 
     def descriptor(block: list[int]) -> str:
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
@@ -188,17 +190,19 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, int
         MATH_REGISTERS=host.MATH_REGISTERS,
         LOAD_REGISTERS=host.LOAD_REGISTERS,
     )
+    blocks = dict(block_expert_ptr="*i32", num_blocks_ptr="*i32")  # every kernel's block list
+    paired = dict(blocks, block_start_ptr="*i32", expert_end_ptr="*i64")  # `paired_blocks`' 128-row blocks
     if gemm == 1:
-        fn = wgmma_fp8_gemm1._fp8_gemm1
+        tall = gemm1_rows == 2 * host.GEMM1_ROWS
+        fn = wgmma_fp8_gemm1_tall._fp8_gemm1_tall if tall else wgmma_fp8_gemm1._fp8_gemm1
         pointers = dict(
-            x_desc=descriptor([host.GEMM1_ROWS, host.TILE_K]),
-            w_desc=weight,
+            x_desc=descriptor([gemm1_rows, host.TILE_K]),
+            w_desc=descriptor([host.TILE_N // 2, host.TILE_K]) if tall else weight,
             x_scale_ptr="*fp32",
             w_scale_ptr="*fp32",
             h_ptr="*fp8e4nv",
             h_scale_ptr="*fp32",
-            block_expert_ptr="*i32",
-            num_blocks_ptr="*i32",
+            **(paired if tall else blocks),
         )
         constants.update(ACTIVATION=codes.ACT_SILU.value, ALPHA=0.0, HAS_LIMIT=False, LIMIT=0.0)
     else:
@@ -211,10 +215,7 @@ def compile_wgmma_fp8_for_hopper(gemm: int, *, stages: int = 4, hidden=7168, int
             sorted_pairs_ptr="*i32",
             route_w_ptr="*fp32",
             y_ptr="*bf16",
-            block_expert_ptr="*i32",
-            block_start_ptr="*i32",
-            num_blocks_ptr="*i32",
-            expert_end_ptr="*i64",
+            **paired,
         )
     return compile_gluon_for_hopper(fn, pointers=pointers, constants=constants, warps=4)
 

@@ -23,7 +23,7 @@ from test_triton_gpu import _gpu_weights, _inputs, graph_replays, scrambled_expe
 from moekit import MoESpec, fused_moe_reference, preset  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
-from moekit.kernels.triton.tuning import WGMMA_FP8_DEFAULT, default_config  # noqa: E402
+from moekit.kernels.triton.tuning import WGMMA_FP8_DEFAULT, WGMMA_FP8_TALL, default_config  # noqa: E402
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 
@@ -45,6 +45,10 @@ SPECS = {
 CONFIGS = {
     "default": WGMMA_FP8_DEFAULT,
     "stages3-group1": replace(WGMMA_FP8_DEFAULT, num_stages=3, group_m=1),
+    # GEMM1 on the 128-row blocks: two passes over K a program, an expert's odd last 64 rows on one
+    # warpgroup while the other only hands the ring's stages back.
+    "tall": WGMMA_FP8_TALL,
+    "tall-stages3-group1": replace(WGMMA_FP8_TALL, num_stages=3, group_m=1),
 }
 
 
@@ -80,28 +84,33 @@ def test_matches_reference(name, config, t):
     # The tl.dot engine computes the same products, scales and quantizations.
     dot = _run(spec, weights, x, routing, default_config(spec, t))
     assert relative_l2_error(got, dot) <= tolerance(spec)
+    if CONFIGS[config].gemm1_block_m is not None:
+        # Same products in the same order, the same group maxima: the same FP8 h, so the same output.
+        assert torch.equal(got, _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT))
 
 
+@pytest.mark.parametrize("config", [WGMMA_FP8_DEFAULT, WGMMA_FP8_TALL], ids=["default", "tall"])
 @pytest.mark.parametrize("t", [200, 3000])
-def test_skewed_routing_with_empty_experts_and_tails(t):
+def test_skewed_routing_with_empty_experts_and_tails(t, config):
     # Every token picks the same 6 of 64 experts, in its own order: 58 experts get nothing, the 6 get
     # t pairs each, long runs of 64-row blocks (GEMM2's 128-row blocks plus a 64-row tail when odd).
     spec = SPECS["small-e64"]
     weights = _gpu_weights(spec, seed=3)
     x, routing = skewed_inputs(spec, t, [1, 4, 7, 11, 40, 63], seed=t)
-    got = _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT)
+    got = _run(spec, weights, x, routing, config)
     _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, f"skewed T={t}")
 
 
+@pytest.mark.parametrize("config", [WGMMA_FP8_DEFAULT, WGMMA_FP8_TALL], ids=["default", "tall"])
 @pytest.mark.parametrize("t", [7, 1500])
-def test_expert_map(t):
+def test_expert_map(t, config):
     # This rank owns 8 of 16 experts in scrambled order; pairs routed elsewhere contribute zero.
     base = SPECS["deepseek-v3-e16"]
     spec = replace(base, num_local_experts=8)
     expert_map = scrambled_expert_map(base.E, 8, seed=5)
     weights = _gpu_weights(spec, seed=9)
     _, x, routing = _spec_inputs("deepseek-v3-e16", t, seed=t)
-    got = _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT, expert_map=expert_map)
+    got = _run(spec, weights, x, routing, config, expert_map=expert_map)
     expected = fused_moe_reference(x, weights, routing, spec=spec, expert_map=expert_map)
     _assert_close(got, expected, spec, f"expert map T={t}")
 
@@ -114,9 +123,11 @@ def test_cuda_graph_capture_and_replay():
     def inputs(seed):
         return _spec_inputs("deepseek-v3-e16", t, seed=seed)[1:]
 
-    replays = graph_replays(spec, weights, WGMMA_FP8_DEFAULT, inputs(1), inputs, (11, 12))
-    for seed, static_out, x, routing in replays:
-        _assert_close(static_out, fused_moe_reference(x, weights, routing, spec=spec), spec, f"seed {seed}")
+    for config in (WGMMA_FP8_DEFAULT, WGMMA_FP8_TALL):
+        replays = graph_replays(spec, weights, config, inputs(1), inputs, (11, 12))
+        for seed, static_out, x, routing in replays:
+            expected = fused_moe_reference(x, weights, routing, spec=spec)
+            _assert_close(static_out, expected, spec, f"seed {seed} {config}")
 
 
 def test_full_deepseek_shape_matches_reference():
@@ -124,8 +135,9 @@ def test_full_deepseek_shape_matches_reference():
     spec = preset("deepseek-v3")
     weights = _gpu_weights(spec, seed=4)
     x, routing = _inputs(spec, 4096, seed=4)
-    got = _run(spec, weights, x, routing, WGMMA_FP8_DEFAULT)
-    _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, "deepseek-v3 T=4096")
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    for config in (WGMMA_FP8_DEFAULT, WGMMA_FP8_TALL):
+        _assert_close(_run(spec, weights, x, routing, config), expected, spec, f"deepseek-v3 T=4096 {config}")
 
 
 def test_planner_takes_the_engine_for_prefill_here():
@@ -137,7 +149,7 @@ def test_planner_takes_the_engine_for_prefill_here():
     info = DeviceInfo(DeviceKind.CUDA, props.name, (props.major, props.minor), props.multi_processor_count)
     prefill = TritonFusedKernel().default_config(spec, Problem(num_tokens=16384, device=info))
     decode = TritonFusedKernel().default_config(spec, Problem(num_tokens=16, device=info))
-    assert prefill.engine is MatmulEngine.WGMMA_FP8
+    assert prefill == WGMMA_FP8_TALL  # 512 tokens an expert
     assert decode.engine is MatmulEngine.TL_DOT
     assert TritonMoEConfig(**WGMMA_FP8_TILES, engine=MatmulEngine.WGMMA_FP8) == replace(
         WGMMA_FP8_DEFAULT, group_m=1, num_stages=3

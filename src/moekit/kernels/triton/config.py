@@ -188,6 +188,10 @@ class TritonMoEConfig(KernelConfig):
     # a second launch of each GEMM instead of padding a full block_m block (half its MMA rows wasted).
     tail_block_m: int | None = None
     engine: MatmulEngine = MatmulEngine.TL_DOT
+    # GEMM1's rows a program where they differ from the alignment's blocks: WGMMA_FP8 only, where 128 runs
+    # GEMM1 on GEMM2's 128-row blocks (`_details.wgmma_fp8_gemm1_tall`: a fifth less L2 traffic a FLOP,
+    # each program twice as long) and None on the 64-row blocks.
+    gemm1_block_m: int | None = None
 
     @property
     def block_n_gemm2(self) -> int:
@@ -232,12 +236,20 @@ class TritonMoEConfig(KernelConfig):
             )
         if not isinstance(self.engine, MatmulEngine):
             raise SpecError(f"TritonMoEConfig.engine must be a MatmulEngine, got {self.engine!r}")
+        if self.gemm1_block_m is not None and (
+            self.engine is not MatmulEngine.WGMMA_FP8 or self.gemm1_block_m != self.block_m
+        ):
+            raise SpecError(
+                f"TritonMoEConfig.gemm1_block_m is the WGMMA_FP8 engine's choice of GEMM1 on its 128-row "
+                f"blocks: None, or {WGMMA_FP8_TILES['block_m']} with engine=WGMMA_FP8; got "
+                f"gemm1_block_m={self.gemm1_block_m!r}, block_m={self.block_m}, engine={self.engine.name}"
+            )
         if self.engine is MatmulEngine.WGMMA_FP8:
             fixed = {name: getattr(self, name) for name in WGMMA_FP8_TILES}
             if fixed != WGMMA_FP8_TILES or self.gemm2_block_n not in (None, 128) or self.swap_ab:
                 raise SpecError(
                     f"the WGMMA_FP8 engine runs one tiling, {WGMMA_FP8_TILES} (gemm2_block_n None or "
-                    f"128, no swap_ab; group_m and num_stages free), got {fixed}, "
+                    f"128, no swap_ab; group_m, num_stages and gemm1_block_m free), got {fixed}, "
                     f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
                 )
         if self.engine in _WORD_ENGINE_TILINGS:

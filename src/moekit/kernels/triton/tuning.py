@@ -48,6 +48,13 @@ def _experts_hit(spec: MoESpec, num_tokens: int) -> int:
 # DeepSeek-V3 (E 256, H 7168, I 2048) and held-out shapes (E 128 / 64, H 4096 / 2048, I 1536 / 1280).
 WGMMA_MIN_TOKENS_PER_EXPERT = 64
 WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_FP8)
+# From this many tokens an expert GEMM1 runs on the 128-row blocks (`gemm1_block_m`). On an H200 (GEMM1's
+# kernel time, same inputs, outputs bit-identical) the 128-row GEMM1 against the 64-row one: +1 to +5 % at
+# 64 tokens an expert, -3 % at 128, -9 to -13 % at 256 - 1024, for DeepSeek-V3 (E 256, H 7168, I 2048)
+# and held-out shapes (E 128 / 64, H 4096 / 2048); below 64 up to +19 % (an expert's one odd 64-row
+# block leaves half the program idle through both passes over K).
+WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT = 128
+WGMMA_FP8_TALL = replace(WGMMA_FP8_DEFAULT, gemm1_block_m=WGMMA_FP8_TILES["block_m"])
 
 # MXFP4 W4A16 takes the WGMMA_WORDS engine on Hopper from this many tokens an expert. On an H200, whole
 # layer (graph replay, L2 flushed) against the tl.dot default, at 64 (two device calls each): +4 to +8 %
@@ -205,7 +212,7 @@ def default_config(
         if per_expert <= 32 or not spec.scales_per_128_of_k:
             return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
         if hopper and per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT and wgmma_fp8_reason(spec) is None:
-            return WGMMA_FP8_DEFAULT
+            return WGMMA_FP8_TALL if per_expert >= WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT else WGMMA_FP8_DEFAULT
         # Prefill with per-128 scales: 128 x 64 tiles on 8 warps, four stages, GEMM2 on 128 rows, each
         # expert's odd half-block apart. On an H200 the fastest, or within 2.3 % of it, at 64 - 512 tokens
         # an expert for DeepSeek-V3 (E 256, H 7168, I 2048) and for a held-out shape (E 128, H 4096,
@@ -379,7 +386,12 @@ def tuning_space(
         ]
     if hopper and spec.weight_format is WeightFormat.FP8_E4M3 and per_expert > 32:
         # The WGMMA_FP8 engine's free knobs (it refuses specs it cannot compute: dropped below).
-        grid += [replace(WGMMA_FP8_DEFAULT, group_m=g, num_stages=st) for g in (1, 8) for st in (3, 4)]
+        grid += [
+            replace(WGMMA_FP8_DEFAULT, group_m=g, num_stages=st, gemm1_block_m=rows)
+            for g in (1, 8)
+            for st in (3, 4)
+            for rows in (None, WGMMA_FP8_TILES["block_m"])
+        ]
     if per_expert > 32:
         # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b
         # at T = 2048 - 16384 on an H200.

@@ -4,7 +4,8 @@ Data flow of `wgmma_fp8_moe` (no host sync; graph-capturable):
   ids -> `align_routing` at 64 rows (GEMM1's M-blocks) and `paired_blocks` (GEMM2's 128-row blocks,
   each expert's odd last 64-row block as the first half of one)
   x -> `_quant_fp8_groups_sorted` -> x fp8 [R, H] + scales, in the sorted rows (TMA reads them whole)
-  -> `_fp8_gemm1` -> h fp8 [R, I] + scales (activation and h's 1x128 quantization in its epilogue)
+  -> `_fp8_gemm1` on the 64-row blocks, or `_fp8_gemm1_tall` on the paired 128-row blocks
+     -> h fp8 [R, I] + scales (activation and h's 1x128 quantization in its epilogue)
   -> `_fp8_gemm2` (one launch over the paired blocks) -> y [T*K, H] * router weight
   -> `sum_k.sum_top_k` -> out [T, H].
 Which specs and configs it takes is `wgmma_fp8_reason`; the planner offers it only where that is None.
@@ -49,6 +50,7 @@ class _Gluon:
     gl: object  # triton.experimental.gluon.language
     tensor_descriptor: type  # host-side TMA descriptor
     gemm1: object  # `_details.wgmma_fp8_gemm1._fp8_gemm1`
+    gemm1_tall: object  # `_details.wgmma_fp8_gemm1_tall._fp8_gemm1_tall`
     gemm2: object  # `_details.wgmma_fp8_gemm2._fp8_gemm2`
 
 
@@ -56,12 +58,18 @@ class _Gluon:
 def _gluon_hopper() -> _Gluon | None:
     """The Gluon kernels and descriptor type, or None where this Triton has no Gluon Hopper support."""
     try:
-        from moekit.kernels.triton._details import wgmma_fp8_gemm1, wgmma_fp8_gemm2
+        from moekit.kernels.triton._details import wgmma_fp8_gemm1, wgmma_fp8_gemm1_tall, wgmma_fp8_gemm2
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError:
         return None
-    return _Gluon(gl, TensorDescriptor, wgmma_fp8_gemm1._fp8_gemm1, wgmma_fp8_gemm2._fp8_gemm2)
+    return _Gluon(
+        gl,
+        TensorDescriptor,
+        wgmma_fp8_gemm1._fp8_gemm1,
+        wgmma_fp8_gemm1_tall._fp8_gemm1_tall,
+        wgmma_fp8_gemm2._fp8_gemm2,
+    )
 
 
 def wgmma_fp8_reason(spec: MoESpec) -> str | None:
@@ -112,11 +120,13 @@ def wgmma_fp8_moe(
     spec: MoESpec,
     num_stages: int,
     group_m: int,
+    gemm1_rows: int,
     expert_map: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """The MoE layer of `spec` into `out` [T, H] (T > 0); the caller checked the inputs, the spec
-    (`wgmma_fp8_reason`) and the device (sm_90)."""
+    (`wgmma_fp8_reason`) and the device (sm_90). `gemm1_rows`: GEMM1's rows a program, 64 (the
+    alignment's blocks) or 128 (GEMM2's blocks, `_details.wgmma_fp8_gemm1_tall`)."""
     gluon = _gluon_hopper()
     aligned = align_routing(
         routing.ids, num_local_experts=spec.E_local, block_m=GEMM1_ROWS, expert_map=expert_map
@@ -125,7 +135,7 @@ def wgmma_fp8_moe(
     rows = xq.shape[0]
     h = torch.empty(rows, spec.I, dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty(rows, spec.I // TILE_K, dtype=torch.float32, device=x.device)
-    s13, s2 = weights.w13_scale, weights.w2_scale  # fp32 [E_local, 2I/128, H/128], [E_local, H/128, I/128]
+    s2 = weights.w2_scale  # fp32 [E_local, H/128, I/128]
     tuning = dict(
         GROUP_M=group_m,
         NUM_STAGES=num_stages,
@@ -133,33 +143,16 @@ def wgmma_fp8_moe(
         LOAD_REGISTERS=LOAD_REGISTERS,
         num_warps=4,
     )
-    gluon.gemm1[(aligned.max_blocks * (spec.I // TILE_N),)](
-        x_desc=_fp8_rows(xq, GEMM1_ROWS),  # fp8 [R, H]
-        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), TILE_N),  # fp8 [E_local * 2I, H]
-        x_scale_ptr=xs,  # fp32 [R, H/128]
-        w_scale_ptr=s13,
-        h_ptr=h,  # fp8 [R, I]
-        h_scale_ptr=hs,  # fp32 [R, I/128]
-        block_expert_ptr=aligned.block_expert,  # int32 [max_blocks]
-        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
-        num_pid_m=aligned.max_blocks,
-        stride_xsm=xs.stride(0),
-        **block_scale_strides(s13),
-        stride_hm=h.stride(0),
-        stride_hsm=hs.stride(0),
-        HIDDEN=spec.H,
-        INTER_SIZE=spec.I,
-        ACTIVATION=ACT_SILU.value,
-        ALPHA=0.0,
-        HAS_LIMIT=False,
-        LIMIT=0.0,
-        **tuning,
-    )
+    blocks = paired_blocks(aligned)
+    gemm1_out = (h, hs)
+    if gemm1_rows == 2 * GEMM1_ROWS:
+        _gemm1_tall(xq, xs, weights, aligned, blocks, gemm1_out, spec=spec, tuning=tuning)
+    else:
+        _gemm1(xq, xs, weights, aligned, gemm1_out, spec=spec, tuning=tuning)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     # An expert's odd last block runs next to its other blocks (the same weight tiles, from L2), not in
     # a launch of its own that streams those experts' weights again: on an H200 the separate tail launch
     # ran DRAM-bound, 556 us of DeepSeek-V3's 5.1 ms at T = 4096.
-    blocks = paired_blocks(aligned)
     gluon.gemm2[(blocks.max_blocks * (spec.H // TILE_N),)](
         h_desc=_fp8_rows(h, blocks.block_m),  # fp8 [R, I]
         w_desc=_fp8_rows(weights.w2.reshape(-1, spec.I), TILE_N),  # fp8 [E_local * H, I]
@@ -182,6 +175,61 @@ def wgmma_fp8_moe(
         **tuning,
     )
     return sum_top_k(y, pair_expert=aligned.pair_expert, out=out, spec=spec)
+
+
+def _gemm1(xq, xs, weights, aligned, gemm1_out, *, spec: MoESpec, tuning: dict) -> None:
+    """GEMM1 on the alignment's 64-row blocks, 128 columns of h a program."""
+    h, hs = gemm1_out
+    s13 = weights.w13_scale  # fp32 [E_local, 2I/128, H/128]
+    _gluon_hopper().gemm1[(aligned.max_blocks * (spec.I // TILE_N),)](
+        x_desc=_fp8_rows(xq, GEMM1_ROWS),  # fp8 [R, H]
+        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), TILE_N),  # fp8 [E_local * 2I, H]
+        x_scale_ptr=xs,  # fp32 [R, H/128]
+        w_scale_ptr=s13,
+        h_ptr=h,  # fp8 [R, I]
+        h_scale_ptr=hs,  # fp32 [R, I/128]
+        block_expert_ptr=aligned.block_expert,  # int32 [max_blocks]
+        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+        num_pid_m=aligned.max_blocks,
+        stride_xsm=xs.stride(0),
+        **block_scale_strides(s13),
+        stride_hm=h.stride(0),
+        stride_hsm=hs.stride(0),
+        **_silu_epilogue(spec),
+        **tuning,
+    )
+
+
+def _gemm1_tall(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tuning: dict) -> None:
+    """GEMM1 on `paired_blocks`' 128-row blocks, 128 columns of h a program in two 64-column passes."""
+    h, hs = gemm1_out
+    s13 = weights.w13_scale
+    _gluon_hopper().gemm1_tall[(blocks.max_blocks * (spec.I // TILE_N),)](
+        x_desc=_fp8_rows(xq, 2 * GEMM1_ROWS),  # fp8 [R, H]
+        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), TILE_N // 2),  # fp8 [E_local * 2I, H]
+        x_scale_ptr=xs,
+        w_scale_ptr=s13,
+        h_ptr=h,
+        h_scale_ptr=hs,
+        block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
+        block_start_ptr=blocks.block_start,  # int32 [max_blocks]
+        num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
+        expert_end_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
+        num_pid_m=blocks.max_blocks,
+        stride_xsm=xs.stride(0),
+        **block_scale_strides(s13),
+        stride_hm=h.stride(0),
+        stride_hsm=hs.stride(0),
+        **_silu_epilogue(spec),
+        **tuning,
+    )
+
+
+def _silu_epilogue(spec: MoESpec) -> dict:
+    """GEMM1's activation constexprs: plain SiLU(gate) * up, the one `wgmma_fp8_reason` takes."""
+    return dict(
+        HIDDEN=spec.H, INTER_SIZE=spec.I, ACTIVATION=ACT_SILU.value, ALPHA=0.0, HAS_LIMIT=False, LIMIT=0.0
+    )
 
 
 def block_scale_strides(scales: torch.Tensor) -> dict:
