@@ -103,7 +103,8 @@ class MatmulEngine(enum.Enum):
 
     TL_DOT = "Triton tl.dot kernels (every spec)"
     # Block-128 W8A8 only (`wgmma_fp8.wgmma_fp8_reason`): Gluon wgmma with each K-step's scaling overlapped
-    # with the next step's MMA, a TMA producer warp, 64-row GEMM1 and 128-row GEMM2 blocks.
+    # with the next step's MMA, a TMA producer warp, GEMM1 on 64- or 128-row blocks (gemm1_block_m), a
+    # persistent GEMM2 on 128-row blocks.
     WGMMA_FP8 = "Gluon wgmma kernels with overlapped FP8 promotion (block-128 W8A8, sm_90)"
     # MXFP4 W4A16 with word-packed weights only (`wgmma_words.wgmma_words_reason`): Gluon wgmma, the weights
     # in register A decoded one K-step ahead under the MMA, 8 warps, 128 weight rows against block_m pairs.

@@ -6,7 +6,7 @@ Data flow of `wgmma_fp8_moe` (no host sync; graph-capturable):
   x -> `_quant_fp8_groups_sorted` -> x fp8 [R, H] + scales, in the sorted rows (TMA reads them whole)
   -> `_fp8_gemm1` on the 64-row blocks, or `_fp8_gemm1_tall` on the paired 128-row blocks
      -> h fp8 [R, I] + scales (activation and h's 1x128 quantization in its epilogue)
-  -> `_fp8_gemm2` (one launch over the paired blocks) -> y [T*K, H] * router weight
+  -> `_fp8_gemm2` (one persistent launch over the paired blocks) -> y [T*K, H] * router weight
   -> `sum_k.sum_top_k` -> out [T, H].
 Which specs and configs it takes is `wgmma_fp8_reason`; the planner offers it only where that is None.
 """
@@ -104,6 +104,11 @@ def wgmma_fp8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
     return int(sorted_rows) + y + 16 * pairs + 4 * rows
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _fp8_rows(tensor: torch.Tensor, rows: int):
     """A TMA descriptor of fp8 `tensor` [R, C] read in [rows, 128] tiles."""
     gluon = _gluon_hopper()
@@ -153,7 +158,9 @@ def wgmma_fp8_moe(
     # An expert's odd last block runs next to its other blocks (the same weight tiles, from L2), not in
     # a launch of its own that streams those experts' weights again: on an H200 the separate tail launch
     # ran DRAM-bound, 556 us of DeepSeek-V3's 5.1 ms at T = 4096.
-    gluon.gemm2[(blocks.max_blocks * (spec.H // TILE_N),)](
+    # Persistent: a program an SM (at most one a tile); the tiles it walks are counted on the device.
+    grid = min(blocks.max_blocks * (spec.H // TILE_N), _multiprocessors(x.device))
+    gluon.gemm2[(grid,)](
         h_desc=_fp8_rows(h, blocks.block_m),  # fp8 [R, I]
         w_desc=_fp8_rows(weights.w2.reshape(-1, spec.I), TILE_N),  # fp8 [E_local * H, I]
         h_scale_ptr=hs,  # fp32 [R, I/128]
@@ -165,7 +172,6 @@ def wgmma_fp8_moe(
         block_start_ptr=blocks.block_start,  # int32 [max_blocks]
         num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
         expert_end_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
-        num_pid_m=blocks.max_blocks,
         num_pairs=aligned.num_pairs,
         stride_hsm=hs.stride(0),
         **block_scale_strides(s2),

@@ -51,10 +51,18 @@ def _issue_mma(k, ring, A_ROW0: gl.constexpr, BN: gl.constexpr, NUM_STAGES: gl.c
 
 @gluon.jit
 def _promoted_kloop(
-    ring, scales, row0, KT: gl.constexpr, A_ROW0: gl.constexpr, BN: gl.constexpr, NUM_STAGES: gl.constexpr
+    ring,
+    scales,
+    row0,
+    T0,
+    KT: gl.constexpr,
+    A_ROW0: gl.constexpr,
+    BN: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):
     """sum over K-steps k of (A_k @ B_k^T) * a_scale[row, k] * w_scale[k] in fp32 for this warpgroup's 64
-    rows (sorted rows row0 + A_ROW0 on). `ring`: (A stages, weight stages, ready and empty barriers);
+    rows (sorted rows row0 + A_ROW0 on); K-step k is the ring's step T0 + k (a persistent program's
+    earlier tiles took the steps before). `ring`: (A stages, weight stages, ready and empty barriers);
     `scales`: (a_scale_ptr, its row stride, this tile's weight scales, their K stride). Each stage is
     handed back (`empty`) as soon as this warpgroup's wgmma of it has retired."""
     empty = ring[3]
@@ -67,27 +75,28 @@ def _promoted_kloop(
     done_scale = gl.zeros([ROWS_PER_WARPGROUP], gl.float32, gl.SliceLayout(1, layout))
     for i in range(0, KT // 2):
         k = 2 * i
-        first = _issue_mma(k, ring, A_ROW0, BN, NUM_STAGES)
+        first = _issue_mma(T0 + k, ring, A_ROW0, BN, NUM_STAGES)
         acc = acc + done * done_scale[:, None]
-        second = _issue_mma(k + 1, ring, A_ROW0, BN, NUM_STAGES)
+        second = _issue_mma(T0 + k + 1, ring, A_ROW0, BN, NUM_STAGES)
         first_scale = gl.load(a_scales + k) * gl.load(w_scale_ptr + k * stride_wsk)
         done_scale = gl.load(a_scales + k + 1) * gl.load(w_scale_ptr + (k + 1) * stride_wsk)
         product = warpgroup_mma_wait(num_outstanding=1, deps=(first,))
-        mbarrier.arrive(empty.index(k % NUM_STAGES), count=1)
+        mbarrier.arrive(empty.index((T0 + k) % NUM_STAGES), count=1)
         acc = acc + product * first_scale[:, None]
         done = warpgroup_mma_wait(num_outstanding=0, deps=(second,))
-        mbarrier.arrive(empty.index((k + 1) % NUM_STAGES), count=1)
+        mbarrier.arrive(empty.index((T0 + k + 1) % NUM_STAGES), count=1)
     return acc + done * done_scale[:, None]
 
 
 @gluon.jit
-def _release_stages(ring, KT: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """A math warpgroup with no rows of its own in this block: hand each stage back as it lands (the
-    ring's empty barriers count every consumer), so that the producer and the other warpgroup run on."""
+def _release_stages(ring, T0, KT: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """A math warpgroup with no rows of its own in this block: hand the ring's steps T0 .. T0 + KT - 1
+    back as they land (the ring's empty barriers count every consumer), so that the producer and the
+    other warpgroup run on."""
     ready, empty = ring[2], ring[3]
     for k in range(KT):
-        s = k % NUM_STAGES
-        mbarrier.wait(ready.index(s), (k // NUM_STAGES) & 1)
+        s = (T0 + k) % NUM_STAGES
+        mbarrier.wait(ready.index(s), ((T0 + k) // NUM_STAGES) & 1)
         mbarrier.arrive(empty.index(s), count=1)
 
 
@@ -98,18 +107,25 @@ def _loader(
     """The producer partition (one warp): per K-step, the A tile (rows row_a on) and one weight tile per
     entry of `w_rows` (its first weight row) into `b_smems` (a ring each), all in the next free stage.
     `descriptors`: (A's, the weights')."""
+    for k in range(KT):
+        _load_step(descriptors, a_smem, b_smems, ready, empty, k, k, row_a, w_rows, NUM_STAGES)
+
+
+@gluon.jit
+def _load_step(descriptors, a_smem, b_smems, ready, empty, t, k, row_a, w_rows, NUM_STAGES: gl.constexpr):
+    """Ring step t: K-step k of the A tile (rows row_a on) and of one weight tile per entry of `w_rows`,
+    into the step's stage once every consumer has handed it back."""
     a_desc, w_desc = descriptors
     NUM_B: gl.constexpr = len(w_rows)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + NUM_B * w_desc.block_type.nbytes
-    for k in range(KT):
-        s = k % NUM_STAGES
-        # A fresh barrier's phase 1 counts as complete: the first pass over the ring does not wait.
-        mbarrier.wait(empty.index(s), ((k // NUM_STAGES) & 1) ^ 1)
-        bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(a_desc, [row_a, k * SCALE_GROUP], bar, a_smem.index(s))
-        for j in gl.static_range(NUM_B):
-            tma.async_copy_global_to_shared(w_desc, [w_rows[j], k * SCALE_GROUP], bar, b_smems[j].index(s))
+    s = t % NUM_STAGES
+    # A fresh barrier's phase 1 counts as complete: the first pass over the ring does not wait.
+    mbarrier.wait(empty.index(s), ((t // NUM_STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row_a, k * SCALE_GROUP], bar, a_smem.index(s))
+    for j in gl.static_range(NUM_B):
+        tma.async_copy_global_to_shared(w_desc, [w_rows[j], k * SCALE_GROUP], bar, b_smems[j].index(s))
 
 
 @gluon.jit

@@ -44,7 +44,7 @@ def _gemm1_math(
     up_smem, up_ready = exchange
     BN: gl.constexpr = up_smem.shape[1]
     layout: gl.constexpr = _mma_layout(BN)
-    acc = _promoted_kloop(ring, scales, row0, KT, 0, BN, NUM_STAGES)
+    acc = _promoted_kloop(ring, scales, row0, 0, KT, 0, BN, NUM_STAGES)
     if GATE:
         h_ptr, h_scale_ptr, pid_n, stride_hm, stride_hsm = h_out
         mbarrier.wait(up_ready, 0)

@@ -116,7 +116,7 @@ def _tall_math(
     only the ring's stages handed back if those rows are past the expert's end."""
     rows_end = h_out[5]
     if row0 + ROW0 >= rows_end:
-        _release_stages(ring, 2 * KT, NUM_STAGES)
+        _release_stages(ring, 0, 2 * KT, NUM_STAGES)
     else:
         first = _half_h(
             _gate_up_kloop(ring, scales, row0, 0, KT, ROW0, NUM_STAGES), ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
