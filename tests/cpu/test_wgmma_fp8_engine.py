@@ -148,8 +148,9 @@ out = {}
 for gemm, rows in ((1, 64), (1, 128), (2, 128)):
     kernel = r.compile_wgmma_fp8_for_hopper(gemm, gemm1_rows=rows)
     instructions = r.all_instructions(kernel)
-    every = [(loop[0][0], loop[-1][0], loop) for loop in r.mma_loops(instructions)]
-    # K-loops: the innermost; a retry branch of a barrier wait placed past the code spans all of it.
+    # K-loops: the innermost of those closed by a conditional branch (a barrier wait's retry jumps back
+    # unconditionally from past the code; a persistent program's tile loop holds K-loops).
+    every = [(b[0][0], b[-1][0], b) for b in r.mma_loops(instructions) if b[-1][1].startswith("@")]
     inner = [not any(a <= c and d <= b and (c, d) != (a, b) for c, d, _ in every) for a, b, _ in every]
     loops = [body for (_, _, body), keep in zip(every, inner) if keep]
     out[f"{gemm}/{rows}"] = {
