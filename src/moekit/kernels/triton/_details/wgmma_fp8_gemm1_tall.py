@@ -17,7 +17,10 @@ promotion scales columns 0-63 by the gate block's scale and 64-127 by the up blo
 One tile a program, unlike the persistent GEMM2: a persistent form (a program an SM walking the tiles
 with the grid as stride, the ring running on across tiles) spent 4 - 9 % longer in this kernel on an
 H200 (DeepSeek-V3 T = 2048 / 4096 / 16384: 2069 -> 2181, 2935 -> 3190, 9253 -> 10032 us; the outputs
-equal). Its long tiles (2 x H / 128 K-steps) leave little launch latency to hide.
+equal). Its long tiles (2 x H / 128 K-steps) leave little launch latency to hide. Nor does an expert's
+odd last 64-row block give each warpgroup one pass over those rows on interleaved ring steps (the
+second handing its half of h over): that was 21 - 34 % slower in this kernel (DeepSeek-V3 T = 2048 /
+4096: 1965 -> 2419, 2799 -> 3572 us), each warpgroup then half the ring deep and x read twice.
 """
 
 from moekit.kernels.triton._details.activation import _gated_activation
