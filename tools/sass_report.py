@@ -398,13 +398,19 @@ def loop_instructions(kernel, instructions: list[tuple[int, str]] | None = None)
 
 
 def mma_loops(instructions: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
-    """(address, instruction) bodies of every loop (a backward branch and its target) that issues a wgmma:
-    a Gluon kernel's K-loops (one per specialization of its tile), not its barrier spins."""
-    bodies = [_body(instructions, loop) for loop in _loops(instructions, conditional=False)]
-    mma = [b for b in bodies if any(unpredicated(t).startswith(("HGMMA", "QGMMA")) for _, t in b)]
-    if not mma:
+    """(address, instruction) bodies of a Gluon kernel's K-loops (one per specialization of its tile): the
+    innermost of the loops closed by a conditional backward branch that issue a wgmma. Not its barrier
+    spins, nor a wait's retry (an unconditional jump back from a stub past the code, spanning all between),
+    nor a persistent program's tile loop (it holds K-loops)."""
+    spans = [
+        loop
+        for loop in _loops(instructions, conditional=True)
+        if any(unpredicated(t).startswith(("HGMMA", "QGMMA")) for _, t in _body(instructions, loop))
+    ]
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    if not inner:
         raise RuntimeError(f"no loop issues a wgmma among {len(instructions)} instructions")
-    return mma
+    return [_body(instructions, loop) for loop in inner]
 
 
 def unpredicated(text: str) -> str:

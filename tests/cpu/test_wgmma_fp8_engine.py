@@ -151,11 +151,7 @@ out = {}
 for gemm, rows in ((1, 64), (1, 128), (2, 128)):
     kernel = r.compile_wgmma_fp8_for_hopper(gemm, gemm1_rows=rows)
     instructions = r.all_instructions(kernel)
-    # K-loops: the innermost of those closed by a conditional branch (a barrier wait's retry jumps back
-    # unconditionally from past the code; a persistent program's tile loop holds K-loops).
-    every = [(b[0][0], b[-1][0], b) for b in r.mma_loops(instructions) if b[-1][1].startswith("@")]
-    inner = [not any(a <= c and d <= b and (c, d) != (a, b) for c, d, _ in every) for a, b, _ in every]
-    loops = [body for (_, _, body), keep in zip(every, inner) if keep]
+    loops = r.mma_loops(instructions)
     out[f"{gemm}/{rows}"] = {
         **r.kernel_facts(kernel, instructions),
         "k_loop_spills": [sum(r.unpredicated(t)[:3] in ("LDL", "STL") for _, t in loop) for loop in loops],

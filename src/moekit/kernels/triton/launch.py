@@ -31,7 +31,6 @@ from moekit.kernels.triton.align import BlockList, gemm_blocks
 from moekit.kernels.triton.config import (
     MXFP4_DECODE_TILES,
     MXFP4_PREFILL_TILES,
-    WGMMA_FP8_TILES,
     MatmulEngine,
     TritonMoEConfig,
     triton_supports,
@@ -297,7 +296,7 @@ def triton_fused_moe(
             spec=spec,
             num_stages=config.num_stages,
             group_m=config.group_m,
-            gemm1_rows=config.gemm1_block_m or WGMMA_FP8_TILES["tail_block_m"],
+            gemm1_block_m=config.gemm1_block_m,
             expert_map=expert_map,
             out=out,
         )

@@ -104,8 +104,9 @@ def wgmma_fp8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
     return int(sorted_rows) + y + 16 * pairs + 4 * rows
 
 
-@functools.cache
+@functools.cache  # asked at every launch of the persistent GEMM2
 def _multiprocessors(device: torch.device) -> int:
+    """The SM count of `device`: the persistent GEMM2's grid."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -125,13 +126,13 @@ def wgmma_fp8_moe(
     spec: MoESpec,
     num_stages: int,
     group_m: int,
-    gemm1_rows: int,
+    gemm1_block_m: int | None,
     expert_map: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """The MoE layer of `spec` into `out` [T, H] (T > 0); the caller checked the inputs, the spec
-    (`wgmma_fp8_reason`) and the device (sm_90). `gemm1_rows`: GEMM1's rows a program, 64 (the
-    alignment's blocks) or 128 (GEMM2's blocks, `_details.wgmma_fp8_gemm1_tall`)."""
+    (`wgmma_fp8_reason`), the config and the device (sm_90). `gemm1_block_m`: the config's, None for
+    GEMM1 on the alignment's 64-row blocks, 128 on GEMM2's (`_details.wgmma_fp8_gemm1_tall`)."""
     gluon = _gluon_hopper()
     aligned = align_routing(
         routing.ids, num_local_experts=spec.E_local, block_m=GEMM1_ROWS, expert_map=expert_map
@@ -149,11 +150,8 @@ def wgmma_fp8_moe(
         num_warps=4,
     )
     blocks = paired_blocks(aligned)
-    gemm1_out = (h, hs)
-    if gemm1_rows == 2 * GEMM1_ROWS:
-        _gemm1_tall(xq, xs, weights, aligned, blocks, gemm1_out, spec=spec, tuning=tuning)
-    else:
-        _gemm1(xq, xs, weights, aligned, gemm1_out, spec=spec, tuning=tuning)
+    tall = gemm1_block_m is not None
+    _gemm1(xq, xs, weights, aligned, blocks, (h, hs), spec=spec, tall=tall, tuning=tuning)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     # An expert's odd last block runs next to its other blocks (the same weight tiles, from L2), not in
     # a launch of its own that streams those experts' weights again: on an H200 the separate tail launch
@@ -183,58 +181,47 @@ def wgmma_fp8_moe(
     return sum_top_k(y, pair_expert=aligned.pair_expert, out=out, spec=spec)
 
 
-def _gemm1(xq, xs, weights, aligned, gemm1_out, *, spec: MoESpec, tuning: dict) -> None:
-    """GEMM1 on the alignment's 64-row blocks, 128 columns of h a program."""
+def _gemm1(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tall: bool, tuning: dict) -> None:
+    """GEMM1, 128 columns of h a program: on the alignment's 64-row blocks, or (`tall`) on `paired_blocks`'
+    128-row blocks in two 64-column passes."""
     h, hs = gemm1_out
     s13 = weights.w13_scale  # fp32 [E_local, 2I/128, H/128]
-    _gluon_hopper().gemm1[(aligned.max_blocks * (spec.I // TILE_N),)](
-        x_desc=_fp8_rows(xq, GEMM1_ROWS),  # fp8 [R, H]
-        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), TILE_N),  # fp8 [E_local * 2I, H]
+    if tall:
+        kernel, rows, w_rows = _gluon_hopper().gemm1_tall, 2 * GEMM1_ROWS, TILE_N // 2
+        block_args = dict(
+            block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
+            block_start_ptr=blocks.block_start,  # int32 [max_blocks]
+            num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
+            expert_end_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
+            num_pid_m=blocks.max_blocks,
+        )
+    else:
+        kernel, rows, w_rows = _gluon_hopper().gemm1, GEMM1_ROWS, TILE_N
+        block_args = dict(
+            block_expert_ptr=aligned.block_expert,  # int32 [max_blocks]
+            num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
+            num_pid_m=aligned.max_blocks,
+        )
+    kernel[(block_args["num_pid_m"] * (spec.I // TILE_N),)](
+        x_desc=_fp8_rows(xq, rows),  # fp8 [R, H]
+        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), w_rows),  # fp8 [E_local * 2I, H]
         x_scale_ptr=xs,  # fp32 [R, H/128]
         w_scale_ptr=s13,
         h_ptr=h,  # fp8 [R, I]
         h_scale_ptr=hs,  # fp32 [R, I/128]
-        block_expert_ptr=aligned.block_expert,  # int32 [max_blocks]
-        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
-        num_pid_m=aligned.max_blocks,
+        **block_args,
         stride_xsm=xs.stride(0),
         **block_scale_strides(s13),
         stride_hm=h.stride(0),
         stride_hsm=hs.stride(0),
-        **_silu_epilogue(spec),
+        HIDDEN=spec.H,
+        INTER_SIZE=spec.I,
+        # plain SiLU(gate) * up, the one activation `wgmma_fp8_reason` takes
+        ACTIVATION=ACT_SILU.value,
+        ALPHA=0.0,
+        HAS_LIMIT=False,
+        LIMIT=0.0,
         **tuning,
-    )
-
-
-def _gemm1_tall(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tuning: dict) -> None:
-    """GEMM1 on `paired_blocks`' 128-row blocks, 128 columns of h a program in two 64-column passes."""
-    h, hs = gemm1_out
-    s13 = weights.w13_scale
-    _gluon_hopper().gemm1_tall[(blocks.max_blocks * (spec.I // TILE_N),)](
-        x_desc=_fp8_rows(xq, 2 * GEMM1_ROWS),  # fp8 [R, H]
-        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), TILE_N // 2),  # fp8 [E_local * 2I, H]
-        x_scale_ptr=xs,
-        w_scale_ptr=s13,
-        h_ptr=h,
-        h_scale_ptr=hs,
-        block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
-        block_start_ptr=blocks.block_start,  # int32 [max_blocks]
-        num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
-        expert_end_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
-        num_pid_m=blocks.max_blocks,
-        stride_xsm=xs.stride(0),
-        **block_scale_strides(s13),
-        stride_hm=h.stride(0),
-        stride_hsm=hs.stride(0),
-        **_silu_epilogue(spec),
-        **tuning,
-    )
-
-
-def _silu_epilogue(spec: MoESpec) -> dict:
-    """GEMM1's activation constexprs: plain SiLU(gate) * up, the one `wgmma_fp8_reason` takes."""
-    return dict(
-        HIDDEN=spec.H, INTER_SIZE=spec.I, ACTIVATION=ACT_SILU.value, ALPHA=0.0, HAS_LIMIT=False, LIMIT=0.0
     )
 
 

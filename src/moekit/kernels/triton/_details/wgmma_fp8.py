@@ -129,16 +129,23 @@ def _load_step(descriptors, a_smem, b_smems, ready, empty, t, k, row_a, w_rows, 
 
 
 @gluon.jit
-def _ring(a_desc, w_desc, NUM_B: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Shared memory of a NUM_STAGES-deep ring: A stages, NUM_B weight stage rings, and the ready
-    (the producer's TMA landed) and empty (all CONSUMERS warpgroups' wgmma retired) barriers."""
+def _ring(
+    a_desc,
+    w_desc,
+    NUM_B: gl.constexpr,
+    BOXES: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+):
+    """Shared memory of a NUM_STAGES-deep ring: A stages, NUM_B weight stage rings (a stage BOXES of the
+    weight descriptor's boxes stacked along its rows), and the ready (the producer's TMA landed) and
+    empty (all CONSUMERS warpgroups' wgmma retired) barriers."""
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
-    first = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
+    stage: gl.constexpr = [NUM_STAGES, BOXES * w_desc.block_type.shape[0], w_desc.block_type.shape[1]]
+    first = gl.allocate_shared_memory(w_desc.dtype, stage, w_desc.layout)
     b_smems = (first,)
     if NUM_B == 2:
-        second = gl.allocate_shared_memory(
-            w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout
-        )
+        second = gl.allocate_shared_memory(w_desc.dtype, stage, w_desc.layout)
         b_smems = (first, second)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())

@@ -102,7 +102,7 @@ def _fp8_gemm1(
     expert = gl.load(block_expert_ptr + pid_m)
     KT: gl.constexpr = HIDDEN // SCALE_GROUP
     gate_row = expert * (2 * INTER_SIZE) + pid_n * BN
-    a_smem, weight_stages, ready, empty = _ring(x_desc, w_desc, 2, NUM_STAGES, 2)
+    a_smem, weight_stages, ready, empty = _ring(x_desc, w_desc, 2, 1, NUM_STAGES, 2)
     gate_smem = weight_stages[0]
     up_w_smem = weight_stages[1]
     up_smem = gl.allocate_shared_memory(

@@ -32,6 +32,7 @@ from moekit.kernels.triton._details.wgmma_fp8 import (
     _issue_mma,
     _mma_layout,
     _release_stages,
+    _ring,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -139,9 +140,12 @@ def _tall_math(
 
 
 @gluon.jit
-def _tall_loader(x_desc, w_desc, ring, row_a, gate_row, up_row, KT: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _tall_loader(descriptors, ring, row_a, gate_row, up_row, KT: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The producer partition (one warp): ring step t = pass * KT + k holds x's rows row_a on at K-step k,
-    and the pass's 64 gate rows and 64 up rows (from gate_row, up_row) as the halves of one weight stage."""
+    and the pass's 64 gate rows and 64 up rows (from gate_row, up_row) as the halves of one weight stage
+    (`wgmma_fp8._load_step`'s wait and expect; the halves are views of one stage, so the copies are
+    written here: a view of the whole ring sliced along the rows does not compile)."""
+    x_desc, w_desc = descriptors
     a_smem, b_smem, ready, empty = ring
     nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
     for t in range(2 * KT):
@@ -200,17 +204,11 @@ def _fp8_gemm1_tall(
     expert = gl.load(block_expert_ptr + pid_m)
     rows_end = gl.load(expert_end_ptr + expert + 1).to(gl.int32)
     KT: gl.constexpr = HIDDEN // SCALE_GROUP
-    a_smem = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES] + x_desc.block_type.shape, x_desc.layout)
-    b_smem = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BN, SCALE_GROUP], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    a_smem, weight_stages, ready, empty = _ring(x_desc, w_desc, 1, 2, NUM_STAGES, 2)
     stash = gl.allocate_shared_memory(
         gl.float32, [2 * ROWS_PER_WARPGROUP, HALF], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     )
-    ring = (a_smem, b_smem, ready, empty)
+    ring = (a_smem, weight_stages[0], ready, empty)
     block_scales = w_scale_ptr + expert.to(gl.int64) * stride_wse
     scales = (
         x_scale_ptr,
@@ -244,7 +242,7 @@ def _fp8_gemm1_tall(
                     NUM_STAGES,
                 ),
             ),
-            (_tall_loader, (x_desc, w_desc, ring, row0, gate_row, gate_row + INTER_SIZE, KT, NUM_STAGES)),
+            (_tall_loader, ((x_desc, w_desc), ring, row0, gate_row, gate_row + INTER_SIZE, KT, NUM_STAGES)),
         ],
         [4, 1],
         [MATH_REGISTERS, LOAD_REGISTERS],

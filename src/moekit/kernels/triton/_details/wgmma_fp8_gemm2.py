@@ -74,7 +74,7 @@ def _persistent_math(
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
 ):
-    """One math warpgroup of a persistent program: `_gemm2_math` of each of the program's tiles in turn,
+    """One math warpgroup of a persistent program: `_gemm2_tile` of each of the program's tiles in turn,
     the ring's steps counted on across tiles (`tiles`: first tile, stride, count, N-tiles)."""
     block_expert_ptr, block_start_ptr, expert_end_ptr, num_valid = blocks
     h_scale_ptr, stride_hsm, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales_base
@@ -153,7 +153,7 @@ def _fp8_gemm2(
     num_valid = gl.load(num_blocks_ptr)
     num_pid_n: gl.constexpr = HIDDEN // BN
     tiles = (gl.program_id(0), gl.num_programs(0), num_valid * num_pid_n, num_pid_n)
-    a_smem, weight_stages, ready, empty = _ring(h_desc, w_desc, 1, NUM_STAGES, 2)
+    a_smem, weight_stages, ready, empty = _ring(h_desc, w_desc, 1, 1, NUM_STAGES, 2)
     ring = (a_smem, weight_stages[0], ready, empty)
     blocks = (block_expert_ptr, block_start_ptr, expert_end_ptr, num_valid)
     scales_base = (h_scale_ptr, stride_hsm, w_scale_ptr, stride_wse, stride_wsn, stride_wsk)

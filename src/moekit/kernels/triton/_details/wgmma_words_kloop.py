@@ -62,13 +62,22 @@ def _load_step(
     w_ptrs = w_base + rb[:, None, None] * (NB_RUNS * 32 * _RUN) + lane[None, :, None] * _RUN
     row = 16 * rb[:, None, None] + lane[None, :, None] // 4
     s_ptrs = s_base + (chunk // 2)[None, None, :] * N_ROWS + row
-    if N_ROWS % 128 == 0:  # every N-tile whole: no masks in the K-loop
-        words = gl.load(w_ptrs + run_offset[None, None, :])
+    block_in = (16 * tile_rb < rows_left)[:, None, None]
+    # Every N-tile whole: no masks in the K-loop.
+    return _words_and_factors(w_ptrs + run_offset[None, None, :], s_ptrs, block_in, N_ROWS % 128 == 0)
+
+
+@gluon.jit
+def _words_and_factors(w_ptrs, s_ptrs, block_in, WHOLE: gl.constexpr):
+    """Words (uint32) at `w_ptrs` and the fp32 factors of the E8M0 bytes at `s_ptrs` (rows g) and
+    `s_ptrs` + 8 (rows g + 8); unless WHOLE, only where `block_in` (zero words elsewhere: weights of 0).
+    Shared by both word engines' step loads."""
+    if WHOLE:
+        words = gl.load(w_ptrs)
         top = gl.load(s_ptrs)
         bottom = gl.load(s_ptrs + 8)
     else:
-        block_in = (16 * tile_rb < rows_left)[:, None, None]
-        words = gl.load(w_ptrs + run_offset[None, None, :], mask=block_in, other=0)
+        words = gl.load(w_ptrs, mask=block_in, other=0)
         top = gl.load(s_ptrs, mask=block_in, other=0)
         bottom = gl.load(s_ptrs + 8, mask=block_in, other=0)
     return words.to(gl.uint32, bitcast=True), _factor(top), _factor(bottom)

@@ -19,7 +19,7 @@ Grid: (M-blocks x 64-row N-tiles, SPLIT_K).
 from __future__ import annotations
 
 from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, COLS_PER_CHUNK, ROWS_PER_BLOCK
-from moekit.kernels.triton._details.wgmma_words_kloop import _codes, _factor, _scaled_fragment
+from moekit.kernels.triton._details.wgmma_words_kloop import _codes, _scaled_fragment, _words_and_factors
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -45,16 +45,8 @@ def _load_step(w_base, s_base, k, rows_left, IN_DIM: gl.constexpr, N_ROWS: gl.co
     group = gl.minimum(4 * k + ch // 2, G - 1)
     row = 16 * rb[:, None, None] + lane[None, :, None] // 4
     s_ptrs = s_base + group[None, None, :] * N_ROWS + row
-    if N_ROWS % ROWS == 0:  # every N-tile whole
-        words = gl.load(w_ptrs + ch[None, None, :])
-        top = gl.load(s_ptrs)
-        bottom = gl.load(s_ptrs + 8)
-    else:
-        block_in = (16 * rb < rows_left)[:, None, None]
-        words = gl.load(w_ptrs + ch[None, None, :], mask=block_in, other=0)
-        top = gl.load(s_ptrs, mask=block_in, other=0)
-        bottom = gl.load(s_ptrs + 8, mask=block_in, other=0)
-    return words.to(gl.uint32, bitcast=True), _factor(top), _factor(bottom)
+    block_in = (16 * rb < rows_left)[:, None, None]
+    return _words_and_factors(w_ptrs + ch[None, None, :], s_ptrs, block_in, N_ROWS % ROWS == 0)
 
 
 @gluon.jit
