@@ -104,7 +104,7 @@ def compile_gemm(
     else:
         values.update(ROUTE_ON_OUTPUT=True)
     if gemm == 1:
-        values.update(QUANT_H=False)
+        values.update(QUANT_H=False, H_SORTED=False)
     if model == "deepseek":  # DeepSeek-V3's layer: CONCAT gate/up rows, SiLU, no biases, K = 8
         values.update(HIDDEN=7168, INTER_SIZE=2048, HAS_BIAS=False)
         if gemm == 1:
@@ -218,6 +218,55 @@ def compile_wgmma_fp8_for_hopper(
             **paired,
         )
     return compile_gluon_for_hopper(fn, pointers=pointers, constants=constants, warps=4)
+
+
+def compile_wgmma_bf16_for_hopper(
+    *, block_n: int = 256, hidden=2048, inter=768, paired: bool = False, bias: bool = False
+):
+    """The WGMMA_BF16 engine's Gluon GEMM2 compiled for sm_90 at a layer's H and I (Qwen3-30B's by
+    default), as `wgmma_bf16_gemm2` launches it: `block_n` columns of y a tile, over `paired_blocks`'
+    start list or the alignment's own 128-row blocks, with or without b2."""
+    from triton.experimental.gluon import language as gl
+
+    from moekit.kernels.triton import wgmma_bf16 as host
+    from moekit.kernels.triton._details import wgmma_bf16_gemm2
+
+    def descriptor(rows: int) -> str:
+        block = [rows, host.GEMM2_TILE_K]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {host.GEMM2_TILE_K}],{layout!r}>"
+
+    constants = dict(
+        HIDDEN=hidden,
+        INTER_SIZE=inter,
+        GROUP_M=8,
+        NUM_STAGES=host._GEMM2_STAGES[block_n],
+        HAS_BIAS=bias,
+        ROUTE_ON_OUTPUT=True,
+        MATH_REGISTERS=host.MATH_REGISTERS,
+        LOAD_REGISTERS=host.LOAD_REGISTERS,
+    )
+    pointers = dict(
+        h_desc=descriptor(host.GEMM2_ROWS),
+        w_desc=descriptor(block_n),
+        sorted_pairs_ptr="*i32",
+        route_w_ptr="*fp32",
+        y_ptr="*bf16",
+        block_expert_ptr="*i32",
+        num_blocks_ptr="*i32",
+        expert_end_ptr="*i64",
+    )
+    if bias:
+        pointers["b_ptr"] = "*bf16"
+    else:
+        constants["b_ptr"] = None
+    if paired:
+        pointers["block_start_ptr"] = "*i32"
+    else:
+        constants["block_start_ptr"] = None
+    return compile_gluon_for_hopper(
+        wgmma_bf16_gemm2._bf16_gemm2, pointers=pointers, constants=constants, warps=4
+    )
 
 
 def compile_wgmma_words_for_hopper(

@@ -324,6 +324,7 @@ class GemmBlocks:
     block_lists: tuple[BlockList, ...]  # one launch of each GEMM per list, empty lists left out
     sorted_pair_ids: torch.Tensor | None
     pair_expert: torch.Tensor  # int32 [T*K]
+    aligned: AlignedRouting | None  # the alignment the lists walk; None: one block a pair
 
 
 def gemm_blocks(
@@ -334,13 +335,15 @@ def gemm_blocks(
     tail_block_m: int | None,
     expert_map: torch.Tensor | None,
     expert_bytes: int,
+    always_aligned: bool = False,
 ) -> GemmBlocks:
     """`one_block_per_pair` for a decode step of one token or of pairs sparse enough among the local
     experts (`takes_one_block_per_pair`; `expert_bytes`: one expert's weights, `MoESpec.expert_weight_bytes`),
     else the alignment: blocks of `block_m` rows, or with `tail_block_m` blocks of twice it and each
-    expert's odd last block apart."""
+    expert's odd last block apart. `always_aligned`: the alignment at any T (for GEMMs that read the
+    sorted rows)."""
     _check_ids_shape(ids)  # T and K are read before either path
-    if not tail_block_m and takes_one_block_per_pair(
+    if not (tail_block_m or always_aligned) and takes_one_block_per_pair(
         num_tokens=ids.shape[0],
         top_k=ids.shape[1],
         num_local_experts=num_local_experts,
@@ -348,13 +351,13 @@ def gemm_blocks(
         expert_bytes=expert_bytes,
     ):
         blocks = one_block_per_pair(ids, block_m=block_m)
-        return GemmBlocks((blocks,), None, blocks.block_expert)  # every pair local: its expert is its id
+        return GemmBlocks((blocks,), None, blocks.block_expert, None)  # every pair local: expert = id
     aligned = align_routing(
         ids, num_local_experts=num_local_experts, block_m=tail_block_m or block_m, expert_map=expert_map
     )
     lists = split_tail_blocks(aligned) if tail_block_m else (BlockList.of(aligned),)
     lists = tuple(b for b in lists if b.max_blocks > 0)
-    return GemmBlocks(lists, aligned.sorted_pair_ids, aligned.pair_expert)
+    return GemmBlocks(lists, aligned.sorted_pair_ids, aligned.pair_expert, aligned)
 
 
 def split_tail_blocks(

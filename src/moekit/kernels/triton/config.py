@@ -18,6 +18,9 @@ import torch
 from moekit.errors import SpecError
 from moekit.formats.mxfp4_words import rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
+from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS as WGMMA_BF16_ALIGNMENT_ROWS
+from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
+from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_reason
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
 from moekit.kernels.triton.wgmma_words import BLOCK_MS as WGMMA_WORDS_BLOCK_MS
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
@@ -113,11 +116,18 @@ class MatmulEngine(enum.Enum):
     # 64 weight rows a program, num_stages K-steps of weights in flight a thread, no barrier in the loop;
     # both GEMMs write fp32 split-K shares that the tl.dot path's finish kernels complete.
     MMA_WORDS_DECODE = "Gluon mma.sync split-K kernels streaming MXFP4 words for decode (W4A16, sm_90)"
+    # 16-bit float weights and activations (`wgmma_bf16.wgmma_bf16_reason`): the tl.dot GEMM1 writing h in
+    # the alignment's sorted rows, then a persistent Gluon wgmma GEMM2 reading h and w2 through TMA.
+    WGMMA_BF16 = "tl.dot GEMM1, persistent Gluon wgmma GEMM2 (16-bit float prefill, sm_90)"
 
 
 # The one tiling the WGMMA_FP8 engine runs (its kernels fix the rest): GEMM2's 128-row blocks with
 # 64-row tails, 128 x 128 weight tiles, one 128-deep scale group a K-step, 4-warp warpgroups.
 WGMMA_FP8_TILES = dict(block_m=128, tail_block_m=64, block_n=128, block_k=128, num_warps=4, split_k=1)
+# What the WGMMA_BF16 engine fixes: GEMM1 is the tl.dot path's (its tiles free), without split-K or swap_ab
+# (the engine is for prefill); its alignment is at 64 or 128 rows (`wgmma_bf16.ALIGNMENT_ROWS`: block_m
+# 64, or 128 with or without 64-row tails) and GEMM2's tile one of `wgmma_bf16.GEMM2_BLOCK_NS` wide.
+WGMMA_BF16_TILES = dict(split_k=1, swap_ab=False)
 # What the WGMMA_WORDS engine's kernels fix: 64 columns of h a GEMM1 program (128 w13 rows), 128 w2 rows a
 # GEMM2 program, 64-wide K-steps, two warpgroups; block_m one of WGMMA_WORDS_BLOCK_MS, group_m and
 # num_stages (3 - 8) free, and the register cap its own (`wgmma_words.register_cap`).
@@ -253,6 +263,20 @@ class TritonMoEConfig(KernelConfig):
                     f"128, no swap_ab; group_m, num_stages and gemm1_block_m free), got {fixed}, "
                     f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
                 )
+        if self.engine is MatmulEngine.WGMMA_BF16:
+            fixed = {name: getattr(self, name) for name in WGMMA_BF16_TILES}
+            alignment = self.tail_block_m or self.block_m
+            if (
+                fixed != WGMMA_BF16_TILES
+                or alignment not in WGMMA_BF16_ALIGNMENT_ROWS
+                or self.block_n_gemm2 not in WGMMA_BF16_GEMM2_BLOCK_NS
+            ):
+                raise SpecError(
+                    f"the WGMMA_BF16 engine runs {WGMMA_BF16_TILES}, an alignment (tail_block_m, else "
+                    f"block_m) of {WGMMA_BF16_ALIGNMENT_ROWS} rows and GEMM2 tiles (gemm2_block_n, else "
+                    f"block_n) {WGMMA_BF16_GEMM2_BLOCK_NS} wide; got {fixed}, alignment {alignment}, "
+                    f"GEMM2 tile {self.block_n_gemm2}"
+                )
         if self.engine in _WORD_ENGINE_TILINGS:
             tiles, block_ms, stages, free = _WORD_ENGINE_TILINGS[self.engine]
             fixed = {name: getattr(self, name) for name in tiles}
@@ -281,6 +305,9 @@ class TritonMoEConfig(KernelConfig):
         if self.engine is MatmulEngine.WGMMA_FP8:
             reason = wgmma_fp8_reason(spec)
             return None if reason is None else f"the WGMMA_FP8 engine cannot compute this spec: {reason}"
+        if self.engine is MatmulEngine.WGMMA_BF16:
+            reason = wgmma_bf16_reason(spec)
+            return None if reason is None else f"the WGMMA_BF16 engine cannot compute this spec: {reason}"
         if self.engine is MatmulEngine.WGMMA_WORDS:
             reason = wgmma_words_reason(spec)
             return None if reason is None else f"the WGMMA_WORDS engine cannot compute this spec: {reason}"

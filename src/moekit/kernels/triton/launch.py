@@ -22,8 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import triton
-from moekit.errors import DeviceError, LayoutMismatchError, ShapeError, SpecError
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN
+from moekit.errors import DeviceError, ShapeError, SpecError
 from moekit.kernels.triton._details import codes
 from moekit.kernels.triton._details.gemm import _moe_gemm1, _moe_gemm2
 from moekit.kernels.triton._details.reduce import _moe_gemm1_splits
@@ -38,6 +37,8 @@ from moekit.kernels.triton.config import (
 from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.quantize import quantize_rows
 from moekit.kernels.triton.sum_k import sum_shares
+from moekit.kernels.triton.weight_args import WeightArgs, stride_or_zero
+from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_gemm2
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_moe
 from moekit.kernels.triton.wgmma_words import wgmma_words_moe
 from moekit.kernels.triton.words_decode import decode_gemm, gemm2_split
@@ -143,72 +144,6 @@ def workspace_bytes(*, spec: MoESpec, num_tokens: int, shares: tuple[int, int] |
     return total + 16 * pairs  # routing metadata, roughly
 
 
-@dataclass(frozen=True)
-class _WeightArgs:
-    """Pointers and strides of one expert matrix (w13 or w2) as the kernels read it."""
-
-    data: torch.Tensor
-    scale: torch.Tensor | None
-    bias: torch.Tensor | None
-    stride_we: int
-    stride_wn: int
-    stride_wse: int
-    stride_wsn: int
-    stride_wsk: int
-    stride_be: int
-
-    @classmethod
-    def of(
-        cls, data: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, *, name: str
-    ) -> _WeightArgs:
-        if data.dim() == 6:  # MXFP4_MMA_WORDS [E, N/16, S, 8, 4, CHUNKS_PER_RUN]: contiguous runs
-            run = CHUNKS_PER_RUN
-            if data.stride()[3:] != (4 * run, run, 1) or (data.shape[2] > 1 and data.stride(2) != 32 * run):
-                raise LayoutMismatchError(
-                    f"MXFP4 words {name} must be contiguous in their last four dims, strides "
-                    f"{data.stride()}; call .contiguous() once at load time"
-                )
-        elif data.dim() == 4:  # MXFP4 [E, N, G, 16]: the kernel walks a row's G*16 bytes as one run
-            if data.stride(3) != 1 or data.stride(2) != 16:
-                raise LayoutMismatchError(
-                    f"MXFP4 {name} must be contiguous in its last two dims, strides "
-                    f"{data.stride()}; call .contiguous() once at load time"
-                )
-        elif data.stride(2) != 1:
-            raise LayoutMismatchError(
-                f"{name} must be contiguous along its input dim, strides "
-                f"{data.stride()}; call .contiguous() once at load time"
-            )
-        if bias is not None and bias.stride(1) != 1:
-            raise LayoutMismatchError(f"the bias of {name} must be contiguous along its rows")
-        sstrides = (*scale.stride(), 0, 0, 0)[:3] if scale is not None else (0, 0, 0)
-        return cls(
-            data=data,
-            scale=scale,
-            bias=bias,
-            stride_we=data.stride(0),
-            stride_wn=data.stride(1),
-            stride_wse=sstrides[0],
-            stride_wsn=sstrides[1],
-            stride_wsk=sstrides[2],
-            stride_be=_stride(bias, 0),
-        )
-
-    def kernel_args(self) -> dict:
-        """The weight arguments both GEMM kernels take under the same names."""
-        return dict(
-            w_ptr=self.data,  # [E_local, N, K] float / fp8, MXFP4 uint8 [E_local, N, G, 16] or words
-            w_scale_ptr=self.scale,  # per format, or None
-            b_ptr=self.bias,  # [E_local, N] or None
-            stride_we=self.stride_we,
-            stride_wn=self.stride_wn,
-            stride_wse=self.stride_wse,
-            stride_wsn=self.stride_wsn,
-            stride_wsk=self.stride_wsk,
-            stride_be=self.stride_be,
-        )
-
-
 def _check(x, *, spec, config, out) -> None:
     """The launch's own invariants, without reading device memory (no sync): the config against the
     spec, and the arguments only the launch takes. The inputs against the spec (x, weights and their
@@ -249,11 +184,6 @@ def fuses_h_quantization(spec: MoESpec, config: TritonMoEConfig) -> bool:
         and spec.I % 128 == 0
         and config.split_k == 1
     )
-
-
-def _stride(t: torch.Tensor | None, dim: int) -> int:
-    """`t.stride(dim)`, or 0 for an absent tensor (the kernel never reads through it)."""
-    return 0 if t is None else t.stride(dim)
 
 
 def _block_args(blocks: BlockList) -> dict:
@@ -318,8 +248,10 @@ def triton_fused_moe(
         tail_block_m=cfg.tail_block_m,
         expert_map=expert_map,
         expert_bytes=spec.expert_weight_bytes,
+        always_aligned=cfg.engine is MatmulEngine.WGMMA_BF16,  # its GEMM2 reads h in sorted rows
     )
     block_lists, sorted_pairs, pair_expert = blocks.block_lists, blocks.sorted_pair_ids, blocks.pair_expert
+    sorted_h = blocks.aligned if cfg.engine is MatmulEngine.WGMMA_BF16 else None
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
     x = x if x.stride(1) == 1 else x.contiguous()
     quant = spec.act_quant
@@ -327,8 +259,8 @@ def triton_fused_moe(
     if p.a_quant:
         # INPUT placement has K == 1, so route_w [T*K] is indexed by token.
         x, x_scale = quantize_rows(x, quant=quant, row_mult=route_w if p.route_in_quant else None)
-    w13 = _WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
-    w2 = _WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
+    w13 = WeightArgs.of(weights.w13, weights.w13_scale, weights.b13, name="w13")
+    w2 = WeightArgs.of(weights.w2, weights.w2_scale, weights.b2, name="w2")
     words = weights.packing is WeightPacking.MXFP4_MMA_WORDS
     w_format = codes.WFMT_MXFP4_WORDS.value if words else p.w_format
     # Compiled bf16 only: tl.dot_scaled and inline PTX have no interpreter implementation, and
@@ -380,7 +312,8 @@ def triton_fused_moe(
         h = torch.empty(num_pairs, spec.I, dtype=torch.float8_e4m3fn, device=x.device)
         h_scale = torch.empty(num_pairs, spec.I // 128, dtype=torch.float32, device=x.device)
     else:
-        h = torch.empty(num_pairs, spec.I, dtype=p.h_dtype, device=x.device)
+        h_rows = num_pairs if sorted_h is None else sorted_h.max_blocks * sorted_h.block_m
+        h = torch.empty(h_rows, spec.I, dtype=p.h_dtype, device=x.device)
         h_scale = None
     part1 = (
         torch.empty(splits, num_pairs, 2 * spec.I, dtype=torch.float32, device=x.device) if split else None
@@ -409,13 +342,14 @@ def triton_fused_moe(
             h_scale_ptr=h_scale,  # fp32 [T*K, I/128] or None
             part_ptr=part1,  # fp32 [S, T*K, 2I] or None
             stride_xm=x.stride(0),
-            stride_xsm=_stride(x_scale, 0),
-            stride_xsk=_stride(x_scale, 1),
+            stride_xsm=stride_or_zero(x_scale, 0),
+            stride_xsk=stride_or_zero(x_scale, 1),
             stride_hm=h.stride(0),
-            stride_hsm=_stride(h_scale, 0),
+            stride_hsm=stride_or_zero(h_scale, 0),
             QUANT_H=quant_h,
-            stride_part_split=_stride(part1, 0),
-            stride_part_m=_stride(part1, 1),
+            H_SORTED=sorted_h is not None,
+            stride_part_split=stride_or_zero(part1, 0),
+            stride_part_m=stride_or_zero(part1, 1),
             TOP_K=top_k,
             BLOCK_N=cfg.block_n,
             **epilogue1,
@@ -453,6 +387,12 @@ def triton_fused_moe(
         part2 = None
         y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     block_n2 = cfg.block_n_gemm2
+    if sorted_h is not None:
+        route = route_w if p.route_on_output else None
+        wgmma_bf16_gemm2(
+            h, w2.data, w2.bias, route, sorted_h, y, spec=spec, block_n=block_n2, group_m=cfg.group_m
+        )
+        block_lists = ()  # GEMM2 is done
     for blocks in block_lists:
         if decode:
             w2_words = dict(words=weights.w2, scales=weights.w2_scale)
@@ -465,11 +405,11 @@ def triton_fused_moe(
             y_ptr=y,  # [T*K, H] (or out [T, H] when K == 1), or None when split
             part_ptr=part2,  # fp32 [S, T*K, H] or None
             stride_hm=h.stride(0),
-            stride_hsm=_stride(h_scale, 0),
-            stride_hsk=_stride(h_scale, 1),
-            stride_ym=_stride(y, 0),
-            stride_part_split=_stride(part2, 0),
-            stride_part_m=_stride(part2, 1),
+            stride_hsm=stride_or_zero(h_scale, 0),
+            stride_hsk=stride_or_zero(h_scale, 1),
+            stride_ym=stride_or_zero(y, 0),
+            stride_part_split=stride_or_zero(part2, 0),
+            stride_part_m=stride_or_zero(part2, 1),
             ROUTE_ON_OUTPUT=p.route_on_output,
             **w2.kernel_args(),
             BLOCK_N=block_n2,

@@ -70,12 +70,18 @@ def _block_rows(
         pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs).to(tl.int64)
         expert = tl.where(_is_local(expert, num_local), expert, 0)
     else:
-        if block_start_ptr is None:
-            first = pid_m * BLOCK_M
-        else:
-            first = tl.load(block_start_ptr + pid_m)
+        first = _block_first_row(block_start_ptr, pid_m, BLOCK_M)
         pairs = tl.load(sorted_pairs_ptr + first + tl.arange(0, BLOCK_M)).to(tl.int64)
     return pairs, pairs < num_pairs, expert
+
+
+@triton.jit
+def _block_first_row(block_start_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """The first sorted row of M-block `pid_m`: `block_start_ptr[pid_m]`, or pid_m * BLOCK_M without it."""
+    if block_start_ptr is None:
+        return pid_m * BLOCK_M
+    else:
+        return tl.load(block_start_ptr + pid_m)
 
 
 @triton.jit
@@ -91,7 +97,7 @@ def _moe_gemm1(
     block_expert_ptr,  # int32 [num_pid_m]
     block_start_ptr,  # int32 [num_pid_m]: first sorted row of each M-block, or None (pid_m * BLOCK_M)
     num_blocks_ptr,  # int32 [1], or None: every block of the grid holds pairs
-    h_ptr,  # [T*K, I] act dtype (fp32 when W8A8; float8_e4m3fn with QUANT_H)
+    h_ptr,  # [T*K, I] act dtype (fp32 when W8A8; float8_e4m3fn with QUANT_H); [R, I] with H_SORTED
     h_scale_ptr,  # fp32 [T*K, I/128] with QUANT_H, else None
     part_ptr,  # fp32 [SPLIT_K, T*K, 2I] raw partial sums when SPLIT_K > 1, else None
     num_pairs,
@@ -114,6 +120,7 @@ def _moe_gemm1(
     HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr,
     QUANT_H: tl.constexpr,
+    H_SORTED: tl.constexpr,  # h rows are the alignment's sorted rows (the WGMMA_BF16 GEMM2 reads them by TMA)
     W_FORMAT: tl.constexpr,
     FP8_SCALE: tl.constexpr,
     A_QUANT: tl.constexpr,
@@ -214,13 +221,16 @@ def _moe_gemm1(
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        h_rows = pairs
+        if H_SORTED:
+            h_rows = (_block_first_row(block_start_ptr, pid_m, BLOCK_M) + tl.arange(0, BLOCK_M)).to(tl.int64)
         if QUANT_H:  # the tile is one whole 1x128 group of h a row: GEMM2's FP8 input, made here
             codes, scale = _fp8_group_codes(out)
             tl.store(h_ptr + pairs[:, None] * stride_hm + offs_n[None, :], codes, mask=row_mask[:, None])
             tl.store(h_scale_ptr + pairs * stride_hsm + pid_n, scale, mask=row_mask)
         else:
             tl.store(
-                h_ptr + pairs[:, None] * stride_hm + offs_n[None, :],
+                h_ptr + h_rows[:, None] * stride_hm + offs_n[None, :],
                 out.to(h_ptr.dtype.element_ty),
                 mask=row_mask[:, None] & (offs_n < INTER_SIZE)[None, :],
             )

@@ -17,6 +17,7 @@ every wgmma of a loop when an accumulator stays in flight across the loop's back
 reads accumulators, so nothing is in flight across it.
 """
 
+from moekit.kernels.triton._details.gemm import _block_first_row, _grouped_pid
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -123,9 +124,10 @@ def _load_step(descriptors, a_smem, b_smems, ready, empty, t, k, row_a, w_rows, 
     mbarrier.wait(empty.index(s), ((t // NUM_STAGES) & 1) ^ 1)
     bar = ready.index(s)
     mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(a_desc, [row_a, k * SCALE_GROUP], bar, a_smem.index(s))
+    BK: gl.constexpr = a_desc.block_type.shape[1]  # SCALE_GROUP for FP8, 64 for the 16-bit engine
+    tma.async_copy_global_to_shared(a_desc, [row_a, k * BK], bar, a_smem.index(s))
     for j in gl.static_range(NUM_B):
-        tma.async_copy_global_to_shared(w_desc, [w_rows[j], k * SCALE_GROUP], bar, b_smems[j].index(s))
+        tma.async_copy_global_to_shared(w_desc, [w_rows[j], k * BK], bar, b_smems[j].index(s))
 
 
 @gluon.jit
@@ -153,3 +155,26 @@ def _ring(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     return a_smem, b_smems, ready, empty
+
+
+@gluon.jit
+def _persistent_loader(
+    descriptors, ring, blocks, tiles, HIDDEN: gl.constexpr, KT: gl.constexpr, GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The producer of a persistent GEMM2 program (both engines'): each tile's K-steps, the ring's steps
+    counted on across tiles, so the next tile's first stages land while the math warpgroups store the
+    last one. `blocks`: block experts, block starts (None: the alignment's own blocks), -, valid count."""
+    a_smem, b_smem, ready, empty = ring
+    block_expert_ptr, block_start_ptr, _, num_valid = blocks
+    first, stride, count, num_pid_n = tiles
+    BN: gl.constexpr = descriptors[1].block_type.shape[0]
+    BLOCK_M: gl.constexpr = a_smem.shape[1]
+    t = 0
+    for tile in range(first, count, stride):
+        pid_m, pid_n = _grouped_pid(tile, num_valid, num_pid_n, GROUP_M)
+        row0 = _block_first_row(block_start_ptr, pid_m, BLOCK_M)
+        w_rows = (gl.load(block_expert_ptr + pid_m) * HIDDEN + pid_n * BN,)
+        for k in range(KT):
+            _load_step(descriptors, a_smem, (b_smem,), ready, empty, t, k, row0, w_rows, NUM_STAGES)
+            t += 1

@@ -16,7 +16,7 @@ from moekit.kernels.triton._details.gemm import _grouped_pid
 from moekit.kernels.triton._details.wgmma_fp8 import (
     ROWS_PER_WARPGROUP,
     SCALE_GROUP,
-    _load_step,
+    _persistent_loader,
     _promoted_kloop,
     _release_stages,
     _ring,
@@ -95,27 +95,6 @@ def _persistent_math(
         y_out = (sorted_pairs_ptr, route_w_ptr, y_ptr, num_pairs, pid_n, stride_ym, rows_end)
         _gemm2_tile(ring, scales, row0, t0, y_out, KT, ROW0, BN, NUM_STAGES)
         t0 += KT
-
-
-@gluon.jit
-def _persistent_loader(
-    descriptors, ring, blocks, tiles, HIDDEN: gl.constexpr, KT: gl.constexpr, GROUP_M: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-):  # fmt: skip
-    """The producer of a persistent program: each tile's K-steps, the ring's steps counted on across
-    tiles, so the next tile's first stages land while the math warpgroups store the last one."""
-    a_smem, b_smem, ready, empty = ring
-    block_expert_ptr, block_start_ptr, _, num_valid = blocks
-    first, stride, count, num_pid_n = tiles
-    BN: gl.constexpr = descriptors[1].block_type.shape[0]
-    t = 0
-    for tile in range(first, count, stride):
-        pid_m, pid_n = _grouped_pid(tile, num_valid, num_pid_n, GROUP_M)
-        row0 = gl.load(block_start_ptr + pid_m)
-        w_rows = (gl.load(block_expert_ptr + pid_m) * HIDDEN + pid_n * BN,)
-        for k in range(KT):
-            _load_step(descriptors, a_smem, (b_smem,), ready, empty, t, k, row0, w_rows, NUM_STAGES)
-            t += 1
 
 
 @gluon.jit

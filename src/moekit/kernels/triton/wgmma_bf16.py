@@ -1,0 +1,135 @@
+"""GEMM2 of the WGMMA_BF16 engine: 16-bit float prefill, GEMM1 on tl.dot, GEMM2 a persistent Gluon wgmma.
+
+Data flow (the rest of the layer is the tl.dot path's, `launch.py`):
+  ids -> `align_routing` (always aligned: the engine is for prefill) -> `_moe_gemm1` (tl.dot) writes h
+  [R, I] in the alignment's sorted rows (H_SORTED) instead of pair order
+  -> `_bf16_gemm2` over the alignment's 128-row blocks (block_m 128) or `paired_blocks` (an alignment at
+     64 rows), TMA reading h and w2 -> y [T*K, H] at pair rows, bias and router weight applied
+  -> `sum_k` as on the tl.dot path.
+Which specs and configs it takes is `wgmma_bf16_reason` and `TritonMoEConfig`'s engine rule.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from moekit.errors import LayoutMismatchError
+from moekit.kernels.triton.align import AlignedRouting, BlockList, cdiv, paired_blocks
+from moekit.kernels.triton.wgmma_fp8 import LOAD_REGISTERS, MATH_REGISTERS, _multiprocessors
+from moekit.spec import MoESpec, WeightFormat
+
+GEMM2_ROWS = 128  # two math warpgroups of 64 rows
+GEMM2_TILE_K = 64  # 128 bytes of a 16-bit row: one 128-byte swizzled TMA box
+GEMM2_BLOCK_NS = (128, 256)  # y columns a tile: one wgmma N per warpgroup
+# Ring depth by tile width, the deepest that fits sm_90's 227 KiB with the epilogue's re-layout scratch
+# (compiled offline: 176 KiB at 128 columns, 208 KiB at 256).
+_GEMM2_STAGES = {128: 5, 256: 4}
+# The alignments GEMM2's 128-row blocks can walk: its own blocks, or `paired_blocks` over 64-row ones.
+ALIGNMENT_ROWS = (64, 128)
+
+
+@dataclass(frozen=True)
+class _Gluon:
+    """The Gluon pieces the launch needs, imported once."""
+
+    gl: object  # triton.experimental.gluon.language
+    tensor_descriptor: type  # host-side TMA descriptor
+    gemm2: object  # `_details.wgmma_bf16_gemm2._bf16_gemm2`
+
+
+@functools.cache
+def _gluon_hopper() -> _Gluon | None:
+    """The Gluon kernel and descriptor type, or None where this Triton has no Gluon Hopper support."""
+    try:
+        from moekit.kernels.triton._details import wgmma_bf16_gemm2
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError:
+        return None
+    return _Gluon(gl, TensorDescriptor, wgmma_bf16_gemm2._bf16_gemm2)
+
+
+def wgmma_bf16_reason(spec: MoESpec) -> str | None:
+    """None if the WGMMA_BF16 engine computes `spec` (formats and shapes), else why not."""
+    if spec.weight_format not in (WeightFormat.BF16, WeightFormat.FP16):
+        return f"it takes bf16 or fp16 weights, got {spec.weight_format.value}"
+    if spec.weight_format.float_dtype != spec.act_dtype:  # (float weights take no act_quant: `MoESpec`)
+        return (
+            f"its wgmma takes activations of the weights' dtype ({spec.weight_format.float_dtype}), got "
+            f"{spec.act_dtype}"
+        )
+    if spec.I % 8:
+        return f"TMA reads h and w2 rows in 16-byte units: I must be a multiple of 8, got {spec.I}"
+    if _gluon_hopper() is None:
+        return "this Triton has no Gluon Hopper support (triton.experimental.gluon)"
+    return None
+
+
+def gemm2_blocks(aligned: AlignedRouting) -> BlockList:
+    """GEMM2's 128-row blocks over `aligned` (at 64 or 128 rows, `ALIGNMENT_ROWS`)."""
+    if aligned.block_m == GEMM2_ROWS:
+        return BlockList.of(aligned)
+    return paired_blocks(aligned)
+
+
+def _rows_descriptor(tensor: torch.Tensor, rows: int):
+    """A TMA descriptor of 16-bit `tensor` [R, C] (contiguous) read in [rows, 64] boxes."""
+    gluon = _gluon_hopper()
+    gl_dtype = gluon.gl.bfloat16 if tensor.dtype == torch.bfloat16 else gluon.gl.float16
+    block = [rows, GEMM2_TILE_K]
+    layout = gluon.gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return gluon.tensor_descriptor.from_tensor(tensor, block, layout)
+
+
+def wgmma_bf16_gemm2(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    route_w: torch.Tensor | None,
+    aligned: AlignedRouting,
+    y: torch.Tensor,
+    *,
+    spec: MoESpec,
+    block_n: int,
+    group_m: int,
+) -> None:
+    """y[pair] = (h[row] @ w2[e]^T + b2[e]) * route_w[pair] for every kept pair (`route_w` None: the router
+    weight was applied before GEMM1). `h` [R, I] is in `aligned`'s sorted rows; `y` [T*K, H] has
+    contiguous rows. The caller checked the spec (`wgmma_bf16_reason`), the config and the device."""
+    if not w2.is_contiguous() or w2.data_ptr() % 16 or not h.is_contiguous():
+        raise LayoutMismatchError(
+            f"the WGMMA_BF16 engine reads w2 [E, H, I] through TMA as one contiguous [E*H, I] matrix, got "
+            f"strides {w2.stride()} (data at {w2.data_ptr() % 16} bytes past 16); call .contiguous() once at "
+            f"load time"
+        )
+    blocks = gemm2_blocks(aligned)
+    tiles = blocks.max_blocks * cdiv(spec.H, block_n)
+    if tiles == 0:
+        return
+    _gluon_hopper().gemm2[(min(tiles, _multiprocessors(h.device)),)](
+        h_desc=_rows_descriptor(h, GEMM2_ROWS),  # [R, I]
+        w_desc=_rows_descriptor(w2.view(-1, spec.I), block_n),  # [E_local * H, I]
+        b_ptr=b2,  # [E_local, H] or None
+        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [R]
+        route_w_ptr=route_w,  # fp32 [T*K] or None
+        y_ptr=y,  # [T*K, H]
+        block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
+        block_start_ptr=blocks.block_start,  # int32 [max_blocks] or None
+        num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
+        expert_end_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
+        num_pairs=aligned.num_pairs,
+        stride_be=0 if b2 is None else b2.stride(0),
+        stride_ym=y.stride(0),
+        HIDDEN=spec.H,
+        INTER_SIZE=spec.I,
+        GROUP_M=group_m,
+        NUM_STAGES=_GEMM2_STAGES[block_n],
+        HAS_BIAS=b2 is not None,
+        ROUTE_ON_OUTPUT=route_w is not None,
+        MATH_REGISTERS=MATH_REGISTERS,
+        LOAD_REGISTERS=LOAD_REGISTERS,
+        num_warps=4,
+    )

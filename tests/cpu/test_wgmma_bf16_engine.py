@@ -1,0 +1,148 @@
+"""The WGMMA_BF16 engine's rules on the CPU: which specs and configs it takes, its tuned-table form, where
+the tuning space offers it, the refusal off sm_90, and its Gluon GEMM2 compiled for sm_90 (no GPU
+needed). Its numbers against the reference are GPU tests (tests/gpu/test_wgmma_bf16_gpu.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from layer_shapes import reshaped_specs  # noqa: E402
+from moekit import DeviceError, SpecError, TunedTableError, preset  # noqa: E402
+from moekit.kernels.base import config_from_dict  # noqa: E402
+from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig  # noqa: E402
+from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
+from moekit.kernels.triton.tuning import tuning_space  # noqa: E402
+from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS, GEMM2_BLOCK_NS, wgmma_bf16_reason  # noqa: E402
+from moekit.spec import WeightFormat  # noqa: E402
+from moekit.synthetic import random_batch, random_layer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3 = preset("qwen3-30b-a3b")
+ENGINE = TritonMoEConfig(
+    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, gemm2_block_n=256,
+    engine=MatmulEngine.WGMMA_BF16,
+)  # fmt: skip
+
+
+def test_takes_16_bit_float_specs_and_refuses_the_others_with_the_reason():
+    gpt_oss_bf16 = replace(preset("gpt-oss-120b"), weight_format=WeightFormat.BF16)
+    fp16 = replace(QWEN3, weight_format=WeightFormat.FP16, act_dtype=torch.float16)
+    for spec in (QWEN3, gpt_oss_bf16, fp16, preset("mixtral-8x7b")):
+        assert wgmma_bf16_reason(spec) is None, spec.describe()
+        assert ENGINE.reason_unusable(spec) is None
+    refusals = {
+        "bf16 or fp16 weights": preset("deepseek-v3"),
+        "got mxfp4": preset("gpt-oss-120b"),
+        "activations of the weights' dtype": replace(QWEN3, act_dtype=torch.float32),
+        "multiple of 8": replace(QWEN3, intermediate_size=766),
+    }
+    for words, spec in refusals.items():
+        reason = ENGINE.reason_unusable(spec)
+        assert reason is not None and words in reason, (words, reason)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(split_k=2),
+        dict(swap_ab=True),
+        dict(block_m=32),  # an alignment of 32 rows
+        dict(block_m=256, tail_block_m=None),
+        dict(gemm2_block_n=64),
+        dict(gemm2_block_n=None, block_n=64),  # GEMM2 tile = block_n = 64
+    ],
+)
+def test_refuses_tilings_its_gemm2_cannot_walk(change):
+    with pytest.raises(SpecError):
+        replace(ENGINE, **change)
+
+
+def test_takes_every_alignment_and_width_it_names():
+    for rows in ALIGNMENT_ROWS:
+        for width in GEMM2_BLOCK_NS:
+            tail = {"block_m": 128, "tail_block_m": 64} if rows == 64 else {"block_m": 128}
+            assert replace(ENGINE, **tail, gemm2_block_n=width).engine is MatmulEngine.WGMMA_BF16
+    assert replace(ENGINE, block_m=64, gemm2_block_n=128).block_n_gemm2 == 128
+
+
+def test_tuned_table_form_round_trips_and_bad_names_are_refused():
+    raw = json.loads(json.dumps(ENGINE.as_dict()))
+    assert raw["engine"] == "WGMMA_BF16"
+    assert config_from_dict(TritonMoEConfig, raw, kernel="triton_fused") == ENGINE
+    with pytest.raises(TunedTableError, match="engine must be one of"):
+        config_from_dict(TritonMoEConfig, {**raw, "engine": "WGMMA_B16"}, kernel="triton_fused")
+    with pytest.raises(TunedTableError):
+        config_from_dict(TritonMoEConfig, {**raw, "gemm2_block_n": 64}, kernel="triton_fused")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    spec=reshaped_specs([QWEN3, preset("mixtral-8x7b")], experts=[8, 64, 512], dims=[512, 768, 2048, 2880]),
+    tokens=st.integers(1, 40000),
+    hopper=st.booleans(),
+)
+def test_the_tuning_space_offers_it_on_hopper_for_prefill_only(spec, tokens, hopper):
+    space = tuning_space(spec, tokens, 132, hopper=hopper)
+    engine = [c for c in space if c.engine is MatmulEngine.WGMMA_BF16]
+    assert all(c.reason_unusable(spec) is None for c in space)
+    if engine:
+        assert hopper and tokens * spec.K / spec.E > 32
+        assert {c.block_n_gemm2 for c in engine} == set(GEMM2_BLOCK_NS)
+    elif hopper and tokens * spec.K / spec.E > 32:
+        pytest.fail(f"no WGMMA_BF16 candidate for {spec.describe()} at T={tokens}")
+
+
+def test_off_sm90_the_launch_refuses_before_any_kernel():
+    layer = random_layer(replace(QWEN3, num_experts=16, hidden_size=256, intermediate_size=256))
+    x, _, routing = random_batch(layer.spec, 3, correction_bias=layer.correction_bias, seed=0)
+    with pytest.raises(DeviceError, match="sm_90"):
+        triton_fused_moe(x, layer.weights, routing, spec=layer.spec, config=ENGINE)
+
+
+_COMPILE = """
+import json, sass_report as r
+out = {}
+for width in (128, 256):
+    for paired in (False, True):
+        kernel = r.compile_wgmma_bf16_for_hopper(block_n=width, paired=paired, bias=paired)
+        instructions = r.all_instructions(kernel)
+        loops = r.mma_loops(instructions)
+        out[f"{width}/{paired}"] = {
+            **r.kernel_facts(kernel, instructions),
+            "k_loop_spills": [sum(r.unpredicated(t)[:3] in ("LDL", "STL") for _, t in k) for k in loops],
+            "waits": sorted(set(r.wgmma_waits(instructions))),
+            "bf16_wgmma": sum(1 for _, t in instructions if r.unpredicated(t).startswith("HGMMA")),
+            "shared": kernel.metadata.shared,
+        }
+print(json.dumps(out))
+"""
+
+
+def test_gluon_gemm2_compiles_for_sm90_without_spills_and_keeps_one_mma_in_flight():
+    # What the engine's speed rests on: no spill, the ring and the epilogue's re-layout in shared memory
+    # (232,448 bytes on sm_90), and a wait that leaves one wgmma group in flight while the next stage is
+    # waited for (DEPBAR.LE gsb0, 0x1).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tools"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(facts) == 4
+    for name, fact in facts.items():
+        assert fact["local_bytes"] == 0 and fact["local_memory_ops"] == 0, (name, fact)
+        assert fact["k_loop_spills"] and max(fact["k_loop_spills"]) == 0, (name, fact)
+        assert fact["shared"] <= 232448, (name, fact)
+        assert 1 in fact["waits"], (name, fact)
+        assert fact["bf16_wgmma"] > 0, (name, fact)
