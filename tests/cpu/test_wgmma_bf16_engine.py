@@ -146,3 +146,36 @@ def test_gluon_gemm2_compiles_for_sm90_without_spills_and_keeps_one_mma_in_fligh
         assert fact["shared"] <= 232448, (name, fact)
         assert 1 in fact["waits"], (name, fact)
         assert fact["bf16_wgmma"] > 0, (name, fact)
+
+
+def test_workspace_counts_h_in_the_padded_sorted_rows_and_batch_invariance_keeps_to_tl_dot():
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    kernel = TritonFusedKernel()
+    for tokens in (1, 300, 16384):
+        pairs = tokens * QWEN3.K
+        dot = kernel.workspace_bytes(QWEN3, tokens, replace(ENGINE, engine=MatmulEngine.TL_DOT))
+        got = kernel.workspace_bytes(QWEN3, tokens, ENGINE)
+        # every expert may pad up to one 128-row block more than its pairs (at most P + E * 127 rows)
+        padded = min(pairs, -(-pairs // 128) + QWEN3.E) * 128
+        assert got - dot == (padded - pairs) * QWEN3.I * 2, tokens
+    assert kernel.batch_invariant_config(ENGINE, QWEN3) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    spec=reshaped_specs([QWEN3, preset("mixtral-8x7b")], experts=[8, 64, 512], dims=[512, 766, 2048, 2880]),
+    tokens=st.integers(1, 40000),
+    hopper=st.booleans(),
+)
+def test_the_default_takes_it_for_prefill_on_hopper_where_it_computes(spec, tokens, hopper):
+    from moekit.kernels.triton.tuning import FLOAT_PREFILL_TILES, WGMMA_BF16_DEFAULT, default_config
+
+    config = default_config(spec, tokens, 132, hopper=hopper)
+    assert config.reason_unusable(spec) is None
+    prefill = tokens * spec.K / spec.E > 48
+    wanted = hopper and prefill and wgmma_bf16_reason(spec) is None
+    assert (config.engine is MatmulEngine.WGMMA_BF16) == wanted
+    if prefill:  # the same GEMM1 tiles either way
+        assert replace(config, engine=MatmulEngine.TL_DOT) == FLOAT_PREFILL_TILES
+        assert WGMMA_BF16_DEFAULT == replace(FLOAT_PREFILL_TILES, engine=MatmulEngine.WGMMA_BF16)

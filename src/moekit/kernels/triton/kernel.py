@@ -99,7 +99,7 @@ class TritonFusedKernel(Kernel):
         BLOCK_K steps in one order, a row's dot never reads another row, and the top-k sum adds a
         token's K rows in a fixed order; with one config for every T only split-K (shares chosen per T)
         and tail blocks (a second, smaller M tile for some rows) would make a row's arithmetic depend
-        on the batch. None for the Gluon engines: WGMMA_FP8 always runs 64-row tails, and neither's rows'
+        on the batch. None for the Gluon engines: WGMMA_FP8 always runs 64-row tails, and no engine's rows'
         bitwise independence of the batch is verified (the planner then takes the tl.dot default)."""
         if not isinstance(config, TritonMoEConfig) or config.engine is not MatmulEngine.TL_DOT:
             return None
@@ -120,7 +120,15 @@ class TritonFusedKernel(Kernel):
         if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_WORDS:
             return wgmma_words_workspace_bytes(spec, num_tokens, config.block_m)
         shares = share_counts(spec, config) if isinstance(config, TritonMoEConfig) else None
-        return workspace_bytes(spec=spec, num_tokens=num_tokens, shares=shares)
+        total = workspace_bytes(spec=spec, num_tokens=num_tokens, shares=shares)
+        if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_BF16:
+            # h in the alignment's sorted rows: each expert's pairs padded to whole blocks
+            rows = config.tail_block_m or config.block_m
+            bound = rows * max_blocks_bound(
+                num_pairs=num_tokens * spec.K, num_local_experts=spec.E_local, block_m=rows
+            )
+            total += (bound - num_tokens * spec.K) * spec.I * spec.act_dtype.itemsize
+        return total
 
     def run(self, launch: Launch) -> torch.Tensor:
         return triton_fused_moe(
