@@ -256,16 +256,66 @@ def compile_wgmma_bf16_for_hopper(
         num_blocks_ptr="*i32",
         expert_end_ptr="*i64",
     )
-    if bias:
-        pointers["b_ptr"] = "*bf16"
-    else:
-        constants["b_ptr"] = None
-    if paired:
-        pointers["block_start_ptr"] = "*i32"
-    else:
-        constants["block_start_ptr"] = None
-    return compile_gluon_for_hopper(
-        wgmma_bf16_gemm2._bf16_gemm2, pointers=pointers, constants=constants, warps=4
+    # y's address and row stride are multiples of 16, as the JIT specializes them at run time
+    return _compile_bf16_engine(
+        wgmma_bf16_gemm2._bf16_gemm2, pointers, constants, paired, bias, aligned=("y_ptr", "stride_ym")
+    )
+
+
+def _compile_bf16_engine(fn, pointers: dict, constants: dict, paired: bool, bias: bool, aligned: tuple):
+    """A WGMMA_BF16 GEMM with or without b13 / b2 and a block start list (else None constexprs)."""
+    pointers = {**pointers, **({"b_ptr": "*bf16"} if bias else {})}
+    pointers.update({"block_start_ptr": "*i32"} if paired else {})
+    constants = {
+        **constants,
+        **({} if bias else {"b_ptr": None}),
+        **({} if paired else {"block_start_ptr": None}),
+    }
+    return compile_gluon_for_hopper(fn, pointers=pointers, constants=constants, warps=4, aligned=aligned)
+
+
+def compile_wgmma_bf16_gemm1_for_hopper(
+    *, block_n: int = 128, hidden=2048, inter=768, stages: int = 4, paired: bool = False, bias: bool = False
+):
+    """The WGMMA_BF16 engine's Gluon GEMM1 compiled for sm_90 at a layer's H and I (Qwen3-30B's by
+    default, SiLU, K = 8), `block_n` columns of h a tile, as `wgmma_bf16_gemm1` launches it."""
+    from triton.experimental.gluon import language as gl
+
+    from moekit.kernels.triton import wgmma_bf16 as host
+    from moekit.kernels.triton._details import codes, wgmma_bf16_gemm1
+
+    block = [block_n, host.GEMM2_TILE_K]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    constants = dict(
+        HIDDEN=hidden,
+        INTER_SIZE=inter,
+        TOP_K=8,
+        GROUP_M=8,
+        NUM_STAGES=stages,
+        HAS_BIAS=bias,
+        ROUTE_ON_INPUT=False,
+        ACTIVATION=codes.ACT_SILU.value,
+        ALPHA=0.0,
+        HAS_LIMIT=False,
+        LIMIT=0.0,
+        MATH_REGISTERS=host.GEMM1_MATH_REGISTERS,
+        LOAD_REGISTERS=host.GEMM1_LOAD_REGISTERS,
+        route_w_ptr=None,
+    )
+    pointers = dict(
+        x_ptr="*bf16",
+        w_desc=f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>",
+        h_ptr="*bf16",
+        sorted_pairs_ptr="*i32",
+        block_expert_ptr="*i32",
+        num_blocks_ptr="*i32",
+        expert_end_ptr="*i64",
+    )
+    # x's and h's addresses and row strides are multiples of 16 (the JIT specializes them so; cp.async
+    # needs it for x)
+    aligned = ("x_ptr", "stride_xm", "h_ptr", "stride_hm")
+    return _compile_bf16_engine(
+        wgmma_bf16_gemm1._bf16_gemm1, pointers, constants, paired, bias, aligned=aligned
     )
 
 

@@ -22,7 +22,12 @@ from moekit.kernels.base import config_from_dict  # noqa: E402
 from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import tuning_space  # noqa: E402
-from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS, GEMM2_BLOCK_NS, wgmma_bf16_reason  # noqa: E402
+from moekit.kernels.triton.wgmma_bf16 import (  # noqa: E402
+    ALIGNMENT_ROWS,
+    GEMM2_BLOCK_NS,
+    gluon_gemm1_reason,
+    wgmma_bf16_reason,
+)
 from moekit.spec import WeightFormat  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
 
@@ -67,6 +72,23 @@ def test_refuses_tilings_its_gemm2_cannot_walk(change):
         replace(ENGINE, **change)
 
 
+def test_gemm1_gluon_is_the_engines_choice_alone_and_tells_where_its_kernel_cannot_run():
+    assert replace(ENGINE, gemm1_gluon=True).gemm1_gluon
+    with pytest.raises(SpecError, match="gemm1_gluon.*engine=WGMMA_BF16"):
+        TritonMoEConfig(block_m=128, gemm1_gluon=True)
+    with pytest.raises(SpecError, match="gemm1_gluon"):
+        replace(ENGINE, gemm1_gluon=1)
+    assert gluon_gemm1_reason(QWEN3) is None
+    interleaved = replace(preset("gpt-oss-120b"), weight_format=WeightFormat.BF16)
+    assert "concatenated" in gluon_gemm1_reason(interleaved)
+    assert "multiple of 64" in gluon_gemm1_reason(replace(QWEN3, hidden_size=1440))
+    raw = json.loads(json.dumps(replace(ENGINE, gemm1_gluon=True).as_dict()))
+    assert raw["gemm1_gluon"] is True
+    assert config_from_dict(TritonMoEConfig, raw, kernel="triton_fused").gemm1_gluon
+    older = {k: v for k, v in raw.items() if k != "gemm1_gluon"}  # rows written before the field
+    assert config_from_dict(TritonMoEConfig, older, kernel="triton_fused") == ENGINE
+
+
 def test_takes_every_alignment_and_width_it_names():
     for rows in ALIGNMENT_ROWS:
         for width in GEMM2_BLOCK_NS:
@@ -98,6 +120,11 @@ def test_the_tuning_space_offers_it_on_hopper_for_prefill_only(spec, tokens, hop
     if engine:
         assert hopper and tokens * spec.K / spec.E > 32
         assert {c.block_n_gemm2 for c in engine} == set(GEMM2_BLOCK_NS)
+        gluon = {(c.block_m, c.tail_block_m, c.block_n_gemm2) for c in engine if c.gemm1_gluon}
+        if gluon_gemm1_reason(spec) is None:  # its fixed tiles at both alignments and widths
+            assert gluon == {(128, tail, n) for tail in (None, 64) for n in GEMM2_BLOCK_NS}
+        else:
+            assert not gluon
     elif hopper and tokens * spec.K / spec.E > 32:
         pytest.fail(f"no WGMMA_BF16 candidate for {spec.describe()} at T={tokens}")
 
@@ -112,9 +139,12 @@ def test_off_sm90_the_launch_refuses_before_any_kernel():
 _COMPILE = """
 import json, sass_report as r
 out = {}
-for width in (128, 256):
+for width in (128, 256, 1):
     for paired in (False, True):
-        kernel = r.compile_wgmma_bf16_for_hopper(block_n=width, paired=paired, bias=paired)
+        if width == 1:  # GEMM1
+            kernel = r.compile_wgmma_bf16_gemm1_for_hopper(paired=paired, bias=paired)
+        else:
+            kernel = r.compile_wgmma_bf16_for_hopper(block_n=width, paired=paired, bias=paired)
         instructions = r.all_instructions(kernel)
         loops = r.mma_loops(instructions)
         out[f"{width}/{paired}"] = {
@@ -128,10 +158,10 @@ print(json.dumps(out))
 """
 
 
-def test_gluon_gemm2_compiles_for_sm90_without_spills_and_keeps_one_mma_in_flight():
+def test_gluon_gemms_compile_for_sm90_without_spills_and_keep_mma_in_flight():
     # What the engine's speed rests on: no spill, the ring and the epilogue's re-layout in shared memory
-    # (232,448 bytes on sm_90), and a wait that leaves one wgmma group in flight while the next stage is
-    # waited for (DEPBAR.LE gsb0, 0x1).
+    # (232,448 bytes on sm_90), and a wait that leaves the step's wgmma in flight while the next stage is
+    # waited for (DEPBAR.LE gsb0, 0x1 in GEMM2; 0x2 in GEMM1, whose step is a gate and an up wgmma).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tools"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
@@ -139,12 +169,12 @@ def test_gluon_gemm2_compiles_for_sm90_without_spills_and_keeps_one_mma_in_fligh
     )
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(facts) == 4
+    assert len(facts) == 6
     for name, fact in facts.items():
         assert fact["local_bytes"] == 0 and fact["local_memory_ops"] == 0, (name, fact)
         assert fact["k_loop_spills"] and max(fact["k_loop_spills"]) == 0, (name, fact)
         assert fact["shared"] <= 232448, (name, fact)
-        assert 1 in fact["waits"], (name, fact)
+        assert (2 if name.startswith("1/") else 1) in fact["waits"], (name, fact)
         assert fact["bf16_wgmma"] > 0, (name, fact)
 
 
@@ -177,5 +207,7 @@ def test_the_default_takes_it_for_prefill_on_hopper_where_it_computes(spec, toke
     wanted = hopper and prefill and wgmma_bf16_reason(spec) is None
     assert (config.engine is MatmulEngine.WGMMA_BF16) == wanted
     if prefill:  # the same GEMM1 tiles either way
-        assert replace(config, engine=MatmulEngine.TL_DOT) == FLOAT_PREFILL_TILES
+        assert replace(config, engine=MatmulEngine.TL_DOT, gemm1_gluon=False) == FLOAT_PREFILL_TILES
         assert WGMMA_BF16_DEFAULT == replace(FLOAT_PREFILL_TILES, engine=MatmulEngine.WGMMA_BF16)
+    gluon = wanted and tokens * spec.K / spec.E >= 512 and gluon_gemm1_reason(spec) is None
+    assert config.gemm1_gluon == gluon

@@ -42,6 +42,8 @@ SPECS = {
     # Held out: H not a multiple of 256 (a partial last GEMM2 tile), I not a multiple of 64 (a partial
     # last K-step, zero-filled by TMA).
     "odd-dims": replace(QWEN3, num_experts=24, top_k=6, hidden_size=1440, intermediate_size=712),
+    # The same with H a multiple of 64, so that the Gluon GEMM1 runs: a partial last tile of h (I = 712).
+    "odd-i": replace(QWEN3, num_experts=24, top_k=6, hidden_size=1536, intermediate_size=712),
     # gpt-oss's math in bf16: interleaved gate/up, SwiGLU with its limit, both biases.
     "gpt-oss-bf16": replace(
         preset("gpt-oss-20b"),
@@ -64,6 +66,12 @@ CONFIGS = {
     # Alignment at 64 rows: GEMM2 walks `paired_blocks` (an expert's odd last block half a block).
     "m128-tail64": TritonMoEConfig(block_m=128, tail_block_m=64, gemm2_block_n=256, **_PREFILL),
     "m64": TritonMoEConfig(**{**_PREFILL, "block_n": 64, "num_warps": 4}, block_m=64, gemm2_block_n=128),
+    # GEMM1 on Gluon too (a cp.async gather producer): concatenated gate/up rows with H a multiple of 64;
+    # the other specs here run the tl.dot GEMM1 of the same config instead.
+    "gluon-m128": TritonMoEConfig(block_m=128, gemm2_block_n=256, gemm1_gluon=True, **_PREFILL),
+    "gluon-tail64": TritonMoEConfig(
+        block_m=128, tail_block_m=64, gemm2_block_n=128, gemm1_gluon=True, **_PREFILL
+    ),
 }
 
 
@@ -99,19 +107,19 @@ def test_matches_reference_and_the_tl_dot_engine(name, config, t):
     assert relative_l2_error(got, dot) <= tolerance(spec) / 4, f"{name} {config} T={t} against tl.dot"
 
 
-@pytest.mark.parametrize("config", ["m128-n256", "m128-tail64"])
+@pytest.mark.parametrize("config", ["m128-n256", "m128-tail64", "gluon-tail64"])
 @pytest.mark.parametrize("t", [200, 3000])
 def test_skewed_routing_with_empty_experts_and_odd_blocks(t, config):
     # Every token on the same 6 of 24 experts: 18 experts empty, the 6 with long runs of blocks and, at
     # a 64-row alignment, an odd last block run as half of a 128-row block.
-    spec = SPECS["odd-dims"]
+    spec = SPECS["odd-i" if CONFIGS[config].gemm1_gluon else "odd-dims"]
     weights = _gpu_weights(spec, seed=3)
     x, routing = skewed_inputs(spec, t, [1, 4, 7, 11, 20, 23], seed=t)
     got = _run(spec, weights, x, routing, CONFIGS[config])
     _assert_close(got, fused_moe_reference(x, weights, routing, spec=spec), spec, f"skewed T={t}")
 
 
-@pytest.mark.parametrize("config", ["m128-n256", "m128-tail64"])
+@pytest.mark.parametrize("config", ["m128-n256", "m128-tail64", "gluon-m128"])
 @pytest.mark.parametrize("t", [5, 1500])
 def test_expert_map(t, config):
     # This rank owns 8 of 16 experts in scrambled order; pairs routed elsewhere contribute zero.
@@ -133,7 +141,7 @@ def test_cuda_graph_capture_and_replay():
     def inputs(seed):
         return _inputs(spec, t, seed=seed)
 
-    for config in ("m128-n256", "m128-tail64"):
+    for config in ("m128-n256", "m128-tail64", "gluon-tail64"):
         replays = graph_replays(spec, weights, CONFIGS[config], inputs(1), inputs, (11, 12))
         for seed, static_out, x, routing in replays:
             expected = fused_moe_reference(x, weights, routing, spec=spec)

@@ -8,8 +8,9 @@ quantization (`quant`) and the fixed-order sums (`reduce`, launched by `sum_k`).
 `engine` is `MatmulEngine.WGMMA_FP8` (block-128 W8A8 prefill on sm_90) runs `wgmma_fp8.wgmma_fp8_moe`
 instead: Gluon GEMMs under `_details/wgmma_fp8*`; `MatmulEngine.WGMMA_WORDS` (MXFP4 W4A16 prefill on
 sm_90) runs `wgmma_words.wgmma_words_moe`, Gluon GEMMs in `_details/wgmma_words`; `MatmulEngine.WGMMA_BF16`
-(16-bit float prefill on sm_90) keeps the tl.dot GEMM1 and runs GEMM2 as `wgmma_bf16.wgmma_bf16_gemm2`,
-a persistent Gluon kernel in `_details/wgmma_bf16_gemm2`. `route` is the
+(16-bit float prefill on sm_90) runs GEMM2 as `wgmma_bf16.wgmma_bf16_gemm2`, a persistent Gluon kernel,
+and GEMM1 on tl.dot or (`gemm1_gluon`) as `wgmma_bf16.wgmma_bf16_gemm1`, in `_details/wgmma_bf16_gemm*`.
+`route` is the
 one-launch routing (softmax methods and DeepSeek-V3's grouped sigmoid).
 """
 

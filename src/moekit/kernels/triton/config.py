@@ -203,6 +203,10 @@ class TritonMoEConfig(KernelConfig):
     # GEMM1 on GEMM2's 128-row blocks (`_details.wgmma_fp8_gemm1_tall`: a fifth less L2 traffic a FLOP,
     # each program twice as long) and None on the 64-row blocks.
     gemm1_block_m: int | None = None
+    # WGMMA_BF16 only: GEMM1 on Gluon wgmma as well (`_details.wgmma_bf16_gemm1`: 128 x 128 tiles, the x rows
+    # gathered by a cp.async producer, the weights by TMA) instead of tl.dot. Where that kernel cannot run
+    # (`wgmma_bf16.gluon_gemm1_reason`, or x not 16-byte aligned) the tl.dot GEMM1 of the tile fields runs.
+    gemm1_gluon: bool = False
 
     @property
     def block_n_gemm2(self) -> int:
@@ -263,6 +267,13 @@ class TritonMoEConfig(KernelConfig):
                     f"128, no swap_ab; group_m, num_stages and gemm1_block_m free), got {fixed}, "
                     f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
                 )
+        if not isinstance(self.gemm1_gluon, bool) or (
+            self.gemm1_gluon and self.engine is not MatmulEngine.WGMMA_BF16
+        ):
+            raise SpecError(
+                f"TritonMoEConfig.gemm1_gluon is the WGMMA_BF16 engine's choice of a Gluon GEMM1: a bool, "
+                f"True only with engine=WGMMA_BF16; got {self.gemm1_gluon!r} with engine={self.engine.name}"
+            )
         if self.engine is MatmulEngine.WGMMA_BF16:
             fixed = {name: getattr(self, name) for name in WGMMA_BF16_TILES}
             alignment = self.tail_block_m or self.block_m

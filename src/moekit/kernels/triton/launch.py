@@ -38,7 +38,12 @@ from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.quantize import quantize_rows
 from moekit.kernels.triton.sum_k import sum_shares
 from moekit.kernels.triton.weight_args import WeightArgs, stride_or_zero
-from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_gemm2
+from moekit.kernels.triton.wgmma_bf16 import (
+    gemm2_blocks,
+    gluon_gemm1_reason,
+    wgmma_bf16_gemm1,
+    wgmma_bf16_gemm2,
+)
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_moe
 from moekit.kernels.triton.wgmma_words import wgmma_words_moe
 from moekit.kernels.triton.words_decode import decode_gemm, gemm2_split
@@ -252,6 +257,7 @@ def triton_fused_moe(
     )
     block_lists, sorted_pairs, pair_expert = blocks.block_lists, blocks.sorted_pair_ids, blocks.pair_expert
     sorted_h = blocks.aligned if cfg.engine is MatmulEngine.WGMMA_BF16 else None
+    block_lists_gemm1 = block_lists
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
     x = x if x.stride(1) == 1 else x.contiguous()
     quant = spec.act_quant
@@ -321,7 +327,14 @@ def triton_fused_moe(
     dec = dict(
         sorted_pairs=sorted_pairs, num_pairs=num_pairs, num_local_experts=spec.E_local, depth=cfg.num_stages
     )
-    for blocks in block_lists:
+    if sorted_h is not None:
+        engine_blocks = gemm2_blocks(sorted_h)  # both GEMMs' 128-row blocks
+        route_in = route_w if p.route_in_gemm1 else None
+        if cfg.gemm1_gluon and gluon_gemm1_reason(spec) is None:
+            gemm1_args = (x, weights.w13, w13.bias, route_in, sorted_h, engine_blocks, h)
+            if wgmma_bf16_gemm1(*gemm1_args, spec=spec, group_m=cfg.group_m, params=p):
+                block_lists_gemm1 = ()
+    for blocks in block_lists_gemm1:
         if decode:
             decode_gemm(
                 x,
@@ -389,9 +402,8 @@ def triton_fused_moe(
     block_n2 = cfg.block_n_gemm2
     if sorted_h is not None:
         route = route_w if p.route_on_output else None
-        wgmma_bf16_gemm2(
-            h, w2.data, w2.bias, route, sorted_h, y, spec=spec, block_n=block_n2, group_m=cfg.group_m
-        )
+        gemm2_args = (h, w2.data, w2.bias, route, sorted_h, engine_blocks, y)
+        wgmma_bf16_gemm2(*gemm2_args, spec=spec, block_n=block_n2, group_m=cfg.group_m)
         block_lists = ()  # GEMM2 is done
     for blocks in block_lists:
         if decode:

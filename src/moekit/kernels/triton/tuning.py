@@ -25,7 +25,7 @@ from moekit.kernels.triton.config import (
 )
 from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS as WGMMA_BF16_ALIGNMENT_ROWS
 from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
-from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_reason
+from moekit.kernels.triton.wgmma_bf16 import gluon_gemm1_reason, wgmma_bf16_reason
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
@@ -68,6 +68,13 @@ FLOAT_PREFILL_TILES = TritonMoEConfig(
     block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, gemm2_block_n=256
 )
 WGMMA_BF16_DEFAULT = replace(FLOAT_PREFILL_TILES, engine=MatmulEngine.WGMMA_BF16)
+# From this many tokens an expert GEMM1 runs on Gluon too (`gemm1_gluon`). On an H200 (layer without
+# routing, graph replay, L2 flushed, two interleaved rounds) against the tl.dot GEMM1 behind the same
+# GEMM2: +4 % at 128 tokens an expert (Mixtral T = 512) and +5 % at 256 (Qwen3-30B T = 4096); -1.4 and
+# +2.2 % at 512 (Qwen3-30B and Qwen3-235B T = 8192) and -4.3 % (Mixtral T = 2048); -2 to -5 % at 1024 -
+# 4096 (Qwen3-30B, Qwen3-235B, Mixtral at T = 16384), its kernel 3.5 - 9 % faster there.
+WGMMA_BF16_GLUON_GEMM1_MIN_TOKENS_PER_EXPERT = 512
+WGMMA_BF16_GLUON = replace(WGMMA_BF16_DEFAULT, gemm1_gluon=True)
 
 # MXFP4 W4A16 takes the WGMMA_WORDS engine on Hopper from this many tokens an expert. On an H200, whole
 # layer (graph replay, L2 flushed) against the tl.dot default, at 64 (two device calls each): +4 to +8 %
@@ -256,7 +263,10 @@ def default_config(
     # GEMM2 on 128 rows at 60 - 768 tokens an expert for five shapes no tuned row covers (E 8 - 512,
     # K 2 - 10, H 2048 - 4096, I 512 - 7168).
     if hopper and wgmma_bf16_reason(spec) is None:
-        return WGMMA_BF16_DEFAULT
+        gluon = (
+            per_expert >= WGMMA_BF16_GLUON_GEMM1_MIN_TOKENS_PER_EXPERT and gluon_gemm1_reason(spec) is None
+        )
+        return WGMMA_BF16_GLUON if gluon else WGMMA_BF16_DEFAULT
     return FLOAT_PREFILL_TILES
 
 
@@ -430,6 +440,12 @@ def tuning_space(
             and (c.tail_block_m or c.block_m) in WGMMA_BF16_ALIGNMENT_ROWS
             for n2 in WGMMA_BF16_GEMM2_BLOCK_NS
         ]
+        if gluon_gemm1_reason(spec) is None:  # its tiles are fixed: the alignments and widths only
+            grid += [
+                replace(WGMMA_BF16_GLUON, gemm2_block_n=n2, **alignment)
+                for n2 in WGMMA_BF16_GEMM2_BLOCK_NS
+                for alignment in (dict(block_m=128), dict(block_m=128, tail_block_m=64))
+            ]
     # Mid-range 64-row 4-warp MXFP4 word tiles hold 210 - 240 registers (two programs an SM); capped at
     # 168 (three an SM, no spill) they were 4 - 17 % slower for gpt-oss-120b at T = 1024 / 2048 and
     # gpt-oss-20b at T = 512 on an H200: not swept.

@@ -1,10 +1,13 @@
-"""GEMM2 of the WGMMA_BF16 engine: 16-bit float prefill, GEMM1 on tl.dot, GEMM2 a persistent Gluon wgmma.
+"""The WGMMA_BF16 engine's Gluon GEMMs: 16-bit float prefill, GEMM2 a persistent Gluon wgmma, GEMM1 on
+tl.dot or (`gemm1_gluon`) Gluon.
 
 Data flow (the rest of the layer is the tl.dot path's, `launch.py`):
-  ids -> `align_routing` (always aligned: the engine is for prefill) -> `_moe_gemm1` (tl.dot) writes h
-  [R, I] in the alignment's sorted rows (H_SORTED) instead of pair order
-  -> `_bf16_gemm2` over the alignment's 128-row blocks (block_m 128) or `paired_blocks` (an alignment at
-     64 rows), TMA reading h and w2 -> y [T*K, H] at pair rows, bias and router weight applied
+  ids -> `align_routing` (always aligned: the engine is for prefill) -> `gemm2_blocks` (the alignment's
+  128-row blocks at block_m 128, or `paired_blocks` over an alignment at 64 rows)
+  -> GEMM1 writes h [R, I] in the alignment's sorted rows: `_moe_gemm1` (tl.dot, H_SORTED), or
+     `_bf16_gemm1` over GEMM2's blocks (x rows gathered by cp.async, w13 by TMA)
+  -> `_bf16_gemm2` over the same blocks, TMA reading h and w2 -> y [T*K, H] at pair rows, bias and
+     router weight applied
   -> `sum_k` as on the tl.dot path.
 Which specs and configs it takes is `wgmma_bf16_reason` and `TritonMoEConfig`'s engine rule.
 """
@@ -19,7 +22,7 @@ import torch
 from moekit.errors import LayoutMismatchError
 from moekit.kernels.triton.align import AlignedRouting, BlockList, cdiv, paired_blocks
 from moekit.kernels.triton.wgmma_fp8 import LOAD_REGISTERS, MATH_REGISTERS, _multiprocessors
-from moekit.spec import MoESpec, WeightFormat
+from moekit.spec import GateLayout, MoESpec, WeightFormat
 
 GEMM2_ROWS = 128  # two math warpgroups of 64 rows
 GEMM2_TILE_K = 64  # 128 bytes of a 16-bit row: one 128-byte swizzled TMA box
@@ -27,6 +30,14 @@ GEMM2_BLOCK_NS = (128, 256)  # y columns a tile: one wgmma N per warpgroup
 # Ring depth by tile width, the deepest that fits sm_90's 227 KiB with the epilogue's re-layout scratch
 # (compiled offline: 176 KiB at 128 columns, 208 KiB at 256).
 _GEMM2_STAGES = {128: 5, 256: 4}
+# The Gluon GEMM1's tile: 128 sorted rows x 128 columns of h (gate and up boxes of 128 w13 rows), four
+# 48 KiB stages (213 KiB with the epilogue's re-layout, compiled offline for sm_90).
+GEMM1_BLOCK_N = 128
+GEMM1_STAGES = 4
+# setmaxnreg budgets of the Gluon GEMM1: each math warpgroup holds a gate and an up accumulator (2 x 64
+# fp32 a thread); the 4-warp producer holds the x rows' addresses. 2 x 128 x 216 + 128 x 80 = 65,536.
+GEMM1_MATH_REGISTERS = 216
+GEMM1_LOAD_REGISTERS = 80
 # The alignments GEMM2's 128-row blocks can walk: its own blocks, or `paired_blocks` over 64-row ones.
 ALIGNMENT_ROWS = (64, 128)
 
@@ -37,6 +48,7 @@ class _Gluon:
 
     gl: object  # triton.experimental.gluon.language
     tensor_descriptor: type  # host-side TMA descriptor
+    gemm1: object  # `_details.wgmma_bf16_gemm1._bf16_gemm1`
     gemm2: object  # `_details.wgmma_bf16_gemm2._bf16_gemm2`
 
 
@@ -44,12 +56,12 @@ class _Gluon:
 def _gluon_hopper() -> _Gluon | None:
     """The Gluon kernel and descriptor type, or None where this Triton has no Gluon Hopper support."""
     try:
-        from moekit.kernels.triton._details import wgmma_bf16_gemm2
+        from moekit.kernels.triton._details import wgmma_bf16_gemm1, wgmma_bf16_gemm2
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError:
         return None
-    return _Gluon(gl, TensorDescriptor, wgmma_bf16_gemm2._bf16_gemm2)
+    return _Gluon(gl, TensorDescriptor, wgmma_bf16_gemm1._bf16_gemm1, wgmma_bf16_gemm2._bf16_gemm2)
 
 
 def wgmma_bf16_reason(spec: MoESpec) -> str | None:
@@ -75,6 +87,76 @@ def gemm2_blocks(aligned: AlignedRouting) -> BlockList:
     return paired_blocks(aligned)
 
 
+def gluon_gemm1_reason(spec: MoESpec) -> str | None:
+    """None if the Gluon GEMM1 (`_details.wgmma_bf16_gemm1`) computes `spec`'s GEMM1, else why not (the
+    engine then runs the tl.dot GEMM1)."""
+    if spec.gate_layout is not GateLayout.CONCAT:
+        return "its weight boxes are the gate rows and the up rows of a tile: concatenated gate/up rows only"
+    if spec.H % GEMM2_TILE_K:
+        return f"its x copies are whole 64-wide K-steps: H must be a multiple of 64, got {spec.H}"
+    return None
+
+
+def wgmma_bf16_gemm1(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    route_w: torch.Tensor | None,
+    aligned: AlignedRouting,
+    blocks: BlockList,
+    h: torch.Tensor,
+    *,
+    spec: MoESpec,
+    group_m: int,
+    params,
+) -> bool:
+    """h[row] = act(x[token] @ w13[e]^T + b13[e]) (times the router weight `route_w` of INPUT placement)
+    at `aligned`'s sorted rows over GEMM2's `blocks`; False, launching nothing, where x's address or row
+    stride is not a multiple of 16 bytes (cp.async copies 16 bytes at a time): the tl.dot GEMM1 then runs.
+    `params`: the launch's spec constexprs (activation, its alpha and limit)."""
+    item = x.element_size()
+    if (x.stride(0) * item) % 16 or x.data_ptr() % 16 or x.stride(1) != 1:
+        return False
+    if not w13.is_contiguous() or w13.data_ptr() % 16:
+        raise LayoutMismatchError(
+            f"the WGMMA_BF16 engine reads w13 [E, 2I, H] through TMA as one contiguous [E*2I, H] matrix, got "
+            f"strides {w13.stride()}; call .contiguous() once at load time"
+        )
+    num_pid_n = cdiv(spec.I, GEMM1_BLOCK_N)
+    _gluon_hopper().gemm1[(blocks.max_blocks * num_pid_n,)](
+        x_ptr=x,  # [T, H]
+        w_desc=_rows_descriptor(w13.view(-1, spec.H), GEMM1_BLOCK_N),  # [E_local * 2I, H]
+        b_ptr=b13,  # [E_local, 2I] or None
+        route_w_ptr=route_w,  # fp32 [T*K] or None
+        h_ptr=h,  # [R, I]
+        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [R]
+        block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
+        block_start_ptr=blocks.block_start,  # int32 [max_blocks] or None
+        num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
+        expert_end_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
+        num_pairs=aligned.num_pairs,
+        num_pid_m=blocks.max_blocks,
+        stride_xm=x.stride(0),
+        stride_hm=h.stride(0),
+        stride_be=0 if b13 is None else b13.stride(0),
+        HIDDEN=spec.H,
+        INTER_SIZE=spec.I,
+        TOP_K=spec.K,
+        GROUP_M=group_m,
+        NUM_STAGES=GEMM1_STAGES,
+        HAS_BIAS=b13 is not None,
+        ROUTE_ON_INPUT=route_w is not None,
+        ACTIVATION=params.activation,
+        ALPHA=params.alpha,
+        HAS_LIMIT=params.has_limit,
+        LIMIT=params.limit,
+        MATH_REGISTERS=GEMM1_MATH_REGISTERS,
+        LOAD_REGISTERS=GEMM1_LOAD_REGISTERS,
+        num_warps=4,
+    )
+    return True
+
+
 def _rows_descriptor(tensor: torch.Tensor, rows: int):
     """A TMA descriptor of 16-bit `tensor` [R, C] (contiguous) read in [rows, 64] boxes."""
     gluon = _gluon_hopper()
@@ -90,6 +172,7 @@ def wgmma_bf16_gemm2(
     b2: torch.Tensor | None,
     route_w: torch.Tensor | None,
     aligned: AlignedRouting,
+    blocks: BlockList,
     y: torch.Tensor,
     *,
     spec: MoESpec,
@@ -97,7 +180,8 @@ def wgmma_bf16_gemm2(
     group_m: int,
 ) -> None:
     """y[pair] = (h[row] @ w2[e]^T + b2[e]) * route_w[pair] for every kept pair (`route_w` None: the router
-    weight was applied before GEMM1). `h` [R, I] is in `aligned`'s sorted rows; `y` [T*K, H] has
+    weight was applied before GEMM1), over `blocks` (`gemm2_blocks`). `h` [R, I] is in `aligned`'s sorted
+    rows; `y` [T*K, H] has
     contiguous rows. The caller checked the spec (`wgmma_bf16_reason`), the config and the device."""
     if not w2.is_contiguous() or w2.data_ptr() % 16 or not h.is_contiguous():
         raise LayoutMismatchError(
@@ -105,7 +189,6 @@ def wgmma_bf16_gemm2(
             f"strides {w2.stride()} (data at {w2.data_ptr() % 16} bytes past 16); call .contiguous() once at "
             f"load time"
         )
-    blocks = gemm2_blocks(aligned)
     tiles = blocks.max_blocks * cdiv(spec.H, block_n)
     if tiles == 0:
         return
