@@ -49,7 +49,8 @@ def _gather_loader(
     # 16 bytes a thread a row segment: 128 rows x 64 columns over 4 warps
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    pairs = gl.load(sorted_pairs_ptr + rows)
+    # A paired block's second half may lie past the sorted rows' end: read no row past the expert's.
+    pairs = gl.load(sorted_pairs_ptr + rows, mask=rows < rows_end, other=num_pairs)
     gl.static_assert(HIDDEN % BK == 0)  # whole K-steps: the copies need no mask
     # Padding rows and rows past the expert's read token 0: finite data, never stored.
     live = (pairs < num_pairs) & (rows < rows_end)
