@@ -232,9 +232,9 @@ def compile_wgmma_bf16_for_hopper(
     from moekit.kernels.triton._details import wgmma_bf16_gemm2
 
     def descriptor(rows: int) -> str:
-        block = [rows, host.GEMM2_TILE_K]
+        block = [rows, host.TILE_K]
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {host.GEMM2_TILE_K}],{layout!r}>"
+        return f"tensordesc<bf16[{rows}, {host.TILE_K}],{layout!r}>"
 
     constants = dict(
         HIDDEN=hidden,
@@ -284,7 +284,7 @@ def compile_wgmma_bf16_gemm1_for_hopper(
     from moekit.kernels.triton import wgmma_bf16 as host
     from moekit.kernels.triton._details import codes, wgmma_bf16_gemm1
 
-    block = [block_n, host.GEMM2_TILE_K]
+    block = [block_n, host.TILE_K]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     constants = dict(
         HIDDEN=hidden,

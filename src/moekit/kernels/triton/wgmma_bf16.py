@@ -21,11 +21,11 @@ import torch
 
 from moekit.errors import LayoutMismatchError
 from moekit.kernels.triton.align import AlignedRouting, BlockList, cdiv, paired_blocks
-from moekit.kernels.triton.wgmma_fp8 import LOAD_REGISTERS, MATH_REGISTERS, _multiprocessors
+from moekit.kernels.triton.wgmma_fp8 import LOAD_REGISTERS, MATH_REGISTERS, multiprocessors
 from moekit.spec import GateLayout, MoESpec, WeightFormat
 
 GEMM2_ROWS = 128  # two math warpgroups of 64 rows
-GEMM2_TILE_K = 64  # 128 bytes of a 16-bit row: one 128-byte swizzled TMA box
+TILE_K = 64  # both GEMMs' K-step: 128 bytes of a 16-bit row, one 128-byte swizzled TMA box
 GEMM2_BLOCK_NS = (128, 256)  # y columns a tile: one wgmma N per warpgroup
 # Ring depth by tile width, the deepest that fits sm_90's 227 KiB with the epilogue's re-layout scratch
 # (compiled offline: 176 KiB at 128 columns, 208 KiB at 256).
@@ -92,7 +92,7 @@ def gluon_gemm1_reason(spec: MoESpec) -> str | None:
     engine then runs the tl.dot GEMM1)."""
     if spec.gate_layout is not GateLayout.CONCAT:
         return "its weight boxes are the gate rows and the up rows of a tile: concatenated gate/up rows only"
-    if spec.H % GEMM2_TILE_K:
+    if spec.H % TILE_K:
         return f"its x copies are whole 64-wide K-steps: H must be a multiple of 64, got {spec.H}"
     return None
 
@@ -161,7 +161,7 @@ def _rows_descriptor(tensor: torch.Tensor, rows: int):
     """A TMA descriptor of 16-bit `tensor` [R, C] (contiguous) read in [rows, 64] boxes."""
     gluon = _gluon_hopper()
     gl_dtype = gluon.gl.bfloat16 if tensor.dtype == torch.bfloat16 else gluon.gl.float16
-    block = [rows, GEMM2_TILE_K]
+    block = [rows, TILE_K]
     layout = gluon.gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
     return gluon.tensor_descriptor.from_tensor(tensor, block, layout)
 
@@ -192,7 +192,7 @@ def wgmma_bf16_gemm2(
     tiles = blocks.max_blocks * cdiv(spec.H, block_n)
     if tiles == 0:
         return
-    _gluon_hopper().gemm2[(min(tiles, _multiprocessors(h.device)),)](
+    _gluon_hopper().gemm2[(min(tiles, multiprocessors(h.device)),)](
         h_desc=_rows_descriptor(h, GEMM2_ROWS),  # [R, I]
         w_desc=_rows_descriptor(w2.view(-1, spec.I), block_n),  # [E_local * H, I]
         b_ptr=b2,  # [E_local, H] or None

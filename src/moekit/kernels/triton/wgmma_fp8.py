@@ -105,7 +105,7 @@ def wgmma_fp8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
 
 
 @functools.cache  # asked at every launch of the persistent GEMM2
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     """The SM count of `device`: the persistent GEMM2's grid."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -157,7 +157,7 @@ def wgmma_fp8_moe(
     # a launch of its own that streams those experts' weights again: on an H200 the separate tail launch
     # ran DRAM-bound, 556 us of DeepSeek-V3's 5.1 ms at T = 4096.
     # Persistent: a program an SM (at most one a tile); the tiles it walks are counted on the device.
-    grid = min(blocks.max_blocks * (spec.H // TILE_N), _multiprocessors(x.device))
+    grid = min(blocks.max_blocks * (spec.H // TILE_N), multiprocessors(x.device))
     gluon.gemm2[(grid,)](
         h_desc=_fp8_rows(h, blocks.block_m),  # fp8 [R, I]
         w_desc=_fp8_rows(weights.w2.reshape(-1, spec.I), TILE_N),  # fp8 [E_local * H, I]
