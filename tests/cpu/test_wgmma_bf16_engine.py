@@ -204,7 +204,7 @@ def test_the_default_takes_it_for_prefill_on_hopper_where_it_computes(spec, toke
     config = default_config(spec, tokens, 132, hopper=hopper)
     assert config.reason_unusable(spec) is None
     prefill = tokens * spec.K / spec.E > 48
-    wanted = hopper and prefill and wgmma_bf16_reason(spec) is None
+    wanted = hopper and tokens * spec.K / spec.E >= 128 and wgmma_bf16_reason(spec) is None
     assert (config.engine is MatmulEngine.WGMMA_BF16) == wanted
     if prefill:  # the same GEMM1 tiles either way
         assert replace(config, engine=MatmulEngine.TL_DOT, gemm1_gluon=False) == FLOAT_PREFILL_TILES

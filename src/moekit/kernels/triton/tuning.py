@@ -68,6 +68,9 @@ FLOAT_PREFILL_TILES = TritonMoEConfig(
     block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, gemm2_block_n=256
 )
 WGMMA_BF16_DEFAULT = replace(FLOAT_PREFILL_TILES, engine=MatmulEngine.WGMMA_BF16)
+# The default takes the engine from the fewest tokens an expert it was measured at (Mixtral T = 512);
+# between 48 and 128 only the tuning space offers it.
+WGMMA_BF16_MIN_TOKENS_PER_EXPERT = 128
 # From this many tokens an expert GEMM1 runs on Gluon too (`gemm1_gluon`). On an H200 (layer without
 # routing, graph replay, L2 flushed, two interleaved rounds) against the tl.dot GEMM1 behind the same
 # GEMM2: +4 % at 128 tokens an expert (Mixtral T = 512) and +5 % at 256 (Qwen3-30B T = 4096); -1.4 and
@@ -262,7 +265,7 @@ def default_config(
     # Prefill: 128 x 128 on 8 warps, GEMM2 on 256 rows (half its programs): on an H200 1 - 6 % ahead of
     # GEMM2 on 128 rows at 60 - 768 tokens an expert for five shapes no tuned row covers (E 8 - 512,
     # K 2 - 10, H 2048 - 4096, I 512 - 7168).
-    if hopper and wgmma_bf16_reason(spec) is None:
+    if hopper and per_expert >= WGMMA_BF16_MIN_TOKENS_PER_EXPERT and wgmma_bf16_reason(spec) is None:
         gluon = (
             per_expert >= WGMMA_BF16_GLUON_GEMM1_MIN_TOKENS_PER_EXPERT and gluon_gemm1_reason(spec) is None
         )
