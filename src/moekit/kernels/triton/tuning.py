@@ -60,10 +60,11 @@ WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT = 128
 WGMMA_FP8_TALL = replace(WGMMA_FP8_DEFAULT, gemm1_block_m=WGMMA_FP8_TILES["block_m"])
 
 # The tl.dot tiles of 16-bit float prefill (beyond 48 tokens an expert), and the same GEMM1 behind the
-# WGMMA_BF16 engine's persistent GEMM2, 256 columns a tile, which Hopper takes. On an H200 (layer without
-# routing, graph replay, L2 flushed, two interleaved rounds) its GEMM2 kernel ran 10 - 24 % faster than
-# the tl.dot one and the layer 3 - 7 % faster for Qwen3-30B (T = 4096, 16384), Qwen3-235B (16384) and
-# Mixtral (512, 16384); level with it for E 512 / K 10 / I 512 at T = 8192.
+# WGMMA_BF16 engine's persistent GEMM2, 256 columns a tile, which Hopper takes from 128 tokens an expert.
+# On an H200 (layer without routing, graph replay, L2 flushed, two interleaved rounds) its GEMM2 kernel ran
+# 10 - 24 % faster than the tl.dot one and the layer 3 - 7 % faster for Qwen3-30B (T = 4096), Qwen3-235B
+# (16384) and Mixtral (512, 16384); Qwen3-30B T = 16384 gained in one round of two, and E 512 / K 10 /
+# I 512 at T = 8192 was level.
 FLOAT_PREFILL_TILES = TritonMoEConfig(
     block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, gemm2_block_n=256
 )
