@@ -211,3 +211,12 @@ def test_the_default_takes_it_for_prefill_on_hopper_where_it_computes(spec, toke
         assert WGMMA_BF16_DEFAULT == replace(FLOAT_PREFILL_TILES, engine=MatmulEngine.WGMMA_BF16)
     gluon = wanted and tokens * spec.K / spec.E >= 512 and gluon_gemm1_reason(spec) is None
     assert config.gemm1_gluon == gluon
+
+
+def test_the_gluon_gemm1_declines_x_rows_cp_async_cannot_copy_16_bytes_at_a_time():
+    from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_gemm1
+
+    wide = torch.zeros(4, QWEN3.H + 8, dtype=torch.bfloat16)
+    for x in (wide[:, : QWEN3.H], wide[:, 8:]):  # a row stride of H + 8 elements; an address 16 bytes in
+        declined = wgmma_bf16_gemm1(x, None, None, None, None, None, None, spec=QWEN3, group_m=8, params=None)
+        assert declined is False  # nothing launched: the tl.dot GEMM1 runs instead

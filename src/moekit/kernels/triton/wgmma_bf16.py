@@ -111,11 +111,13 @@ def wgmma_bf16_gemm1(
     params,
 ) -> bool:
     """h[row] = act(x[token] @ w13[e]^T + b13[e]) (times the router weight `route_w` of INPUT placement)
-    at `aligned`'s sorted rows over GEMM2's `blocks`; False, launching nothing, where x's address or row
-    stride is not a multiple of 16 bytes (cp.async copies 16 bytes at a time): the tl.dot GEMM1 then runs.
+    at `aligned`'s sorted rows over GEMM2's `blocks`; False, launching nothing, where x's address is not a
+    multiple of 16 bytes or its row stride not one of 16 elements (cp.async copies 16 bytes at a time): the
+    tl.dot GEMM1 then runs.
     `params`: the launch's spec constexprs (activation, its alpha and limit)."""
-    item = x.element_size()
-    if (x.stride(0) * item) % 16 or x.data_ptr() % 16 or x.stride(1) != 1:
+    # The JIT tells the kernel a stride is 16-byte divisible only when it is a multiple of 16 elements
+    # (and a pointer when its address is a multiple of 16): below that cp.async cannot be 16 bytes wide.
+    if x.stride(0) % 16 or x.data_ptr() % 16 or x.stride(1) != 1:
         return False
     if not w13.is_contiguous() or w13.data_ptr() % 16:
         raise LayoutMismatchError(
