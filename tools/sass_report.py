@@ -416,6 +416,11 @@ def compile_gluon_for_hopper(
     )
 
 
+def k_loop_spills(instructions: list[tuple[int, str]]) -> list[int]:
+    """Local-memory loads and stores (spills) inside each K-loop (`mma_loops`) of `instructions`."""
+    return [sum(unpredicated(t)[:3] in ("LDL", "STL") for _, t in loop) for loop in mma_loops(instructions)]
+
+
 def wgmma_waits(instructions: list[tuple[int, str]]) -> list[int]:
     """The group counts of every `wgmma.wait_group` (WARPGROUP.DEPBAR.LE gsb0, N) among `instructions`."""
     return [

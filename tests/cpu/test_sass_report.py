@@ -8,9 +8,6 @@ correctness of the word path rest on, not one compiler version's opcode counts, 
 one fails here before any device time is spent.
 """
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,20 +15,10 @@ import pytest
 
 pytest.importorskip("triton")
 
+from compiled_json import compiled_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("gemm", "block_m", "block_n", "block_k", "warps", "stages", "split_k", "block_starts")
-
-
-def _compiled_json(args: list[str], *, timeout: int = 900):
-    """Run `python args` from the repository root, compiled (no TRITON_INTERPRET) with src and
-    tools importable, and return the JSON of its last output line."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tools"), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 _SHIPPED_WORD_TILES = """
@@ -95,7 +82,7 @@ WORD_TILE_PROPERTIES = {
 def test_shipped_word_tiles_keep_their_hopper_properties():
     """Every property of `WORD_TILE_PROPERTIES` on every shipped tile, from one compile of them all (one
     test, so that one worker compiles the 20-odd kernels once instead of each worker again)."""
-    tiles = _compiled_json(["-c", _SHIPPED_WORD_TILES])
+    tiles = compiled_json(["-c", _SHIPPED_WORD_TILES])
     assert len(tiles) >= 6, tiles  # the table covers gpt-oss-20b and -120b from 1 to 16384 tokens
     failures = {name: _failing(tiles, ok) for name, ok in WORD_TILE_PROPERTIES.items()}
     assert not any(failures.values()), "\n".join(
@@ -124,7 +111,7 @@ r = wgmma_hazard.simulate(sass_report.compile_gemm(1, "words", (128, 64, 64), 4,
 print(json.dumps([r["wait_depths"], len(r["writes"])]))
 """
     )
-    depths, writes = _compiled_json([str(script)])
+    depths, writes = compiled_json([str(script)])
     assert max(depths) > 0 and writes > 0, (depths, writes)
 
 
@@ -162,7 +149,7 @@ def test_fp8_activation_gemms_compile_for_hopper():
     of different shapes from constexpr branches does not, and the interpreter never notices), nothing
     spills, tiles with 64 or more weight rows on the MMA's M side (swap_ab) or token rows run FP8 wgmma,
     and W8A8 promotes each K-step with one FMA an accumulator element."""
-    for tile in _compiled_json(["-c", _FP8_ACTIVATION_TILES]):
+    for tile in compiled_json(["-c", _FP8_ACTIVATION_TILES]):
         model, fmt, gemm, m, n, k, warps, stages, swap = tile["tile"]
         assert tile["local_memory_ops"] == 0, tile
         if fmt == "w8a8":  # each K-step's weight scales are a number or two (W_SCALE_BLOCKS): a K-step
@@ -191,7 +178,7 @@ def test_one_block_per_pair_gemms_compile_for_hopper():
     """The decode launch without an alignment (`align.one_block_per_pair`: no sorted pair list, no device
     block count) compiles for sm_90 for the word, float and FP8 paths, without spills; the interpreter
     tests check its arithmetic."""
-    tiles = _compiled_json(["-c", _ONE_BLOCK_PER_PAIR])
+    tiles = compiled_json(["-c", _ONE_BLOCK_PER_PAIR])
     assert len(tiles) == 6
     for tile in tiles:
         assert tile["local_memory_ops"] == 0, tile
@@ -226,7 +213,7 @@ def test_route_kernels_compile_for_hopper_without_spills():
     sm_90: DeepSeek-V3's grouped sigmoid and the softmax routes of gpt-oss (E 128, K 4), Qwen3 (E 128,
     K 8: the 32-token four-warp tile spilled there) and the widest router the route takes (MAX_EXPERTS
     scores in one warp) keep their serial reductions in the warp (no barrier) and do not spill."""
-    got = _compiled_json(["-c", _ROUTE_KERNELS])
+    got = compiled_json(["-c", _ROUTE_KERNELS])
     for facts in (got["grouped"], *got["softmax"].values()):
         assert facts["local_memory_ops"] == 0 and facts["barriers"] == 0, got
 
@@ -234,8 +221,6 @@ def test_route_kernels_compile_for_hopper_without_spills():
 def test_issued_under_mma_counts_from_a_wgmma_issue_to_the_wait_that_retires_it():
     """The overlap count on hand-written SASS: work between wgmma of an open group and after its commit
     counts until a wait leaves none of its groups open; a wait that leaves one group open keeps counting."""
-    import sys
-
     sys.path.insert(0, str(ROOT / "tools"))
     from sass_report import issued_under_mma
 
@@ -285,7 +270,7 @@ def test_gluon_decodes_the_next_step_under_the_register_a_wgmma_without_a_hazard
     next K-step's decode issues while this step's register-A wgmma runs, and keeping this step's operand
     in the wait's `deps` leaves no write to its registers in flight; decoding before each wgmma overlaps
     nothing but loop arithmetic. Both decode with the bf16 scale multiplies that define the A registers."""
-    facts = _compiled_json(["-c", _GLUON_PROBE])
+    facts = compiled_json(["-c", _GLUON_PROBE])
     plain, ahead = facts["plain"], facts["ahead"]
     assert plain["hazard_writes"] == 0 and ahead["hazard_writes"] == 0, facts
     assert plain["issued_under_mma"] <= 16, facts
@@ -325,7 +310,7 @@ def test_wgmma_words_engine_compiles_with_its_decode_under_the_mma():
     K-loop of the kernel). The half-wide kernels hold two such loops (BLOCK_M and BLOCK_M / 2 pairs); at
     128 pairs their full-width loop may keep one value in local memory (one local access a step, as
     compiled when they were measured faster than the one-loop kernels, `wgmma_words.HALF_WIDE_MIN_SHARE`)."""
-    for tile in _compiled_json(["-c", _WGMMA_WORDS_GEMMS]):
+    for tile in compiled_json(["-c", _WGMMA_WORDS_GEMMS]):
         assert tile["registers"] <= (128 if tile["block_m"] <= 128 else 255), tile
         assert tile["loops"] == (2 if tile["half_wide"] else 1), tile
         assert tile["spills"] <= (1 if tile["half_wide"] else 0), tile
@@ -357,7 +342,7 @@ def test_words_decode_gemm_runs_its_k_loop_without_barrier_spill_or_register_mov
     mma.sync and DEPTH x 2 16-byte weight loads, and fewer register moves than one queue slot holds (16:
     8 words, 8 scale bytes; a rotating queue would copy every slot a step, each copy waiting for the load
     that writes it; the register cap alone leaves a few)."""
-    for row in _compiled_json(["-c", _WORDS_DECODE_GEMMS]):
+    for row in compiled_json(["-c", _WORDS_DECODE_GEMMS]):
         ops, depth, n_tile = row["ops"], row["depth"], row["n_tile"]
         assert not any(op.startswith("BAR") or op.startswith("HGMMA") for op in ops), row
         assert ops.get("HMMA.16816.F32.BF16", 0) == depth * 8 * n_tile // 8, row

@@ -3,11 +3,7 @@ the tuning space offers it, the refusal off sm_90, and its Gluon GEMM2 compiled 
 needed). Its numbers against the reference are GPU tests (tests/gpu/test_wgmma_bf16_gpu.py)."""
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from compiled_json import compiled_json  # noqa: E402
 from layer_shapes import reshaped_specs  # noqa: E402
 from moekit import DeviceError, SpecError, TunedTableError, preset  # noqa: E402
 from moekit.kernels.base import config_from_dict  # noqa: E402
@@ -31,7 +28,6 @@ from moekit.kernels.triton.wgmma_bf16 import (  # noqa: E402
 from moekit.spec import WeightFormat  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = preset("qwen3-30b-a3b")
 ENGINE = TritonMoEConfig(
     block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, gemm2_block_n=256,
@@ -146,10 +142,9 @@ for width, paired in ((128, False), (256, True), (1, True)):
     else:
         kernel = r.compile_wgmma_bf16_for_hopper(block_n=width, paired=paired, bias=paired)
     instructions = r.all_instructions(kernel)
-    loops = r.mma_loops(instructions)
     out[f"{width}/{paired}"] = {
         **r.kernel_facts(kernel, instructions),
-        "k_loop_spills": [sum(r.unpredicated(t)[:3] in ("LDL", "STL") for _, t in k) for k in loops],
+        "k_loop_spills": r.k_loop_spills(instructions),
         "waits": sorted(set(r.wgmma_waits(instructions))),
         "bf16_wgmma": sum(1 for _, t in instructions if r.unpredicated(t).startswith("HGMMA")),
         "shared": kernel.metadata.shared,
@@ -162,13 +157,7 @@ def test_gluon_gemms_compile_for_sm90_without_spills_and_keep_mma_in_flight():
     # What the engine's speed rests on: no spill, the ring and the epilogue's re-layout in shared memory
     # (232,448 bytes on sm_90), and a wait that leaves the step's wgmma in flight while the next stage is
     # waited for (DEPBAR.LE gsb0, 0x1 in GEMM2; 0x2 in GEMM1, whose step is a gate and an up wgmma).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tools"), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = compiled_json(["-c", _COMPILE])
     assert len(facts) == 3
     for name, fact in facts.items():
         assert fact["local_bytes"] == 0 and fact["local_memory_ops"] == 0, (name, fact)
@@ -214,9 +203,9 @@ def test_the_default_takes_it_for_prefill_on_hopper_where_it_computes(spec, toke
 
 
 def test_the_gluon_gemm1_declines_x_rows_cp_async_cannot_copy_16_bytes_at_a_time():
-    from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_gemm1
+    from moekit.kernels.triton.wgmma_bf16 import gluon_gemm1_runs
 
     wide = torch.zeros(4, QWEN3.H + 8, dtype=torch.bfloat16)
     for x in (wide[:, : QWEN3.H], wide[:, 8:]):  # a row stride of H + 8 elements; an address 16 bytes in
-        declined = wgmma_bf16_gemm1(x, None, None, None, None, None, None, spec=QWEN3, group_m=8, params=None)
-        assert declined is False  # nothing launched: the tl.dot GEMM1 runs instead
+        runs = gluon_gemm1_runs(QWEN3, x)
+        assert runs is False  # the tl.dot GEMM1 runs instead

@@ -3,11 +3,7 @@ its tuned-table form, the refusal off sm_90, and its Gluon kernels compiled for 
 Its numbers against the reference are GPU tests (tests/gpu/test_wgmma_fp8_gpu.py)."""
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from compiled_json import compiled_json  # noqa: E402
 from layer_shapes import reshaped_specs  # noqa: E402
 from moekit import (  # noqa: E402
     Activation,
@@ -41,7 +38,6 @@ from moekit.kernels.triton.tuning import (  # noqa: E402
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 DEEPSEEK = preset("deepseek-v3")
 
 
@@ -154,7 +150,7 @@ for gemm, rows in ((1, 64), (1, 128), (2, 128)):
     loops = r.mma_loops(instructions)
     out[f"{gemm}/{rows}"] = {
         **r.kernel_facts(kernel, instructions),
-        "k_loop_spills": [sum(r.unpredicated(t)[:3] in ("LDL", "STL") for _, t in loop) for loop in loops],
+        "k_loop_spills": r.k_loop_spills(instructions),
         "k_loop_lengths": [len(loop) for loop in loops],
         "waits": sorted(set(r.wgmma_waits(instructions))),
         "fp8_wgmma": sum(1 for _, t in instructions if r.unpredicated(t).startswith("QGMMA")),
@@ -168,13 +164,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills_and_keep_one_mma_in_fligh
     # What the engine's speed rests on: no spill, the whole ring in shared memory (232,448 bytes on
     # sm_90), and a wait that leaves one wgmma group in flight (DEPBAR.LE gsb0, 0x1) while the retired
     # product is scaled; waits for 0 only are the tl.dot schedule this engine replaces.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tools"), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = compiled_json(["-c", _COMPILE])
     for name, fact in facts.items():
         assert fact["local_bytes"] == 0, (name, fact)
         # The 128-row GEMM1 keeps a few values on the stack (10 local memory instructions in all): stored

@@ -322,9 +322,13 @@ class GemmBlocks:
     here; one block a pair passes the routing ids as they are)."""
 
     block_lists: tuple[BlockList, ...]  # one launch of each GEMM per list, empty lists left out
-    sorted_pair_ids: torch.Tensor | None
     pair_expert: torch.Tensor  # int32 [T*K]
     aligned: AlignedRouting | None  # the alignment the lists walk; None: one block a pair
+
+    @property
+    def sorted_pair_ids(self) -> torch.Tensor | None:
+        """The sorted pair list the block lists index, or None (one block a pair)."""
+        return None if self.aligned is None else self.aligned.sorted_pair_ids
 
 
 def gemm_blocks(
@@ -351,13 +355,13 @@ def gemm_blocks(
         expert_bytes=expert_bytes,
     ):
         blocks = one_block_per_pair(ids, block_m=block_m)
-        return GemmBlocks((blocks,), None, blocks.block_expert, None)  # every pair local: expert = id
+        return GemmBlocks((blocks,), blocks.block_expert, None)  # every pair local: its expert is its id
     aligned = align_routing(
         ids, num_local_experts=num_local_experts, block_m=tail_block_m or block_m, expert_map=expert_map
     )
     lists = split_tail_blocks(aligned) if tail_block_m else (BlockList.of(aligned),)
     lists = tuple(b for b in lists if b.max_blocks > 0)
-    return GemmBlocks(lists, aligned.sorted_pair_ids, aligned.pair_expert, aligned)
+    return GemmBlocks(lists, aligned.pair_expert, aligned)
 
 
 def split_tail_blocks(

@@ -116,15 +116,16 @@ class MatmulEngine(enum.Enum):
     # 64 weight rows a program, num_stages K-steps of weights in flight a thread, no barrier in the loop;
     # both GEMMs write fp32 split-K shares that the tl.dot path's finish kernels complete.
     MMA_WORDS_DECODE = "Gluon mma.sync split-K kernels streaming MXFP4 words for decode (W4A16, sm_90)"
-    # 16-bit float weights and activations (`wgmma_bf16.wgmma_bf16_reason`): the tl.dot GEMM1 writing h in
-    # the alignment's sorted rows, then a persistent Gluon wgmma GEMM2 reading h and w2 through TMA.
-    WGMMA_BF16 = "tl.dot GEMM1, persistent Gluon wgmma GEMM2 (16-bit float prefill, sm_90)"
+    # 16-bit float weights and activations (`wgmma_bf16.wgmma_bf16_reason`): GEMM1 (tl.dot, or Gluon with
+    # gemm1_gluon) writing h in the alignment's sorted rows, then a persistent Gluon wgmma GEMM2 reading h
+    # and w2 through TMA.
+    WGMMA_BF16 = "persistent Gluon wgmma GEMM2, GEMM1 on tl.dot or Gluon (16-bit float prefill, sm_90)"
 
 
 # The one tiling the WGMMA_FP8 engine runs (its kernels fix the rest): GEMM2's 128-row blocks with
 # 64-row tails, 128 x 128 weight tiles, one 128-deep scale group a K-step, 4-warp warpgroups.
 WGMMA_FP8_TILES = dict(block_m=128, tail_block_m=64, block_n=128, block_k=128, num_warps=4, split_k=1)
-# What the WGMMA_BF16 engine fixes: GEMM1 is the tl.dot path's (its tiles free), without split-K or swap_ab
+# What the WGMMA_BF16 engine fixes: a tl.dot GEMM1 takes the tile fields (free), without split-K or swap_ab
 # (the engine is for prefill); its alignment is at 64 or 128 rows (`wgmma_bf16.ALIGNMENT_ROWS`: block_m
 # 64, or 128 with or without 64-row tails) and GEMM2's tile one of `wgmma_bf16.GEMM2_BLOCK_NS` wide.
 WGMMA_BF16_TILES = dict(split_k=1, swap_ab=False)

@@ -40,7 +40,7 @@ from moekit.kernels.triton.sum_k import sum_shares
 from moekit.kernels.triton.weight_args import WeightArgs, stride_or_zero
 from moekit.kernels.triton.wgmma_bf16 import (
     gemm2_blocks,
-    gluon_gemm1_reason,
+    gluon_gemm1_runs,
     wgmma_bf16_gemm1,
     wgmma_bf16_gemm2,
 )
@@ -246,20 +246,23 @@ def triton_fused_moe(
     p = _KernelParams.of(spec)
     cfg = config
     num_pairs = routing.ids.numel()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    engine = cfg.engine is MatmulEngine.WGMMA_BF16  # GEMM2 on Gluon, reading h in the sorted rows
+    gluon_gemm1 = engine and cfg.gemm1_gluon and gluon_gemm1_runs(spec, x)
     blocks = gemm_blocks(
         routing.ids,
         num_local_experts=spec.E_local,
-        block_m=cfg.block_m,
-        tail_block_m=cfg.tail_block_m,
+        # The Gluon GEMM1 walks GEMM2's blocks: the alignment alone, no tail lists for a tl.dot GEMM1.
+        block_m=(cfg.tail_block_m or cfg.block_m) if gluon_gemm1 else cfg.block_m,
+        tail_block_m=None if gluon_gemm1 else cfg.tail_block_m,
         expert_map=expert_map,
         expert_bytes=spec.expert_weight_bytes,
-        always_aligned=cfg.engine is MatmulEngine.WGMMA_BF16,  # its GEMM2 reads h in sorted rows
+        always_aligned=engine,
     )
     block_lists, sorted_pairs, pair_expert = blocks.block_lists, blocks.sorted_pair_ids, blocks.pair_expert
-    sorted_h = blocks.aligned if cfg.engine is MatmulEngine.WGMMA_BF16 else None
-    block_lists_gemm1 = block_lists
+    sorted_h = blocks.aligned if engine else None
+    engine_blocks = gemm2_blocks(sorted_h) if engine else None  # both Gluon GEMMs' 128-row blocks
     route_w = routing.weights.contiguous().view(-1)  # fp32 [T*K], indexed by pair id t*K + k
-    x = x if x.stride(1) == 1 else x.contiguous()
     quant = spec.act_quant
     x_scale = None
     if p.a_quant:
@@ -318,7 +321,7 @@ def triton_fused_moe(
         h = torch.empty(num_pairs, spec.I, dtype=torch.float8_e4m3fn, device=x.device)
         h_scale = torch.empty(num_pairs, spec.I // 128, dtype=torch.float32, device=x.device)
     else:
-        h_rows = num_pairs if sorted_h is None else sorted_h.max_blocks * sorted_h.block_m
+        h_rows = sorted_h.max_blocks * sorted_h.block_m if engine else num_pairs
         h = torch.empty(h_rows, spec.I, dtype=p.h_dtype, device=x.device)
         h_scale = None
     part1 = (
@@ -327,14 +330,12 @@ def triton_fused_moe(
     dec = dict(
         sorted_pairs=sorted_pairs, num_pairs=num_pairs, num_local_experts=spec.E_local, depth=cfg.num_stages
     )
-    if sorted_h is not None:
-        engine_blocks = gemm2_blocks(sorted_h)  # both GEMMs' 128-row blocks
+    if gluon_gemm1:
         route_in = route_w if p.route_in_gemm1 else None
-        if cfg.gemm1_gluon and gluon_gemm1_reason(spec) is None:
-            gemm1_args = (x, weights.w13, w13.bias, route_in, sorted_h, engine_blocks, h)
-            if wgmma_bf16_gemm1(*gemm1_args, spec=spec, group_m=cfg.group_m, params=p):
-                block_lists_gemm1 = ()
-    for blocks in block_lists_gemm1:
+        activation = {name: epilogue1[name] for name in ("ACTIVATION", "ALPHA", "HAS_LIMIT", "LIMIT")}
+        gemm1_args = (x, weights.w13, w13.bias, route_in, sorted_h, engine_blocks, h)
+        wgmma_bf16_gemm1(*gemm1_args, spec=spec, group_m=cfg.group_m, activation=activation)
+    for blocks in () if gluon_gemm1 else block_lists:
         if decode:
             decode_gemm(
                 x,
@@ -360,7 +361,7 @@ def triton_fused_moe(
             stride_hm=h.stride(0),
             stride_hsm=stride_or_zero(h_scale, 0),
             QUANT_H=quant_h,
-            H_SORTED=sorted_h is not None,
+            H_SORTED=engine,
             stride_part_split=stride_or_zero(part1, 0),
             stride_part_m=stride_or_zero(part1, 1),
             TOP_K=top_k,
@@ -400,12 +401,11 @@ def triton_fused_moe(
         part2 = None
         y = out if direct else torch.empty(num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     block_n2 = cfg.block_n_gemm2
-    if sorted_h is not None:
+    if engine:
         route = route_w if p.route_on_output else None
         gemm2_args = (h, w2.data, w2.bias, route, sorted_h, engine_blocks, y)
         wgmma_bf16_gemm2(*gemm2_args, spec=spec, block_n=block_n2, group_m=cfg.group_m)
-        block_lists = ()  # GEMM2 is done
-    for blocks in block_lists:
+    for blocks in () if engine else block_lists:
         if decode:
             w2_words = dict(words=weights.w2, scales=weights.w2_scale)
             decode_gemm(h, a_row_div=1, **w2_words, blocks=blocks, part=part2, split_k=part2.shape[0], **dec)

@@ -97,6 +97,15 @@ def gluon_gemm1_reason(spec: MoESpec) -> str | None:
     return None
 
 
+def gluon_gemm1_runs(spec: MoESpec, x: torch.Tensor) -> bool:
+    """Whether the Gluon GEMM1 runs for `spec` on `x` [T, H] (unit column stride): it computes the spec
+    (`gluon_gemm1_reason`), and x's address is a multiple of 16 bytes and its row stride one of 16
+    elements. The JIT tells the kernel a stride is 16-byte divisible only at multiples of 16 elements
+    (and a pointer at addresses that are multiples of 16); below that cp.async cannot be 16 bytes wide.
+    Otherwise the config's tl.dot GEMM1 runs."""
+    return gluon_gemm1_reason(spec) is None and not x.stride(0) % 16 and not x.data_ptr() % 16
+
+
 def wgmma_bf16_gemm1(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -108,26 +117,15 @@ def wgmma_bf16_gemm1(
     *,
     spec: MoESpec,
     group_m: int,
-    params,
-) -> bool:
+    activation: dict,
+) -> None:
     """h[row] = act(x[token] @ w13[e]^T + b13[e]) (times the router weight `route_w` of INPUT placement)
-    at `aligned`'s sorted rows over GEMM2's `blocks`; False, launching nothing, where x's address is not a
-    multiple of 16 bytes or its row stride not one of 16 elements (cp.async copies 16 bytes at a time): the
-    tl.dot GEMM1 then runs.
-    `params`: the launch's spec constexprs (activation, its alpha and limit)."""
-    # The JIT tells the kernel a stride is 16-byte divisible only when it is a multiple of 16 elements
-    # (and a pointer when its address is a multiple of 16): below that cp.async cannot be 16 bytes wide.
-    if x.stride(0) % 16 or x.data_ptr() % 16 or x.stride(1) != 1:
-        return False
-    if not w13.is_contiguous() or w13.data_ptr() % 16:
-        raise LayoutMismatchError(
-            f"the WGMMA_BF16 engine reads w13 [E, 2I, H] through TMA as one contiguous [E*2I, H] matrix, got "
-            f"strides {w13.stride()}; call .contiguous() once at load time"
-        )
+    at `aligned`'s sorted rows over GEMM2's `blocks`, where `gluon_gemm1_runs`. `activation`: the tl.dot
+    GEMM1's activation constexprs (ACTIVATION, ALPHA, HAS_LIMIT, LIMIT), the same names here."""
     num_pid_n = cdiv(spec.I, GEMM1_BLOCK_N)
     _gluon_hopper().gemm1[(blocks.max_blocks * num_pid_n,)](
         x_ptr=x,  # [T, H]
-        w_desc=_rows_descriptor(w13.view(-1, spec.H), GEMM1_BLOCK_N),  # [E_local * 2I, H]
+        w_desc=_rows_descriptor(_weight_rows(w13, "w13 [E, 2I, H]"), GEMM1_BLOCK_N),  # [E_local * 2I, H]
         b_ptr=b13,  # [E_local, 2I] or None
         route_w_ptr=route_w,  # fp32 [T*K] or None
         h_ptr=h,  # [R, I]
@@ -148,15 +146,22 @@ def wgmma_bf16_gemm1(
         NUM_STAGES=GEMM1_STAGES,
         HAS_BIAS=b13 is not None,
         ROUTE_ON_INPUT=route_w is not None,
-        ACTIVATION=params.activation,
-        ALPHA=params.alpha,
-        HAS_LIMIT=params.has_limit,
-        LIMIT=params.limit,
+        **activation,
         MATH_REGISTERS=GEMM1_MATH_REGISTERS,
         LOAD_REGISTERS=GEMM1_LOAD_REGISTERS,
         num_warps=4,
     )
-    return True
+
+
+def _weight_rows(weights: torch.Tensor, what: str) -> torch.Tensor:
+    """Expert weights [E, N, K] as the one [E*N, K] matrix TMA reads (a view: no copy a call)."""
+    if not weights.is_contiguous() or weights.data_ptr() % 16:
+        raise LayoutMismatchError(
+            f"the WGMMA_BF16 engine reads {what} through TMA as one contiguous matrix of rows, got strides "
+            f"{weights.stride()} (data {weights.data_ptr() % 16} bytes past a 16-byte boundary); call "
+            f".contiguous() once at load time"
+        )
+    return weights.view(-1, weights.shape[-1])
 
 
 def _rows_descriptor(tensor: torch.Tensor, rows: int):
@@ -182,21 +187,15 @@ def wgmma_bf16_gemm2(
     group_m: int,
 ) -> None:
     """y[pair] = (h[row] @ w2[e]^T + b2[e]) * route_w[pair] for every kept pair (`route_w` None: the router
-    weight was applied before GEMM1), over `blocks` (`gemm2_blocks`). `h` [R, I] is in `aligned`'s sorted
-    rows; `y` [T*K, H] has
-    contiguous rows. The caller checked the spec (`wgmma_bf16_reason`), the config and the device."""
-    if not w2.is_contiguous() or w2.data_ptr() % 16 or not h.is_contiguous():
-        raise LayoutMismatchError(
-            f"the WGMMA_BF16 engine reads w2 [E, H, I] through TMA as one contiguous [E*H, I] matrix, got "
-            f"strides {w2.stride()} (data at {w2.data_ptr() % 16} bytes past 16); call .contiguous() once at "
-            f"load time"
-        )
+    weight was applied before GEMM1), over `blocks` (`gemm2_blocks`). `h` [R, I] (contiguous) is in
+    `aligned`'s sorted rows; `y` [T*K, H] has contiguous rows. The caller checked the spec
+    (`wgmma_bf16_reason`), the config and the device."""
     tiles = blocks.max_blocks * cdiv(spec.H, block_n)
     if tiles == 0:
         return
     _gluon_hopper().gemm2[(min(tiles, multiprocessors(h.device)),)](
         h_desc=_rows_descriptor(h, GEMM2_ROWS),  # [R, I]
-        w_desc=_rows_descriptor(w2.view(-1, spec.I), block_n),  # [E_local * H, I]
+        w_desc=_rows_descriptor(_weight_rows(w2, "w2 [E, H, I]"), block_n),  # [E_local * H, I]
         b_ptr=b2,  # [E_local, H] or None
         sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [R]
         route_w_ptr=route_w,  # fp32 [T*K] or None

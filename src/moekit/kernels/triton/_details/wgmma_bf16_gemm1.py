@@ -11,7 +11,7 @@ copies, `.noinc`), the weights' on another.
 
 from moekit.kernels.triton._details.activation import _gated_activation
 from moekit.kernels.triton._details.gemm import _block_first_row, _grouped_pid
-from moekit.kernels.triton._details.wgmma_bf16_gemm2 import _mma_layout_16bit
+from moekit.kernels.triton._details.wgmma_bf16_gemm2 import STORE_LAYOUT, _mma_layout_16bit, _tile_rows
 from moekit.kernels.triton._details.wgmma_fp8 import ROWS_PER_WARPGROUP
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -45,7 +45,7 @@ def _gather_loader(
     BLOCK_M: gl.constexpr = a_smem.shape[1]
     BK: gl.constexpr = a_smem.shape[2]
     BN: gl.constexpr = gate_smem.shape[1]
-    KT: gl.constexpr = (HIDDEN + BK - 1) // BK
+    KT: gl.constexpr = HIDDEN // BK
     # 16 bytes a thread a row segment: 128 rows x 64 columns over 4 warps
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -74,6 +74,16 @@ def _gather_loader(
 
 
 @gluon.jit
+def _landed_stage(ring, k, NUM_STAGES: gl.constexpr):
+    """K-step k's stage, once both its x rows (cp.async) and its weight boxes (TMA) have landed."""
+    ready_a, ready_b = ring[3], ring[4]
+    s = k % NUM_STAGES
+    mbarrier.wait(ready_a.index(s), (k // NUM_STAGES) & 1)
+    mbarrier.wait(ready_b.index(s), (k // NUM_STAGES) & 1)
+    return s
+
+
+@gluon.jit
 def _gate_up_math(
     ring,
     tile,
@@ -88,7 +98,7 @@ def _gate_up_math(
     previous K-step's two wgmma retire while this step's run), then act(gate, up) stored at the rows of
     h (`h_out`: h, its row stride, b13, its expert stride, router weights). Past the expert's rows it only
     hands the ring's stages back."""
-    a_smem, gate_smem, up_smem, ready_a, ready_b, empty = ring
+    a_smem, gate_smem, up_smem, _, _, empty = ring
     sorted_pairs_ptr, stride_xm, num_pairs, row0, rows_end, expert, pid_n = tile
     h_ptr, stride_hm, b_ptr, stride_be, route_w_ptr = h_out
     HAS_BIAS: gl.constexpr = EPILOGUE[0]
@@ -99,21 +109,16 @@ def _gate_up_math(
     LIMIT: gl.constexpr = EPILOGUE[5]
     BK: gl.constexpr = a_smem.shape[2]
     BN: gl.constexpr = gate_smem.shape[1]
-    KT: gl.constexpr = (HIDDEN + BK - 1) // BK
+    KT: gl.constexpr = HIDDEN // BK  # whole K-steps (`_gather_loader`)
     mma_layout: gl.constexpr = _mma_layout_16bit(BN)
     if row0 + ROW0 >= rows_end:
         for k in range(KT):
-            s = k % NUM_STAGES
-            mbarrier.wait(ready_a.index(s), (k // NUM_STAGES) & 1)
-            mbarrier.wait(ready_b.index(s), (k // NUM_STAGES) & 1)
-            mbarrier.arrive(empty.index(s), count=1)
+            mbarrier.arrive(empty.index(_landed_stage(ring, k, NUM_STAGES)), count=1)
     else:
         gate = gl.zeros([ROWS_PER_WARPGROUP, BN], gl.float32, mma_layout)
         up = gl.zeros([ROWS_PER_WARPGROUP, BN], gl.float32, mma_layout)
         for k in range(KT):
-            s = k % NUM_STAGES
-            mbarrier.wait(ready_a.index(s), (k // NUM_STAGES) & 1)
-            mbarrier.wait(ready_b.index(s), (k // NUM_STAGES) & 1)
+            s = _landed_stage(ring, k, NUM_STAGES)
             fence_async_shared()  # the x rows came through cp.async (the generic proxy); wgmma reads async
             a_tile = a_smem.index(s).slice(ROW0, ROWS_PER_WARPGROUP, dim=0)
             gate = warpgroup_mma(a_tile, gate_smem.index(s).permute((1, 0)), gate, is_async=True)
@@ -123,13 +128,9 @@ def _gate_up_math(
                 mbarrier.arrive(empty.index((k - 1) % NUM_STAGES), count=1)
         gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
         mbarrier.arrive(empty.index((KT - 1) % NUM_STAGES), count=1)
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        gate = gl.convert_layout(gate, store_layout)
-        up = gl.convert_layout(up, store_layout)
-        rows = row0 + ROW0 + gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, store_layout))
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
-        pairs = gl.load(sorted_pairs_ptr + rows)
-        live = (pairs < num_pairs) & (rows < rows_end)
+        gate = gl.convert_layout(gate, STORE_LAYOUT)
+        up = gl.convert_layout(up, STORE_LAYOUT)
+        rows, cols, pairs, live = _tile_rows(sorted_pairs_ptr, row0 + ROW0, rows_end, num_pairs, pid_n, BN)
         if ROUTE_ON_INPUT:  # (w * x) @ W^T == w * (x @ W^T), before the bias as the tl.dot path does
             route_w = gl.load(route_w_ptr + pairs, mask=live, other=0.0)[:, None]
             gate = gate * route_w

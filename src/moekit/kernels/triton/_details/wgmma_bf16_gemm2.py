@@ -32,6 +32,21 @@ def _mma_layout_16bit(BN):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
 
 
+# 16 bytes a thread along a row for the epilogues' stores: the accumulator layout would store 4 at a time.
+STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _tile_rows(sorted_pairs_ptr, first_row, rows_end, num_pairs, pid_n, BN: gl.constexpr):
+    """A math warpgroup's 64 sorted rows from `first_row`, N-tile `pid_n`'s BN columns, the rows' pairs and
+    which rows are live (a pair, not padding, and inside the block's expert), laid out as STORE_LAYOUT."""
+    rows = first_row + gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, STORE_LAYOUT))
+    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE_LAYOUT))
+    pairs = gl.load(sorted_pairs_ptr + rows)
+    live = (pairs < num_pairs) & (rows < rows_end)  # padding rows hold num_pairs
+    return rows, cols, pairs, live
+
+
 @gluon.jit
 def _accumulating_kloop(ring, T0, KT: gl.constexpr, A_ROW0: gl.constexpr, NUM_STAGES: gl.constexpr):
     """sum over K-steps k of A_k @ B_k^T in fp32 for this warpgroup's 64 rows (from A_ROW0 of the A stage),
@@ -78,13 +93,8 @@ def _tile(
         _release_stages(ring, t0, KT, NUM_STAGES)
     else:
         acc = _accumulating_kloop(ring, t0, KT, ROW0, NUM_STAGES)
-        # 16 bytes a thread along a row: the accumulator layout would store 4 bytes at a time.
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        rows = row0 + ROW0 + gl.arange(0, ROWS_PER_WARPGROUP, gl.SliceLayout(1, store_layout))
-        pairs = gl.load(sorted_pairs_ptr + rows)
-        live = (pairs < num_pairs) & (rows < rows_end)  # padding rows hold num_pairs
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
-        out = gl.convert_layout(acc, store_layout)
+        rows, cols, pairs, live = _tile_rows(sorted_pairs_ptr, row0 + ROW0, rows_end, num_pairs, pid_n, BN)
+        out = gl.convert_layout(acc, STORE_LAYOUT)
         if HAS_BIAS:  # b2 is added per expert before the router weight, as the reference does
             bias = gl.load(b_ptr + expert.to(gl.int64) * stride_be + cols, mask=cols < hidden, other=0.0)
             out = out + bias.to(gl.float32)[None, :]

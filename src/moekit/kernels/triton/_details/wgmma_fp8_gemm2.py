@@ -12,7 +12,7 @@ longer in this kernel, on DeepSeek-V3 and held-out shapes from T = 5 to 16384 (i
 waited after every tile's stores). The K-loop and ring are `wgmma_fp8`'s.
 """
 
-from moekit.kernels.triton._details.gemm import _grouped_pid
+from moekit.kernels.triton._details.gemm import _block_first_row, _grouped_pid
 from moekit.kernels.triton._details.wgmma_fp8 import (
     ROWS_PER_WARPGROUP,
     SCALE_GROUP,
@@ -83,7 +83,7 @@ def _persistent_math(
     t0 = 0
     for tile in range(first, count, stride):
         pid_m, pid_n = _grouped_pid(tile, num_valid, num_pid_n, GROUP_M)
-        row0 = gl.load(block_start_ptr + pid_m)
+        row0 = _block_first_row(block_start_ptr, pid_m, 2 * ROWS_PER_WARPGROUP)
         expert = gl.load(block_expert_ptr + pid_m)
         rows_end = gl.load(expert_end_ptr + expert + 1).to(gl.int32)
         scales = (
