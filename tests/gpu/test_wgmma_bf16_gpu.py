@@ -89,7 +89,7 @@ def _assert_close(got, expected, spec, what):
 
 
 def _tl_dot(config: TritonMoEConfig) -> TritonMoEConfig:
-    return replace(config, engine=MatmulEngine.TL_DOT)
+    return replace(config, engine=MatmulEngine.TL_DOT, gemm1_gluon=False)
 
 
 @pytest.mark.parametrize("t", [1, 7, 100, 777, 3000])
