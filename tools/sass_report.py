@@ -275,10 +275,18 @@ def _compile_bf16_engine(fn, pointers: dict, constants: dict, paired: bool, bias
 
 
 def compile_wgmma_bf16_gemm1_for_hopper(
-    *, block_n: int = 128, hidden=2048, inter=768, stages: int = 4, paired: bool = False, bias: bool = False
+    *,
+    block_n: int = 128,
+    hidden=2048,
+    inter=768,
+    stages: int = 4,
+    paired: bool = False,
+    bias: bool = False,
+    interleaved: bool = False,
 ):
     """The WGMMA_BF16 engine's Gluon GEMM1 compiled for sm_90 at a layer's H and I (Qwen3-30B's by
-    default, SiLU, K = 8), `block_n` columns of h a tile, as `wgmma_bf16_gemm1` launches it."""
+    default, SiLU, K = 8), `block_n` columns of h a tile, as `wgmma_bf16_gemm1` launches it; `interleaved`:
+    gate/up rows interleaved (gate and up through their own descriptors)."""
     from triton.experimental.gluon import language as gl
 
     from moekit.kernels.triton import wgmma_bf16 as host
@@ -298,13 +306,15 @@ def compile_wgmma_bf16_gemm1_for_hopper(
         ALPHA=0.0,
         HAS_LIMIT=False,
         LIMIT=0.0,
+        INTERLEAVED=interleaved,
         MATH_REGISTERS=host.GEMM1_MATH_REGISTERS,
         LOAD_REGISTERS=host.GEMM1_LOAD_REGISTERS,
         route_w_ptr=None,
     )
     pointers = dict(
         x_ptr="*bf16",
-        w_desc=f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>",
+        gate_desc=f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>",
+        up_desc=f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>",
         h_ptr="*bf16",
         sorted_pairs_ptr="*i32",
         block_expert_ptr="*i32",

@@ -52,6 +52,15 @@ SPECS = {
         hidden_size=1024,
         intermediate_size=1024,
     ),  # fmt: skip
+    # The same with I not a multiple of the Gluon GEMM1's 128 columns: its last gate and up boxes reach
+    # into the next expert's rows, which no stored column may use.
+    "gpt-oss-odd-i": replace(
+        preset("gpt-oss-20b"),
+        num_experts=24,
+        weight_format=WeightFormat.BF16,
+        hidden_size=1536,
+        intermediate_size=712,
+    ),  # fmt: skip
     # Top-1 with the router weight on GEMM1's input: GEMM2 applies no weight and writes out directly.
     "top1-input": replace(
         QWEN3, num_experts=16, top_k=1, router_weight_placement=RouterWeightPlacement.INPUT
@@ -66,8 +75,8 @@ CONFIGS = {
     # Alignment at 64 rows: GEMM2 walks `paired_blocks` (an expert's odd last block half a block).
     "m128-tail64": TritonMoEConfig(block_m=128, tail_block_m=64, gemm2_block_n=256, **_PREFILL),
     "m64": TritonMoEConfig(**{**_PREFILL, "block_n": 64, "num_warps": 4}, block_m=64, gemm2_block_n=128),
-    # GEMM1 on Gluon too (a cp.async gather producer): concatenated gate/up rows with H a multiple of 64;
-    # the other specs here run the tl.dot GEMM1 of the same config instead.
+    # GEMM1 on Gluon too (a cp.async gather producer) where H is a multiple of 64, gate/up rows
+    # concatenated or interleaved; "odd-dims" runs the tl.dot GEMM1 of the same config instead.
     "gluon-m128": TritonMoEConfig(block_m=128, gemm2_block_n=256, gemm1_gluon=True, **_PREFILL),
     "gluon-tail64": TritonMoEConfig(
         block_m=128, tail_block_m=64, gemm2_block_n=128, gemm1_gluon=True, **_PREFILL

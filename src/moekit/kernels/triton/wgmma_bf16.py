@@ -5,7 +5,7 @@ Data flow (the rest of the layer is the tl.dot path's, `launch.py`):
   ids -> `align_routing` (always aligned: the engine is for prefill) -> `gemm2_blocks` (the alignment's
   128-row blocks at block_m 128, or `paired_blocks` over an alignment at 64 rows)
   -> GEMM1 writes h [R, I] in the alignment's sorted rows: `_moe_gemm1` (tl.dot, H_SORTED), or
-     `_bf16_gemm1` over GEMM2's blocks (x rows gathered by cp.async, w13 by TMA)
+     `_bf16_gemm1` over GEMM2's blocks (x rows gathered by cp.async, w13's gate and up rows by TMA)
   -> `_bf16_gemm2` over the same blocks, TMA reading h and w2 -> y [T*K, H] at pair rows, bias and
      router weight applied
   -> `sum_k` as on the tl.dot path.
@@ -89,9 +89,8 @@ def gemm2_blocks(aligned: AlignedRouting) -> BlockList:
 
 def gluon_gemm1_reason(spec: MoESpec) -> str | None:
     """None if the Gluon GEMM1 (`_details.wgmma_bf16_gemm1`) computes `spec`'s GEMM1, else why not (the
-    engine then runs the tl.dot GEMM1)."""
-    if spec.gate_layout is not GateLayout.CONCAT:
-        return "its weight boxes are the gate rows and the up rows of a tile: concatenated gate/up rows only"
+    engine then runs the tl.dot GEMM1). Both gate layouts: its gate and up boxes come through a TMA
+    descriptor each (`_gate_up_descriptors`)."""
     if spec.H % TILE_K:
         return f"its x copies are whole 64-wide K-steps: H must be a multiple of 64, got {spec.H}"
     return None
@@ -123,9 +122,11 @@ def wgmma_bf16_gemm1(
     at `aligned`'s sorted rows over GEMM2's `blocks`, where `gluon_gemm1_runs`. `activation`: the tl.dot
     GEMM1's activation constexprs (ACTIVATION, ALPHA, HAS_LIMIT, LIMIT), the same names here."""
     num_pid_n = cdiv(spec.I, GEMM1_BLOCK_N)
+    gate_desc, up_desc = _gate_up_descriptors(w13, spec.gate_layout)
     _gluon_hopper().gemm1[(blocks.max_blocks * num_pid_n,)](
         x_ptr=x,  # [T, H]
-        w_desc=_rows_descriptor(_weight_rows(w13, "w13 [E, 2I, H]"), GEMM1_BLOCK_N),  # [E_local * 2I, H]
+        gate_desc=gate_desc,
+        up_desc=up_desc,
         b_ptr=b13,  # [E_local, 2I] or None
         route_w_ptr=route_w,  # fp32 [T*K] or None
         h_ptr=h,  # [R, I]
@@ -147,6 +148,7 @@ def wgmma_bf16_gemm1(
         HAS_BIAS=b13 is not None,
         ROUTE_ON_INPUT=route_w is not None,
         **activation,
+        INTERLEAVED=spec.gate_layout is GateLayout.INTERLEAVED,
         MATH_REGISTERS=GEMM1_MATH_REGISTERS,
         LOAD_REGISTERS=GEMM1_LOAD_REGISTERS,
         num_warps=4,
@@ -164,8 +166,22 @@ def _weight_rows(weights: torch.Tensor, what: str) -> torch.Tensor:
     return weights.view(-1, weights.shape[-1])
 
 
+def _gate_up_descriptors(w13: torch.Tensor, gate_layout: GateLayout):
+    """TMA descriptors of w13's gate rows and of its up rows, in [GEMM1_BLOCK_N, 64] boxes. CONCAT: one
+    descriptor over all [E*2I, H] rows, an expert's up rows I past its gate rows. INTERLEAVED: gate rows
+    2j and up rows 2j+1 are each a matrix [E*I, H] of row stride 2H (views, no copy), so a box of
+    either is GEMM1_BLOCK_N consecutive gate (or up) rows, as in the concatenated layout."""
+    rows = _weight_rows(w13, "w13 [E, 2I, H]")  # [E_local * 2I, H]
+    if gate_layout is GateLayout.CONCAT:
+        both = _rows_descriptor(rows, GEMM1_BLOCK_N)
+        return both, both
+    gate_up = rows.view(-1, 2, rows.shape[-1])  # [E_local * I, (gate, up), H]
+    return _rows_descriptor(gate_up[:, 0], GEMM1_BLOCK_N), _rows_descriptor(gate_up[:, 1], GEMM1_BLOCK_N)
+
+
 def _rows_descriptor(tensor: torch.Tensor, rows: int):
-    """A TMA descriptor of 16-bit `tensor` [R, C] (contiguous) read in [rows, 64] boxes."""
+    """A TMA descriptor of 16-bit `tensor` [R, C] (unit column stride; address and row stride multiples
+    of 16 bytes) read in [rows, 64] boxes."""
     gluon = _gluon_hopper()
     gl_dtype = gluon.gl.bfloat16 if tensor.dtype == torch.bfloat16 else gluon.gl.float16
     block = [rows, TILE_K]

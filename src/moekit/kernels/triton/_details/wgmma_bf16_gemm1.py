@@ -1,5 +1,7 @@
 """GEMM1 of the WGMMA_BF16 engine (Gluon, sm_90): h[row] = act(x[token] @ w13[e]^T (+ b13[e])) in the
-alignment's sorted rows, for 16-bit float weights and activations with gate and up rows concatenated.
+alignment's sorted rows, for 16-bit float weights and activations, gate and up rows concatenated or
+interleaved (two TMA descriptors over w13: the gate rows and the up rows, each of unit row step in its own
+row space, so the kernel's tiles are the same for both layouts).
 
 A program = 128 sorted rows x BN columns of h: two math warpgroups of 64 rows, each with a gate and an
 up accumulator [64, BN] (two wgmma a K-step on one A stage and the stage's gate and up weight boxes), so
@@ -30,13 +32,15 @@ LOADER_WARPS = gl.constexpr(4)
 @gluon.jit
 def _gather_loader(
     x_ptr,
-    w_desc,
+    gate_desc,
+    up_desc,
     ring,
     tile,
     HIDDEN: gl.constexpr,
     INTER_SIZE: gl.constexpr,
     TOP_K: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    INTERLEAVED: gl.constexpr,
 ):
     """The producer: per K-step, the tile's 128 x rows (cp.async) and its gate and up weight boxes (TMA)
     into the next free stage."""
@@ -57,8 +61,13 @@ def _gather_loader(
     # 16-byte copies: the launch passes x only with a 16-byte aligned address and row stride.
     x_rows = gl.where(live, pairs // TOP_K, 0).to(gl.int64)[:, None] * stride_xm
     cols = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-    gate_row = expert * (2 * INTER_SIZE) + pid_n * BN
-    nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
+    if INTERLEAVED:  # each descriptor's row e * I + j is gate (or up) row j of expert e
+        gate_row = expert * INTER_SIZE + pid_n * BN
+        up_row = gate_row
+    else:  # one descriptor over w13's rows: expert e's gate rows, then its up rows
+        gate_row = expert * (2 * INTER_SIZE) + pid_n * BN
+        up_row = gate_row + INTER_SIZE
+    nbytes: gl.constexpr = gate_desc.block_type.nbytes + up_desc.block_type.nbytes
     for k in range(KT):
         s = k % NUM_STAGES
         # A fresh barrier's phase 1 counts as complete: the first pass over the ring does not wait.
@@ -67,10 +76,8 @@ def _gather_loader(
         async_copy.async_copy_global_to_shared(a_smem.index(s), x_ptr + (x_rows + col[None, :]))
         async_copy.mbarrier_arrive(ready_a.index(s), increment_count=False)
         mbarrier.expect(ready_b.index(s), nbytes)
-        tma.async_copy_global_to_shared(w_desc, [gate_row, k * BK], ready_b.index(s), gate_smem.index(s))
-        tma.async_copy_global_to_shared(
-            w_desc, [gate_row + INTER_SIZE, k * BK], ready_b.index(s), up_smem.index(s)
-        )
+        tma.async_copy_global_to_shared(gate_desc, [gate_row, k * BK], ready_b.index(s), gate_smem.index(s))
+        tma.async_copy_global_to_shared(up_desc, [up_row, k * BK], ready_b.index(s), up_smem.index(s))
 
 
 @gluon.jit
@@ -107,6 +114,7 @@ def _gate_up_math(
     ALPHA: gl.constexpr = EPILOGUE[3]
     HAS_LIMIT: gl.constexpr = EPILOGUE[4]
     LIMIT: gl.constexpr = EPILOGUE[5]
+    INTERLEAVED: gl.constexpr = EPILOGUE[6]
     BK: gl.constexpr = a_smem.shape[2]
     BN: gl.constexpr = gate_smem.shape[1]
     KT: gl.constexpr = HIDDEN // BK  # whole K-steps (`_gather_loader`)
@@ -135,10 +143,16 @@ def _gate_up_math(
             route_w = gl.load(route_w_ptr + pairs, mask=live, other=0.0)[:, None]
             gate = gate * route_w
             up = up * route_w
-        if HAS_BIAS:
-            bias = b_ptr + expert.to(gl.int64) * stride_be + cols
-            gate = gate + gl.load(bias, mask=cols < INTER_SIZE, other=0.0).to(gl.float32)[None, :]
-            up = up + gl.load(bias + INTER_SIZE, mask=cols < INTER_SIZE, other=0.0).to(gl.float32)[None, :]
+        if HAS_BIAS:  # b13 [E, 2I] in w13's row order
+            bias = b_ptr + expert.to(gl.int64) * stride_be
+            if INTERLEAVED:
+                gate_bias = bias + 2 * cols
+                up_bias = gate_bias + 1
+            else:
+                gate_bias = bias + cols
+                up_bias = gate_bias + INTER_SIZE
+            gate = gate + gl.load(gate_bias, mask=cols < INTER_SIZE, other=0.0).to(gl.float32)[None, :]
+            up = up + gl.load(up_bias, mask=cols < INTER_SIZE, other=0.0).to(gl.float32)[None, :]
         out = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
         gl.store(
             h_ptr + rows.to(gl.int64)[:, None] * stride_hm + cols[None, :],
@@ -150,7 +164,8 @@ def _gate_up_math(
 @gluon.jit
 def _bf16_gemm1(
     x_ptr,  # [T, H] act dtype
-    w_desc,  # [E_local * 2I, H], block [BN, 64]: gate rows then up rows of each expert
+    gate_desc,  # w13's gate rows, [BN, 64] boxes: [E_local * 2I, H] (CONCAT), [E_local * I, H] (INTERLEAVED)
+    up_desc,  # w13's up rows: the same descriptor as gate_desc (CONCAT), or the up rows' [E_local * I, H]
     b_ptr,  # [E_local, 2I] or None
     route_w_ptr,  # fp32 [T*K] (INPUT placement, K == 1) or None
     h_ptr,  # out [R, I] act dtype, the alignment's sorted rows
@@ -175,12 +190,13 @@ def _bf16_gemm1(
     ALPHA: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     LIMIT: gl.constexpr,
+    INTERLEAVED: gl.constexpr,
     MATH_REGISTERS: gl.constexpr,
     LOAD_REGISTERS: gl.constexpr,
 ):
     """h = act(x @ w13[e]^T + b13[e]) for one (128-row block, BN columns) tile, rows in sorted order."""
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    BK: gl.constexpr = w_desc.block_type.shape[1]
+    BN: gl.constexpr = gate_desc.block_type.shape[0]
+    BK: gl.constexpr = gate_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = 2 * ROWS_PER_WARPGROUP
     pid_m, pid_n = _grouped_pid(gl.program_id(0), num_pid_m, (INTER_SIZE + BN - 1) // BN, GROUP_M)
     if pid_m >= gl.load(num_blocks_ptr):
@@ -190,8 +206,8 @@ def _bf16_gemm1(
     rows_end = gl.load(expert_end_ptr + expert + 1).to(gl.int32)
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], x_ptr.dtype.element_ty)
     a_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NUM_STAGES, BLOCK_M, BK], a_layout)
-    gate_smem = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BN, BK], w_desc.layout)
-    up_smem = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BN, BK], w_desc.layout)
+    gate_smem = gl.allocate_shared_memory(gate_desc.dtype, [NUM_STAGES, BN, BK], gate_desc.layout)
+    up_smem = gl.allocate_shared_memory(up_desc.dtype, [NUM_STAGES, BN, BK], up_desc.layout)
     ready_a = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ready_b = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -202,7 +218,7 @@ def _bf16_gemm1(
     ring = (a_smem, gate_smem, up_smem, ready_a, ready_b, empty)
     tile = (sorted_pairs_ptr, stride_xm, num_pairs, row0, rows_end, expert, pid_n)
     h_out = (h_ptr, stride_hm, b_ptr, stride_be, route_w_ptr)
-    epilogue: gl.constexpr = (HAS_BIAS, ROUTE_ON_INPUT, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+    epilogue: gl.constexpr = (HAS_BIAS, ROUTE_ON_INPUT, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, INTERLEAVED)
     gl.warp_specialize(
         [
             (_gate_up_math, (ring, tile, h_out, 0, HIDDEN, INTER_SIZE, NUM_STAGES, epilogue)),
@@ -210,7 +226,10 @@ def _bf16_gemm1(
                 _gate_up_math,
                 (ring, tile, h_out, ROWS_PER_WARPGROUP, HIDDEN, INTER_SIZE, NUM_STAGES, epilogue),
             ),
-            (_gather_loader, (x_ptr, w_desc, ring, tile, HIDDEN, INTER_SIZE, TOP_K, NUM_STAGES)),
+            (
+                _gather_loader,
+                (x_ptr, gate_desc, up_desc, ring, tile, HIDDEN, INTER_SIZE, TOP_K, NUM_STAGES, INTERLEAVED),
+            ),
         ],
         [4, LOADER_WARPS],
         [MATH_REGISTERS, LOAD_REGISTERS],
