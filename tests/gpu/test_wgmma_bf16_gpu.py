@@ -37,6 +37,7 @@ pytestmark = [
 DEVICE = torch.device("cuda")
 
 QWEN3 = preset("qwen3-30b-a3b")
+GPT_OSS_BF16 = replace(preset("gpt-oss-20b"), weight_format=WeightFormat.BF16)
 SPECS = {
     "qwen3-e16": replace(QWEN3, num_experts=16),
     # Held out: H not a multiple of 256 (a partial last GEMM2 tile), I not a multiple of 64 (a partial
@@ -45,22 +46,10 @@ SPECS = {
     # The same with H a multiple of 64, so that the Gluon GEMM1 runs: a partial last tile of h (I = 712).
     "odd-i": replace(QWEN3, num_experts=24, top_k=6, hidden_size=1536, intermediate_size=712),
     # gpt-oss's math in bf16: interleaved gate/up, SwiGLU with its limit, both biases.
-    "gpt-oss-bf16": replace(
-        preset("gpt-oss-20b"),
-        num_experts=16,
-        weight_format=WeightFormat.BF16,
-        hidden_size=1024,
-        intermediate_size=1024,
-    ),  # fmt: skip
+    "gpt-oss-bf16": replace(GPT_OSS_BF16, num_experts=16, hidden_size=1024, intermediate_size=1024),
     # The same with I not a multiple of the Gluon GEMM1's 128 columns: its last gate and up boxes reach
     # into the next expert's rows, which no stored column may use.
-    "gpt-oss-odd-i": replace(
-        preset("gpt-oss-20b"),
-        num_experts=24,
-        weight_format=WeightFormat.BF16,
-        hidden_size=1536,
-        intermediate_size=712,
-    ),  # fmt: skip
+    "gpt-oss-odd-i": replace(GPT_OSS_BF16, num_experts=24, hidden_size=1536, intermediate_size=712),
     # Top-1 with the router weight on GEMM1's input: GEMM2 applies no weight and writes out directly.
     "top1-input": replace(
         QWEN3, num_experts=16, top_k=1, router_weight_placement=RouterWeightPlacement.INPUT
