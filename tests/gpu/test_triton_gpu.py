@@ -464,7 +464,7 @@ def test_mxfp4_mma_words_match_reference(which, t):
 def test_align_methods_agree_on_the_gpu(t, block_m, e, k):
     """The align kernels against the torch specification, bit for bit, at gpt-oss's E = 128, K = 4 and
     at E = 512, K = 10 (the one-program sort up to its limit, the chunked counting sort everywhere: up
-    to 256 chunks, scanned by 8 or 32 programs), with an expert map."""
+    to 1024 chunks), with an expert map."""
     from moekit.kernels.triton.align import (
         ONE_PROGRAM_MAX_PAIRS,
         AlignMethod,
