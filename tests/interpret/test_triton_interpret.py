@@ -477,17 +477,19 @@ def test_tail_blocks_with_an_expert_map():
 
 
 @pytest.mark.parametrize(
-    ("max_chunks", "scan_tile"),
-    [(256, 4096), (3, 4096), (256, 8)],
-    ids=["one-step-chunks", "multi-step-chunks", "one-expert-scans"],
+    ("max_chunks", "scan_tile", "pairwise_from"),
+    [(256, 4096, 128), (3, 4096, 128), (256, 8, 128), (256, 4096, 16), (3, 4096, 16)],
+    ids=["one-step-chunks", "multi-step-chunks", "one-expert-scans", "pairwise", "pairwise-multi-step"],
 )
-def test_align_methods_agree_bit_for_bit(max_chunks, scan_tile, monkeypatch):
+def test_align_methods_agree_bit_for_bit(max_chunks, scan_tile, pairwise_from, monkeypatch):
     """Out-of-range ids, an expert map and experts with zero pairs: every tensor identical. Capping the
     chunks at 3 makes each chunked program walk several one-hot steps, as at large P on a GPU; a scan
-    tile of 8 gives each of 64 scan programs one expert's column."""
+    tile of 8 gives each of 64 scan programs one expert's column; pairwise steps from 16 experts rank the
+    40 local experts' pairs by comparing pairs (32 a step), as from E = 128 on a GPU."""
 
     monkeypatch.setattr(align, "_MAX_CHUNKS", max_chunks)
     monkeypatch.setattr(align, "_SCAN_TILE", scan_tile)
+    monkeypatch.setattr(align, "_PAIRWISE_FROM_EXPERTS", pairwise_from)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(-2, 70, (250, 4), generator=gen, dtype=torch.int32)  # P = 1000, some dropped
     expert_map = torch.full((64,), -1, dtype=torch.int32)

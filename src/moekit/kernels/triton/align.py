@@ -45,6 +45,12 @@ from moekit.kernels.triton.pdl import pdl_args
 ONE_PROGRAM_MAX_PAIRS = 1024
 # Chunked counting sort: a chunk's one-hot [CHUNK, BLOCK_E] holds at most this many int32.
 _ONE_HOT_ELEMENTS = 8192
+# From this many experts (a power of two) a chunk step ranks its pairs by comparing them with each other
+# (a step of S pairs costs S compares a pair, whatever E is) instead of by a one-hot over the experts (E a
+# pair). H200, µs of the chunked alignment at 1024 chunks, one-hot / pairwise steps of 32 / 64 pairs:
+# P 131072 E 128 32.6 / 13.8 / 16.5, E 256 36.6 / 17.4 / 18.3; P 524288 E 128 107.6 / 33.2 / 47.2;
+# P 163840 E 512 73.5 / 38.5 / 30.7; P 16384 E 128 8.0 / 6.5 / 7.0. Below 128 experts, not measured.
+_PAIRWISE_FROM_EXPERTS = 128
 # Chunks (programs) at most: a chunk's one-hot steps run one after another, so fewer, longer chunks leave
 # the GPU waiting on each program's chain. Measured on an H200 (P = T*K pairs, E experts, µs at 256 ->
 # 1024): P 131072 E 128 35.6 -> 33.4, E 256 43.5 -> 35.8; P 163840 E 512 136.7 -> 73.2; P 524288 E 128
@@ -146,6 +152,13 @@ def _outputs(device: torch.device, *, num_pairs: int, e_local: int, block_m: int
     )
 
 
+def _count_step(block_e: int) -> tuple[bool, int]:
+    """(pairwise, pairs a step) of `_align_count` for `block_e` experts (`_PAIRWISE_FROM_EXPERTS`)."""
+    if block_e < _PAIRWISE_FROM_EXPERTS:
+        return False, max(16, min(256, _ONE_HOT_ELEMENTS // block_e))
+    return True, 32 if block_e <= 256 else 64
+
+
 def _align_chunked(
     ids: torch.Tensor, *, num_local_experts: int, block_m: int, expert_map: torch.Tensor | None
 ) -> AlignedRouting:
@@ -153,7 +166,7 @@ def _align_chunked(
     max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
     out = _outputs(device, num_pairs=num_pairs, e_local=e_local, block_m=block_m, max_blocks=max_blocks)
     block_e = triton.next_power_of_2(e_local)
-    sub = max(16, min(256, _ONE_HOT_ELEMENTS // block_e))
+    pairwise, sub = _count_step(block_e)
     # At most _MAX_CHUNKS chunks: `_align_scan` holds an expert's column over the chunks in one tile.
     n_sub = triton.next_power_of_2(cdiv(num_pairs, sub * _MAX_CHUNKS))
     num_chunks = cdiv(num_pairs, sub * n_sub)
@@ -161,7 +174,7 @@ def _align_chunked(
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     ids = ids if ids.is_contiguous() else ids.contiguous()
-    num_warps = 8 if sub * block_e > 4096 else 4
+    num_warps = 8 if sub * (sub if pairwise else block_e) > 4096 else 4
     _jit_align._align_count[(num_chunks,)](
         **pdl_args(device),
         ids_ptr=ids,  # int32 [T, K] = [P]
@@ -173,6 +186,7 @@ def _align_chunked(
         SUB=sub,
         N_SUB=n_sub,
         BLOCK_E=block_e,
+        PAIRWISE=pairwise,
         num_warps=num_warps,
     )
     chunks_bound = triton.next_power_of_2(num_chunks)

@@ -114,24 +114,35 @@ def _align_count(
     num_experts,
     NUM_LOCAL: tl.constexpr,
     HAS_MAP: tl.constexpr,
-    SUB: tl.constexpr,  # pairs per one-hot step; a chunk is N_SUB steps
+    SUB: tl.constexpr,  # pairs a step; a chunk is N_SUB steps
     N_SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PAIRWISE: tl.constexpr,  # a step's ranks from a [SUB, SUB] comparison instead of a [SUB, BLOCK_E] one-hot
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
 ):
+    """Each pair's rank among its chunk's earlier pairs of the same expert, and the chunk's histogram.
+    A step's ranks cost SUB x BLOCK_E (one-hot cumsum) or SUB x SUB (pairwise, for many experts)."""
     _pdl_prologue(PDL)
     chunk = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
+    i = tl.arange(0, SUB)
     seen = tl.zeros([BLOCK_E], dtype=tl.int32)  # the chunk's pairs of each expert so far
     for step in range(N_SUB):
-        p = (chunk * N_SUB + step) * SUB + tl.arange(0, SUB)
+        p = (chunk * N_SUB + step) * SUB + i
         in_p = p < num_pairs
         local, kept = _local_expert(ids_ptr, expert_map_ptr, p, in_p, num_experts, NUM_LOCAL, HAS_MAP)
         tl.store(pair_expert_ptr + p, tl.where(kept, local, -1), mask=in_p)
-        onehot = ((local[:, None] == e[None, :]) & kept[:, None]).to(tl.int32)  # [SUB, BLOCK_E]
-        earlier = seen[None, :] + tl.cumsum(onehot, 0) - onehot
-        tl.store(rank_ptr + p, tl.sum(earlier * onehot, 1), mask=in_p)
-        seen += tl.sum(onehot, 0)
+        if PAIRWISE:
+            same = (local[:, None] == local[None, :]) & kept[None, :] & (i[None, :] < i[:, None])
+            before = tl.gather(seen, tl.where(kept, local, 0), 0)
+            rank = tl.where(kept, before + tl.sum(same.to(tl.int32), 1), 0)
+            seen += tl.histogram(tl.where(kept, local, 0), BLOCK_E, mask=kept)
+        else:
+            onehot = ((local[:, None] == e[None, :]) & kept[:, None]).to(tl.int32)  # [SUB, BLOCK_E]
+            earlier = seen[None, :] + tl.cumsum(onehot, 0) - onehot
+            rank = tl.sum(earlier * onehot, 1)
+            seen += tl.sum(onehot, 0)
+        tl.store(rank_ptr + p, rank, mask=in_p)
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + e, seen)
 
 
