@@ -213,3 +213,34 @@ def test_the_gluon_gemm1_declines_x_rows_cp_async_cannot_copy_16_bytes_at_a_time
     for x in (wide[:, : QWEN3.H], wide[:, 8:]):  # a row stride of H + 8 elements; an address 16 bytes in
         runs = gluon_gemm1_runs(QWEN3, x)
         assert runs is False  # the tl.dot GEMM1 runs instead
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_the_gluon_gemm1_descriptors_give_each_box_consecutive_gate_or_up_rows(layout):
+    # The kernel reads gate rows [r, r + 128) of one descriptor and up rows [u, u + 128) of the other, with
+    # r = e * rows_per_expert + n and u = r (+ I when concatenated): each descriptor row must be exactly
+    # that gate (or up) row of w13, whichever layout w13 has.
+    from moekit.kernels.triton.wgmma_bf16 import GEMM1_BLOCK_N, TILE_K, _gate_up_descriptors
+    from moekit.spec import GateLayout
+
+    experts, inter, hidden = 3, 40, 64
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen).to(torch.bfloat16)  # every row distinct
+    gate, up = _gate_up_descriptors(w13, GateLayout(layout))
+    assert gate.block_shape == up.block_shape == [GEMM1_BLOCK_N, TILE_K]
+    for desc in (gate, up):
+        assert list(desc.strides) == [desc.base.stride(0), 1] and desc.shape[1] == hidden
+
+    def row(desc, r):  # descriptor row r where TMA addresses it: its base + r row strides
+        offset = (desc.base.data_ptr() - w13.data_ptr()) // w13.element_size() + r * desc.strides[0]
+        return w13.view(-1)[offset : offset + hidden]
+
+    gate_rows = w13[:, :inter] if layout == "concat" else w13[:, 0::2]
+    up_rows = w13[:, inter:] if layout == "concat" else w13[:, 1::2]
+    per_expert = 2 * inter if layout == "concat" else inter
+    up_offset = inter if layout == "concat" else 0
+    for e in range(experts):
+        for j in (0, 1, inter - 1):
+            assert torch.equal(row(gate, e * per_expert + j), gate_rows[e, j])
+            assert torch.equal(row(up, e * per_expert + up_offset + j), up_rows[e, j])
+    assert gate.shape[0] == experts * per_expert
