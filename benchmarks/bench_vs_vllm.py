@@ -173,15 +173,21 @@ def _run_preset(peer, label: str, tokens, args, device, ceilings) -> list[SideBy
         if ceilings is None:
             print(f"  {label} T={t}: not timed (dry run), moekit / vLLM {errors_text}", flush=True)
             continue
-        rate = ceilings.matmul_rate(spec)
+        moekit_rate = row.flops / (row.moekit_us * 1e-6)
+        sustained = ceilings.matmul_rate(spec, sustained=True)
         print(
             f"  {label} T={t}: moekit {row.moekit_us:.1f} us, vLLM {row.vllm_us:.1f} us, "
-            f"vLLM/moekit {row.ratio:.2f}, moekit {row.flops / row.moekit_us / 1e6:.0f} TFLOP/s "
-            f"({100 * row.flops / (row.moekit_us * 1e-6) / rate:.0f} % of the dense rate), moekit / vLLM "
-            f"{errors_text}",
+            f"vLLM/moekit {row.ratio:.2f}, moekit {moekit_rate / 1e12:.0f} TFLOP/s "
+            f"({100 * moekit_rate / ceilings.matmul_rate(spec):.0f} % of the dense rate"
+            + ("" if sustained is None else f", {100 * moekit_rate / sustained:.0f} % of it sustained")
+            + f"), moekit / vLLM {errors_text}",
             flush=True,
         )
     return rows
+
+
+def _tflops(rate: float | None) -> str:
+    return "not measured" if rate is None else f"{rate / 1e12:.0f} TFLOP/s"
 
 
 def main() -> int:
@@ -206,8 +212,10 @@ def main() -> int:
         ceilings = measure_ceilings(device)
         print(
             f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
-            f"bf16 {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
-            f"FP8 {(ceilings.fp8_flops_per_s or 0) / 1e12:.0f} TFLOP/s on {torch.cuda.get_device_name()}",
+            f"bf16 {_tflops(ceilings.bf16_flops_per_s)} "
+            f"({_tflops(ceilings.bf16_sustained_flops_per_s)} sustained), "
+            f"FP8 {_tflops(ceilings.fp8_flops_per_s)} "
+            f"({_tflops(ceilings.fp8_sustained_flops_per_s)} sustained) on {torch.cuda.get_device_name()}",
             flush=True,
         )
     tokens = [int(t) for t in args.tokens.split(",")]

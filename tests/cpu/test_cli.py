@@ -277,3 +277,7 @@ def test_bench_records_a_failing_kernel_instead_of_dying():
     assert Ceilings(4e12, 7e14, 1.4e15).matmul_rate(ds) == 1.4e15
     assert Ceilings(4e12, 7e14).matmul_rate(ds) == 7e14
     assert Ceilings(4e12, 7e14, 1.4e15).matmul_rate(moekit.preset("gpt-oss-120b")) == 7e14
+    sustained = Ceilings(4e12, 7e14, 1.4e15, 6e14, 1.2e15)  # the rates under sustained load, if measured
+    assert sustained.matmul_rate(ds, sustained=True) == 1.2e15
+    assert sustained.matmul_rate(moekit.preset("gpt-oss-120b"), sustained=True) == 6e14
+    assert Ceilings(4e12, 7e14).matmul_rate(ds, sustained=True) is None

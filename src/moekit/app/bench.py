@@ -34,12 +34,18 @@ class Ceilings:
     copy_bytes_per_s: float  # bytes read + written per second, device-to-device copy
     bf16_flops_per_s: float  # dense bf16 matmul, 8192^3, random data
     fp8_flops_per_s: float | None = None  # dense FP8 e4m3 matmul (torch._scaled_mm), 8192^3; W8A8 roofline
+    # The same matmuls after about 0.3 s of back-to-back load (`_sustained_rate`). A GPU at its power
+    # cap lowers its clock after tens of ms of dense math (an H200: 1980 -> 1600 - 1650 MHz), and a layer
+    # timed over many graph replays runs at that clock; the rates above come mostly from the first calls.
+    bf16_sustained_flops_per_s: float | None = None
+    fp8_sustained_flops_per_s: float | None = None
 
-    def matmul_rate(self, spec: MoESpec) -> float:
-        """The rate the layer's GEMMs can reach: FP8 tensor cores for W8A8, bf16 otherwise."""
+    def matmul_rate(self, spec: MoESpec, *, sustained: bool = False) -> float | None:
+        """The rate the layer's GEMMs can reach: FP8 tensor cores for W8A8, bf16 otherwise; `sustained`:
+        under sustained load (None where not measured)."""
         if spec.act_quant is not ActivationQuant.NONE and self.fp8_flops_per_s:
-            return self.fp8_flops_per_s
-        return self.bf16_flops_per_s
+            return self.fp8_sustained_flops_per_s if sustained else self.fp8_flops_per_s
+        return self.bf16_sustained_flops_per_s if sustained else self.bf16_flops_per_s
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,8 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     k = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm_s = median_seconds(lambda: m @ k, device, repeats=10)
-    fp8_rate = None
+    bf16_sustained = _sustained_rate(lambda: m @ k, device)
+    fp8_rate = fp8_sustained = None
     try:  # needs FP8 tensor cores (sm_89+); the W8A8 roofline falls back to the bf16 rate without them
         a8, b8 = m.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn).t()  # b column-major, as required
         one = torch.ones((), device=device)
@@ -79,11 +86,32 @@ def measure_ceilings(device: torch.device) -> Ceilings:
             repeats=10,
         )
         fp8_rate = 2 * 8192**3 / fp8_s
+        fp8_sustained = _sustained_rate(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device
+        )
     except (RuntimeError, TypeError) as err:  # not measured on this device: say so, use the bf16 rate
         print(f"moekit bench: FP8 matmul ceiling not measured ({type(err).__name__}: {err})")
     return Ceilings(
-        copy_bytes_per_s=2 * n / copy_s, bf16_flops_per_s=2 * 8192**3 / mm_s, fp8_flops_per_s=fp8_rate
+        copy_bytes_per_s=2 * n / copy_s,
+        bf16_flops_per_s=2 * 8192**3 / mm_s,
+        fp8_flops_per_s=fp8_rate,
+        bf16_sustained_flops_per_s=bf16_sustained,
+        fp8_sustained_flops_per_s=fp8_sustained,
     )
+
+
+def _sustained_rate(matmul, device: torch.device, *, calls: int = 20, load_replays: int = 10) -> float | None:
+    """FLOP/s of an 8192^3 `matmul` once the GPU has run it back to back for `load_replays` replays of a
+    graph of `calls` calls (about 0.3 s at bf16 on an H200): the median of 5 more replays. None, said
+    aloud, where the matmul cannot be captured in a graph: the other ceilings stand without it."""
+    try:
+        graph, _ = capture_graph(matmul, device, repeats=calls)
+    except RuntimeError as err:
+        print(f"moekit bench: sustained matmul rate not measured ({type(err).__name__}: {err})")
+        return None
+    for _ in range(load_replays):
+        graph.replay()
+    return 2 * 8192**3 * calls / median_seconds(graph.replay, device, repeats=1, batches=5, warmup=0)
 
 
 def capture_graph(fn, device: torch.device, *, repeats: int = 1, flush: torch.Tensor | None = None):
