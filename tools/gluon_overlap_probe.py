@@ -19,6 +19,7 @@ Usage: python tools/gluon_overlap_probe.py
 
 from __future__ import annotations
 
+import hopper_compile
 import sass_report
 import wgmma_hazard
 from triton.experimental import gluon
@@ -117,7 +118,7 @@ def compile_probe(
     }
     pointers["out_ptr"] = "*fp32"
     constants = {"KT": 8, "BN": block_n, "AHEAD": ahead, "SCALED": scaled}
-    return sass_report.compile_gluon_for_hopper(_probe, pointers=pointers, constants=constants, warps=4)
+    return hopper_compile.compile_gluon_for_hopper(_probe, pointers=pointers, constants=constants, warps=4)
 
 
 def report(ahead: bool, *, scaled: bool = True) -> dict:

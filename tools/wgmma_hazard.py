@@ -7,7 +7,7 @@ instruction undefined behaviour. Triton's pipeliner waits with `pendings = dots 
 (triton-lang/triton#9433), which leaves the later wgmma groups of one K-step in flight while the next
 K-step's decode writes registers; `_details.matmul._wait_for_mma` closes that gap.
 
-Data flow: a GEMM tile -> `sass_report.compile_gemm` (sm_90, offline) -> its SASS -> `simulate`
+Data flow: a GEMM tile -> `hopper_compile.compile_gemm` (sm_90, offline) -> its SASS -> `simulate`
 follows the wgmma groups in flight through the kernel (the K-loop twice) -> every instruction that
 writes an A register of a group no wait has yet covered.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import re
 
+import hopper_compile
 import sass_report
 import triton
 
@@ -78,7 +79,7 @@ def main() -> int:
     p.add_argument("--stages", type=int, default=3)
     args = p.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
-    report = simulate(sass_report.compile_gemm(args.gemm, "words", block, args.warps, args.stages))
+    report = simulate(hopper_compile.compile_gemm(args.gemm, "words", block, args.warps, args.stages))
     print(
         f"Triton {triton.__version__} GEMM{args.gemm} words {block} warps {args.warps} stages {args.stages}: "
         f"wait depths in the K-loop {report['wait_depths']}, "

@@ -2,7 +2,7 @@
 """The WGMMA_WORDS engine's GEMMs compiled for sm_90 (no GPU) at several layer shapes: each K-loop's
 length, spills and instructions under the MMA, the figures its 128-register budget is judged by.
 
-Data flow: (H, I) shapes x GEMM 1 / 2 x pairs a program -> `sass_report.compile_wgmma_words_for_hopper`
+Data flow: (H, I) shapes x GEMM 1 / 2 x pairs a program -> `hopper_compile.compile_wgmma_words_for_hopper`
 (gpt-oss's math, the launch's register cap) -> `sass_report.mma_loops` -> one line a K-loop.
 
 Usage: python tools/words_engine_report.py --shapes 2880x2880,7168x2048,4096x1536 --pairs 128,256
@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import re
 
+import hopper_compile
 import sass_report
 
 
 def loop_lines(kernel) -> list[dict]:
-    """One dict a K-loop of a compiled engine GEMM (`sass_report.compile_wgmma_words_for_hopper`): the
+    """One dict a K-loop of a compiled engine GEMM (`hopper_compile.compile_wgmma_words_for_hopper`): the
     kernel's registers, the loop's instructions, its local loads / stores (spills) and how many of its
     instructions issue while its wgmma is in flight."""
     instructions = sass_report.all_instructions(kernel)
@@ -48,7 +49,7 @@ def main() -> int:
         hidden, inter = (int(v) for v in shape.split("x"))
         for block_m in (int(v) for v in args.pairs.split(",")):
             for gemm in (1, 2):
-                kernel = sass_report.compile_wgmma_words_for_hopper(
+                kernel = hopper_compile.compile_wgmma_words_for_hopper(
                     gemm,
                     block_m=block_m,
                     stages=args.stages,

@@ -23,7 +23,7 @@ FIELDS = ("gemm", "block_m", "block_n", "block_k", "warps", "stages", "split_k",
 
 _SHIPPED_WORD_TILES = """
 import json
-import sass_report, wgmma_hazard
+import hopper_compile, sass_report, wgmma_hazard
 from moekit.planning.tuned import shipped_table_paths
 tiles = set()
 for path in shipped_table_paths():
@@ -39,7 +39,7 @@ for path in shipped_table_paths():
             tiles.add((2, m, n2, c['block_k'], c['num_warps'], c['num_stages'], split, bool(tail)))
 out = []
 for g, m, n, k, w, s, split, starts in sorted(tiles):
-    kernel = sass_report.compile_gemm(g, 'words', (m, n, k), w, s, split, block_starts=starts)
+    kernel = hopper_compile.compile_gemm(g, 'words', (m, n, k), w, s, split, block_starts=starts)
     hazard = wgmma_hazard.simulate(kernel)
     out.append(dict(
         tile=[g, m, n, k, w, s, split, starts],
@@ -99,7 +99,7 @@ def test_hazard_simulation_finds_the_writes_without_the_wait(tmp_path):
         """
 import json
 import triton
-import sass_report, wgmma_hazard
+import hopper_compile, sass_report, wgmma_hazard
 from moekit.kernels.triton._details import matmul
 
 @triton.jit
@@ -107,7 +107,7 @@ def _no_wait(acc):
     return acc
 
 matmul._wait_for_mma = _no_wait
-r = wgmma_hazard.simulate(sass_report.compile_gemm(1, "words", (128, 64, 64), 4, 4))
+r = wgmma_hazard.simulate(hopper_compile.compile_gemm(1, "words", (128, 64, 64), 4, 4))
 print(json.dumps([r["wait_depths"], len(r["writes"])]))
 """
     )
@@ -117,7 +117,7 @@ print(json.dumps([r["wait_depths"], len(r["writes"])]))
 
 _FP8_ACTIVATION_TILES = """
 import json
-import sass_report
+import hopper_compile, sass_report
 out = []
 G, D = 'gpt-oss', 'deepseek'
 for model, fmt, gemm, m, n, k, warps, stages, swap in [
@@ -133,7 +133,7 @@ for model, fmt, gemm, m, n, k, warps, stages, swap in [
     (G, 'w4a8', 1, 16, 64, 128, 4, 4, True), (G, 'w4a8', 2, 16, 64, 128, 4, 4, True),
     (G, 'w4a8', 2, 128, 128, 128, 8, 4, False),
 ]:
-    kernel = sass_report.compile_gemm(gemm, fmt, (m, n, k), warps, stages, swap_ab=swap, model=model)
+    kernel = hopper_compile.compile_gemm(gemm, fmt, (m, n, k), warps, stages, swap_ab=swap, model=model)
     fmul = sum(
         1 for _, t in sass_report.loop_instructions(kernel) if sass_report.unpredicated(t).startswith('FMUL')
     )
@@ -162,11 +162,11 @@ def test_fp8_activation_gemms_compile_for_hopper():
 
 _ONE_BLOCK_PER_PAIR = """
 import json
-import sass_report
+import hopper_compile, sass_report
 out = []
 for gemm in (1, 2):
     for fmt, swap in (("words", False), ("bf16", True), ("w8a8", True)):
-        kernel = sass_report.compile_gemm(
+        kernel = hopper_compile.compile_gemm(
             gemm, fmt, (16, 64, 128), 4, 3, swap_ab=swap, one_block_per_pair=True
         )
         out.append(dict(gemm=gemm, fmt=fmt, **sass_report.properties(kernel)))
@@ -186,7 +186,7 @@ def test_one_block_per_pair_gemms_compile_for_hopper():
 
 _ROUTE_KERNELS = """
 import json
-import sass_report
+import hopper_compile, sass_report
 from moekit.kernels.triton._details import route
 from moekit.kernels.triton.route import MAX_EXPERTS, TOKENS_A_PROGRAM, WARPS_A_PROGRAM
 from moekit.presets import preset
@@ -196,12 +196,12 @@ pointers = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32", 
 launch = dict(pointers=pointers, warps=WARPS_A_PROGRAM, stages=1, floats=("scaling",),
               unaligned=("num_tokens", "stride_lt"))
 common = dict(NUM_EXPERTS=256, TOP_K=8, BLOCK_K=8, BLOCK_E=256, BLOCK_T=TOKENS_A_PROGRAM, PDL=True)
-grouped = sass_report.compile_for_hopper(
+grouped = hopper_compile.compile_for_hopper(
     route._route_sigmoid_grouped, values=dict(common, N_GROUP=routing.n_group, TOPK_GROUP=routing.topk_group,
     BLOCK_G=routing.n_group), **launch)
 softmax = {}
 for e, k, first in ((128, 4, False), (128, 8, True), (MAX_EXPERTS, 8, True)):  # gpt-oss, Qwen3, the widest
-    softmax[f"E={e} K={k}"] = sass_report.kernel_facts(sass_report.compile_for_hopper(
+    softmax[f"E={e} K={k}"] = sass_report.kernel_facts(hopper_compile.compile_for_hopper(
         route._route_softmax, values=dict(NUM_EXPERTS=e, TOP_K=k, BLOCK_K=k, BLOCK_E=e,
         BLOCK_T=TOKENS_A_PROGRAM, SOFTMAX_FIRST=first, RENORMALIZE=True, PDL=True), **launch))
 print(json.dumps(dict(grouped=sass_report.kernel_facts(grouped), softmax=softmax)))
@@ -280,7 +280,7 @@ def test_gluon_decodes_the_next_step_under_the_register_a_wgmma_without_a_hazard
 
 _WGMMA_WORDS_GEMMS = """
 import json
-import sass_report, wgmma_hazard, words_engine_report
+import hopper_compile, sass_report, wgmma_hazard, words_engine_report
 out = []
 tiles = ((1, 128, True, 2880, 2880, False), (1, 256, True, 2880, 2880, False),
          (1, 128, False, 2880, 2880, False), (2, 128, True, 2880, 2880, False),
@@ -289,7 +289,7 @@ tiles = ((1, 128, True, 2880, 2880, False), (1, 256, True, 2880, 2880, False),
          (1, 128, True, 2880, 2880, True), (2, 256, True, 2880, 2880, True), (1, 128, True, 7168, 2048, True),
          (2, 128, True, 4096, 1536, True))
 for gemm, block_m, interleaved, hidden, inter, half_wide in tiles:
-    kernel = sass_report.compile_wgmma_words_for_hopper(
+    kernel = hopper_compile.compile_wgmma_words_for_hopper(
         gemm, block_m=block_m, stages=4, interleaved=interleaved, hidden=hidden, inter=inter,
         half_wide=half_wide,
     )
@@ -320,11 +320,11 @@ def test_wgmma_words_engine_compiles_with_its_decode_under_the_mma():
 
 _WORDS_DECODE_GEMMS = """
 import collections, json
-import sass_report
+import hopper_compile, sass_report
 rows = []
 CASES = ((1, 2880, 2880, 8, 3), (2, 2880, 2880, 8, 4), (1, 7168, 2048, 16, 3))
 for gemm, hidden, inter, n_tile, depth in CASES:
-    kernel = sass_report.compile_words_decode_for_hopper(gemm, n_tile=n_tile, depth=depth, hidden=hidden,
+    kernel = hopper_compile.compile_words_decode_for_hopper(gemm, n_tile=n_tile, depth=depth, hidden=hidden,
                                                          inter=inter, split_k=4)
     instructions = sass_report.all_instructions(kernel)
     loops = [sass_report._body(instructions, l) for l in sass_report._loops(instructions, conditional=False)]

@@ -132,19 +132,19 @@ def test_off_sm90_the_launch_refuses_before_any_kernel():
 
 
 _COMPILE = """
-import json, sass_report as r
+import json, hopper_compile as c, sass_report as r
 out = {}
 # GEMM2 at both widths (the wider over paired blocks with b2), GEMM1 over paired blocks with b13
 # GEMM1 with gpt-oss's interleaved gate/up rows ("1i")
 for width, paired in ((128, False), (256, True), (1, True), ("1i", True)):
     if width == "1i":
-        kernel = r.compile_wgmma_bf16_gemm1_for_hopper(
+        kernel = c.compile_wgmma_bf16_gemm1_for_hopper(
             paired=paired, bias=True, interleaved=True, hidden=2880, inter=2880
         )
     elif width == 1:  # GEMM1
-        kernel = r.compile_wgmma_bf16_gemm1_for_hopper(paired=paired, bias=paired)
+        kernel = c.compile_wgmma_bf16_gemm1_for_hopper(paired=paired, bias=paired)
     else:
-        kernel = r.compile_wgmma_bf16_for_hopper(block_n=width, paired=paired, bias=paired)
+        kernel = c.compile_wgmma_bf16_for_hopper(block_n=width, paired=paired, bias=paired)
     instructions = r.all_instructions(kernel)
     out[f"{width}/{paired}"] = {
         **r.kernel_facts(kernel, instructions),

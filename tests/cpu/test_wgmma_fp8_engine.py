@@ -142,10 +142,10 @@ def test_off_sm90_the_launch_refuses_before_any_kernel():
 
 
 _COMPILE = """
-import json, sass_report as r
+import json, hopper_compile as c, sass_report as r
 out = {}
 for gemm, rows in ((1, 64), (1, 128), (2, 128)):
-    kernel = r.compile_wgmma_fp8_for_hopper(gemm, gemm1_rows=rows)
+    kernel = c.compile_wgmma_fp8_for_hopper(gemm, gemm1_rows=rows)
     instructions = r.all_instructions(kernel)
     loops = r.mma_loops(instructions)
     out[f"{gemm}/{rows}"] = {
