@@ -39,11 +39,7 @@ def main() -> int:
         return 0
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
-    print(
-        f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
-        f"bf16 {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s on {torch.cuda.get_device_name()}",
-        flush=True,
-    )
+    print(f"ceilings: {ceilings.summary()} on {torch.cuda.get_device_name()}", flush=True)
     tokens = tuple(int(t) for t in args.tokens.split(","))
     records = []
     for name in args.presets.split(","):

@@ -186,10 +186,6 @@ def _run_preset(peer, label: str, tokens, args, device, ceilings) -> list[SideBy
     return rows
 
 
-def _tflops(rate: float | None) -> str:
-    return "not measured" if rate is None else f"{rate / 1e12:.0f} TFLOP/s"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm", type=Path, default=Path("peers/vllm"), help="folder get-vllm-fused-moe wrote")
@@ -210,14 +206,7 @@ def main() -> int:
         from moekit.app.bench import measure_ceilings
 
         ceilings = measure_ceilings(device)
-        print(
-            f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
-            f"bf16 {_tflops(ceilings.bf16_flops_per_s)} "
-            f"({_tflops(ceilings.bf16_sustained_flops_per_s)} sustained), "
-            f"FP8 {_tflops(ceilings.fp8_flops_per_s)} "
-            f"({_tflops(ceilings.fp8_sustained_flops_per_s)} sustained) on {torch.cuda.get_device_name()}",
-            flush=True,
-        )
+        print(f"ceilings: {ceilings.summary()} on {torch.cuda.get_device_name()}", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.dry_run:
         tokens = [t for t in tokens if t <= 64] or [1, 7]

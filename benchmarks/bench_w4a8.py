@@ -89,12 +89,7 @@ def main() -> int:
     info = DeviceInfo.of(device)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
     kernel = default_registry().get("triton_fused")
-    print(
-        f"ceilings: bf16 {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
-        f"FP8 {(ceilings.fp8_flops_per_s or 0) / 1e12:.0f} TFLOP/s, "
-        f"copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s",
-        flush=True,
-    )
+    print(f"ceilings: {ceilings.summary()}", flush=True)
     rows = []
     for label in args.presets.split(","):
         w4a16 = preset_at(label)

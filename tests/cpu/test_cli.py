@@ -281,3 +281,7 @@ def test_bench_records_a_failing_kernel_instead_of_dying():
     assert sustained.matmul_rate(ds, sustained=True) == 1.2e15
     assert sustained.matmul_rate(moekit.preset("gpt-oss-120b"), sustained=True) == 6e14
     assert Ceilings(4e12, 7e14).matmul_rate(ds, sustained=True) is None
+    assert sustained.summary() == (
+        "copy 4.00 TB/s, bf16 700 TFLOP/s (600 TFLOP/s sustained), FP8 1400 TFLOP/s (1200 TFLOP/s sustained)"
+    )
+    assert "FP8 not measured (not measured sustained)" in Ceilings(4e12, 7e14).summary()

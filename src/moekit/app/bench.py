@@ -47,6 +47,18 @@ class Ceilings:
             return self.fp8_sustained_flops_per_s if sustained else self.fp8_flops_per_s
         return self.bf16_sustained_flops_per_s if sustained else self.bf16_flops_per_s
 
+    def summary(self) -> str:
+        """One line for a benchmark's header: every ceiling, "not measured" where one was not."""
+
+        def rate(flops_per_s: float | None) -> str:
+            return "not measured" if flops_per_s is None else f"{flops_per_s / 1e12:.0f} TFLOP/s"
+
+        return (
+            f"copy {self.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {rate(self.bf16_flops_per_s)} "
+            f"({rate(self.bf16_sustained_flops_per_s)} sustained), FP8 {rate(self.fp8_flops_per_s)} "
+            f"({rate(self.fp8_sustained_flops_per_s)} sustained)"
+        )
+
 
 @dataclass(frozen=True)
 class BenchRecord:

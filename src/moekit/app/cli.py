@@ -277,10 +277,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
-    console.print(
-        f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
-        f"bf16 matmul {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s"
-    )
+    console.print(f"ceilings: {ceilings.summary()}")
     records = []
     names, tokens = args.preset.split(","), args.tokens
     with Progress(console=console, transient=True) as progress:
