@@ -92,15 +92,12 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     try:  # needs FP8 tensor cores (sm_89+); the W8A8 roofline falls back to the bf16 rate without them
         a8, b8 = m.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn).t()  # b column-major, as required
         one = torch.ones((), device=device)
-        fp8_s = median_seconds(
-            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-            device,
-            repeats=10,
-        )
-        fp8_rate = 2 * 8192**3 / fp8_s
-        fp8_sustained = _sustained_rate(
-            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device
-        )
+
+        def fp8_mm():
+            return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        fp8_rate = 2 * 8192**3 / median_seconds(fp8_mm, device, repeats=10)
+        fp8_sustained = _sustained_rate(fp8_mm, device)
     except (RuntimeError, TypeError) as err:  # not measured on this device: say so, use the bf16 rate
         print(f"moekit bench: FP8 matmul ceiling not measured ({type(err).__name__}: {err})")
     return Ceilings(

@@ -210,6 +210,22 @@ class TritonMoEConfig(KernelConfig):
     gemm1_gluon: bool = False
 
     @property
+    def alignment_rows(self) -> int:
+        """The rows the alignment pads each expert's pairs to: tail_block_m where set (the blocks of
+        twice as many rows are pairs of them), else block_m."""
+        return self.tail_block_m or self.block_m
+
+    @property
+    def wgmma_bf16_walks_tiling(self) -> bool:
+        """Whether the WGMMA_BF16 engine can run this tiling (whatever `engine` says): its fixed fields
+        (`WGMMA_BF16_TILES`), an alignment its GEMM2 blocks walk, a GEMM2 tile of a width it has."""
+        return (
+            all(getattr(self, name) == value for name, value in WGMMA_BF16_TILES.items())
+            and self.alignment_rows in WGMMA_BF16_ALIGNMENT_ROWS
+            and self.block_n_gemm2 in WGMMA_BF16_GEMM2_BLOCK_NS
+        )
+
+    @property
     def block_n_gemm2(self) -> int:
         """The N tile GEMM2 runs with."""
         return self.block_n if self.gemm2_block_n is None else self.gemm2_block_n
@@ -275,20 +291,14 @@ class TritonMoEConfig(KernelConfig):
                 f"TritonMoEConfig.gemm1_gluon is the WGMMA_BF16 engine's choice of a Gluon GEMM1: a bool, "
                 f"True only with engine=WGMMA_BF16; got {self.gemm1_gluon!r} with engine={self.engine.name}"
             )
-        if self.engine is MatmulEngine.WGMMA_BF16:
+        if self.engine is MatmulEngine.WGMMA_BF16 and not self.wgmma_bf16_walks_tiling:
             fixed = {name: getattr(self, name) for name in WGMMA_BF16_TILES}
-            alignment = self.tail_block_m or self.block_m
-            if (
-                fixed != WGMMA_BF16_TILES
-                or alignment not in WGMMA_BF16_ALIGNMENT_ROWS
-                or self.block_n_gemm2 not in WGMMA_BF16_GEMM2_BLOCK_NS
-            ):
-                raise SpecError(
-                    f"the WGMMA_BF16 engine runs {WGMMA_BF16_TILES}, an alignment (tail_block_m, else "
-                    f"block_m) of {WGMMA_BF16_ALIGNMENT_ROWS} rows and GEMM2 tiles (gemm2_block_n, else "
-                    f"block_n) {WGMMA_BF16_GEMM2_BLOCK_NS} wide; got {fixed}, alignment {alignment}, "
-                    f"GEMM2 tile {self.block_n_gemm2}"
-                )
+            raise SpecError(
+                f"the WGMMA_BF16 engine runs {WGMMA_BF16_TILES}, an alignment (tail_block_m, else "
+                f"block_m) of {WGMMA_BF16_ALIGNMENT_ROWS} rows and GEMM2 tiles (gemm2_block_n, else "
+                f"block_n) {WGMMA_BF16_GEMM2_BLOCK_NS} wide; got {fixed}, alignment {self.alignment_rows}, "
+                f"GEMM2 tile {self.block_n_gemm2}"
+            )
         if self.engine in _WORD_ENGINE_TILINGS:
             tiles, block_ms, stages, free = _WORD_ENGINE_TILINGS[self.engine]
             fixed = {name: getattr(self, name) for name in tiles}

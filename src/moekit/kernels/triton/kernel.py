@@ -123,7 +123,7 @@ class TritonFusedKernel(Kernel):
         total = workspace_bytes(spec=spec, num_tokens=num_tokens, shares=shares)
         if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_BF16:
             # h in the alignment's sorted rows: each expert's pairs padded to whole blocks
-            rows = config.tail_block_m or config.block_m
+            rows = config.alignment_rows
             bound = rows * max_blocks_bound(
                 num_pairs=num_tokens * spec.K, num_local_experts=spec.E_local, block_m=rows
             )

@@ -253,7 +253,7 @@ def triton_fused_moe(
         routing.ids,
         num_local_experts=spec.E_local,
         # The Gluon GEMM1 walks GEMM2's blocks: the alignment alone, no tail lists for a tl.dot GEMM1.
-        block_m=(cfg.tail_block_m or cfg.block_m) if gluon_gemm1 else cfg.block_m,
+        block_m=cfg.alignment_rows if gluon_gemm1 else cfg.block_m,
         tail_block_m=None if gluon_gemm1 else cfg.tail_block_m,
         expert_map=expert_map,
         expert_bytes=spec.expert_weight_bytes,

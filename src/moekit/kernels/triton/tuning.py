@@ -23,7 +23,6 @@ from moekit.kernels.triton.config import (
     MatmulEngine,
     TritonMoEConfig,
 )
-from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS as WGMMA_BF16_ALIGNMENT_ROWS
 from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
 from moekit.kernels.triton.wgmma_bf16 import gluon_gemm1_reason, wgmma_bf16_reason
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
@@ -440,10 +439,8 @@ def tuning_space(
             replace(c, engine=MatmulEngine.WGMMA_BF16, gemm2_block_n=n2)
             for c in grid
             if c.engine is MatmulEngine.TL_DOT
-            and c.split_k == 1
-            and not c.swap_ab
-            and (c.tail_block_m or c.block_m) in WGMMA_BF16_ALIGNMENT_ROWS
             for n2 in WGMMA_BF16_GEMM2_BLOCK_NS
+            if replace(c, gemm2_block_n=n2).wgmma_bf16_walks_tiling
         ]
         if gluon_gemm1_reason(spec) is None:  # its tiles are fixed: the alignments and widths only
             grid += [

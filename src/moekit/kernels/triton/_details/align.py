@@ -134,9 +134,9 @@ def _align_count(
         tl.store(pair_expert_ptr + p, tl.where(kept, local, -1), mask=in_p)
         if PAIRWISE:
             same = (local[:, None] == local[None, :]) & kept[None, :] & (i[None, :] < i[:, None])
-            before = tl.gather(seen, tl.where(kept, local, 0), 0)
-            rank = tl.where(kept, before + tl.sum(same.to(tl.int32), 1), 0)
-            seen += tl.histogram(tl.where(kept, local, 0), BLOCK_E, mask=kept)
+            expert = tl.where(kept, local, 0)  # an index in range for every pair; dropped ones masked
+            rank = tl.where(kept, tl.gather(seen, expert, 0) + tl.sum(same.to(tl.int32), 1), 0)
+            seen += tl.histogram(expert, BLOCK_E, mask=kept)
         else:
             onehot = ((local[:, None] == e[None, :]) & kept[:, None]).to(tl.int32)  # [SUB, BLOCK_E]
             earlier = seen[None, :] + tl.cumsum(onehot, 0) - onehot
