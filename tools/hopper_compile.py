@@ -153,14 +153,16 @@ def compile_for_hopper(
 
 
 def compile_wgmma_fp8_for_hopper(
-    gemm: int, *, stages: int = 4, hidden=7168, inter=2048, gemm1_rows: int = 64
+    gemm: int, *, stages: int | None = None, hidden=7168, inter=2048, gemm1_rows: int = 64
 ):
     """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1 on 64-row blocks, or on 128 with `gemm1_rows`=128;
-    2 on 128) compiled for sm_90 at a layer's H and I, with the launcher's register budgets."""
+    2 on 128) compiled for sm_90 at a layer's H and I, with the launcher's register budgets, at ring
+    depth `stages` (None: the deepest GEMM1's config takes, GEMM2's fixed depth)."""
     from triton.experimental.gluon import language as gl
 
     from moekit.kernels.triton import wgmma_fp8 as host
     from moekit.kernels.triton._details import codes, wgmma_fp8_gemm1, wgmma_fp8_gemm1_tall, wgmma_fp8_gemm2
+    from moekit.kernels.triton.config import WGMMA_FP8_GEMM1_STAGES
 
     def descriptor(block: list[int]) -> str:
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
@@ -171,10 +173,13 @@ def compile_wgmma_fp8_for_hopper(
         HIDDEN=hidden,
         INTER_SIZE=inter,
         GROUP_M=8,
-        NUM_STAGES=stages,
         MATH_REGISTERS=host.MATH_REGISTERS,
         LOAD_REGISTERS=host.LOAD_REGISTERS,
     )
+    if stages is None:
+        deepest = WGMMA_FP8_GEMM1_STAGES[None if gemm1_rows == host.GEMM1_ROWS else gemm1_rows][-1]
+        stages = deepest if gemm == 1 else host.GEMM2_STAGES
+    constants["NUM_STAGES"] = stages
     blocks = dict(block_expert_ptr="*i32", num_blocks_ptr="*i32")  # every kernel's block list
     paired = dict(blocks, block_start_ptr="*i32", expert_end_ptr="*i64")  # `paired_blocks`' 128-row blocks
     if gemm == 1:

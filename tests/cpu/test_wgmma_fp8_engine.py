@@ -77,6 +77,19 @@ def test_refuses_any_other_tiling(change):
         replace(WGMMA_FP8_DEFAULT, **change)
 
 
+@pytest.mark.parametrize("rows, too_deep", [(None, 5), (128, 6)])
+def test_gemm1_ring_depth_is_refused_outside_what_runs(rows, too_deep):
+    # One stage would wait on itself (two K-steps' wgmma are held before a stage is handed back); one
+    # past the deepest does not fit sm_90's shared memory (the compile test below builds the deepest).
+    config = replace(WGMMA_FP8_DEFAULT, gemm1_block_m=rows, num_stages=2)
+    assert replace(config, num_stages=too_deep - 1).num_stages == too_deep - 1
+    for bad in (1, too_deep):
+        with pytest.raises(SpecError, match=f"ring depth: 2 to {too_deep - 1} with gemm1_block_m={rows}"):
+            replace(config, num_stages=bad)
+    default = WGMMA_FP8_TALL if rows else WGMMA_FP8_DEFAULT  # each GEMM1's deepest ring
+    assert default.num_stages == too_deep - 1
+
+
 def test_gemm1_block_m_is_the_wgmma_fp8_engines_choice_alone():
     assert WGMMA_FP8_TALL.gemm1_block_m == WGMMA_FP8_TALL.block_m == 128
     with pytest.raises(SpecError, match="gemm1_block_m.*engine=TL_DOT"):

@@ -458,13 +458,13 @@ def test_mxfp4_mma_words_match_reference(which, t):
     _assert_close(got, expected, spec, f"gpt-oss-20b words T={t} {which}")
 
 
-@pytest.mark.parametrize(("e", "k"), [(128, 4), (512, 10)], ids=["E128-K4", "E512-K10"])
+@pytest.mark.parametrize(("e", "k"), [(64, 6), (128, 4), (512, 10)], ids=["E64-K6", "E128-K4", "E512-K10"])
 @pytest.mark.parametrize("block_m", [16, 128])
 @pytest.mark.parametrize("t", [1, 200, 256, 1024, 16384])
 def test_align_methods_agree_on_the_gpu(t, block_m, e, k):
-    """The align kernels against the torch specification, bit for bit, at gpt-oss's E = 128, K = 4 and
-    at E = 512, K = 10 (the one-program sort up to its limit, the chunked counting sort everywhere: up
-    to 1024 chunks), with an expert map."""
+    """The align kernels against the torch specification, bit for bit, at E = 64, K = 6, gpt-oss's E =
+    128, K = 4 and E = 512, K = 10 (the one-program sort up to its limit, the chunked counting sort
+    everywhere: up to 1024 chunks, one-hot and pairwise steps), with an expert map."""
     from moekit.kernels.triton.align import (
         ONE_PROGRAM_MAX_PAIRS,
         AlignMethod,

@@ -48,7 +48,10 @@ CONFIGS = {
     # GEMM1 on the 128-row blocks: two passes over K a program, an expert's odd last 64 rows on one
     # warpgroup while the other only hands the ring's stages back.
     "tall": WGMMA_FP8_TALL,
-    "tall-stages3-group1": replace(WGMMA_FP8_TALL, num_stages=3, group_m=1),
+    "tall-stages4-group1": replace(WGMMA_FP8_TALL, num_stages=4, group_m=1),
+    # the shallowest ring either GEMM1 runs (each math warpgroup holds both of its stages at once)
+    "stages2": replace(WGMMA_FP8_DEFAULT, num_stages=2),
+    "tall-stages2": replace(WGMMA_FP8_TALL, num_stages=2),
 }
 
 

@@ -485,7 +485,7 @@ def test_align_methods_agree_bit_for_bit(max_chunks, scan_tile, pairwise_from, m
     """Out-of-range ids, an expert map and experts with zero pairs: every tensor identical. Capping the
     chunks at 3 makes each chunked program walk several one-hot steps, as at large P on a GPU; a scan
     tile of 8 gives each of 64 scan programs one expert's column; pairwise steps from 16 experts rank the
-    40 local experts' pairs by comparing pairs (32 a step), as from E = 128 on a GPU."""
+    40 local experts' pairs by comparing pairs (32 a step), as from E = 64 on a GPU."""
 
     monkeypatch.setattr(align, "_MAX_CHUNKS", max_chunks)
     monkeypatch.setattr(align, "_SCAN_TILE", scan_tile)

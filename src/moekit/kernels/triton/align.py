@@ -49,8 +49,10 @@ _ONE_HOT_ELEMENTS = 8192
 # (a step of S pairs costs S compares a pair, whatever E is) instead of by a one-hot over the experts (E a
 # pair). H200, µs of the chunked alignment at 1024 chunks, one-hot / pairwise steps of 32 / 64 pairs:
 # P 131072 E 128 32.6 / 13.8 / 16.5, E 256 36.6 / 17.4 / 18.3; P 524288 E 128 107.6 / 33.2 / 47.2;
-# P 163840 E 512 73.5 / 38.5 / 30.7; P 16384 E 128 8.0 / 6.5 / 7.0. Below 128 experts, not measured.
-_PAIRWISE_FROM_EXPERTS = 128
+# P 163840 E 512 73.5 / 38.5 / 30.7; P 16384 E 128 8.0 / 6.5 / 7.0; E 64: P 16384 6.9 / 6.2 / 6.8, P 98304
+# 16.9 / 11.1 / 13.1, P 393216 61.2 / 25.5 / 34.7. At E 32 neither wins (P 32768 7.6 / 7.9, P 131072 13.9 /
+# 11.8), at E 16 the one-hot does (P 131072 10.4 / 11.3): a 32-pair step costs what a 32-expert one-hot does.
+_PAIRWISE_FROM_EXPERTS = 64
 # Chunks (programs) at most: a chunk's one-hot steps run one after another, so fewer, longer chunks leave
 # the GPU waiting on each program's chain. Measured on an H200 (P = T*K pairs, E experts, µs at 256 ->
 # 1024): P 131072 E 128 35.6 -> 33.4, E 256 43.5 -> 35.8; P 163840 E 512 136.7 -> 73.2; P 524288 E 128

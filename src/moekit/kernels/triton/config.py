@@ -125,6 +125,12 @@ class MatmulEngine(enum.Enum):
 # The one tiling the WGMMA_FP8 engine runs (its kernels fix the rest): GEMM2's 128-row blocks with
 # 64-row tails, 128 x 128 weight tiles, one 128-deep scale group a K-step, 4-warp warpgroups.
 WGMMA_FP8_TILES = dict(block_m=128, tail_block_m=64, block_n=128, block_k=128, num_warps=4, split_k=1)
+# The WGMMA_FP8 engine's num_stages is GEMM1's ring depth (GEMM2 runs at its own, `wgmma_fp8.GEMM2_STAGES`),
+# by gemm1_block_m: at least 2 (each math warpgroup holds two K-steps' wgmma before it hands a stage
+# back; one stage would wait on itself), at most the deepest that fits sm_90's 232,448 bytes of shared
+# memory (compiled offline: the 64-row GEMM1's 40 KiB stages 204,880 bytes at 4, 245,872 at 5; the
+# 128-row GEMM1's 32 KiB stages 204,896 at 5, 237,672 at 6).
+WGMMA_FP8_GEMM1_STAGES = {None: range(2, 5), 128: range(2, 6)}
 # What the WGMMA_BF16 engine fixes: a tl.dot GEMM1 takes the tile fields (free), without split-K or swap_ab
 # (the engine is for prefill); its alignment is at 64 or 128 rows (`wgmma_bf16.ALIGNMENT_ROWS`: block_m
 # 64, or 128 with or without 64-row tails) and GEMM2's tile one of `wgmma_bf16.GEMM2_BLOCK_NS` wide.
@@ -283,6 +289,13 @@ class TritonMoEConfig(KernelConfig):
                     f"the WGMMA_FP8 engine runs one tiling, {WGMMA_FP8_TILES} (gemm2_block_n None or "
                     f"128, no swap_ab; group_m, num_stages and gemm1_block_m free), got {fixed}, "
                     f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
+                )
+            depths = WGMMA_FP8_GEMM1_STAGES[self.gemm1_block_m]
+            if self.num_stages not in depths:
+                raise SpecError(
+                    f"the WGMMA_FP8 engine's num_stages is GEMM1's ring depth: {depths.start} to "
+                    f"{depths.stop - 1} with gemm1_block_m={self.gemm1_block_m} (two K-steps in flight, "
+                    f"the ring in sm_90's shared memory), got {self.num_stages}"
                 )
         if not isinstance(self.gemm1_gluon, bool) or (
             self.gemm1_gluon and self.engine is not MatmulEngine.WGMMA_BF16

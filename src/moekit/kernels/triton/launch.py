@@ -229,7 +229,7 @@ def triton_fused_moe(
             weights,
             routing,
             spec=spec,
-            num_stages=config.num_stages,
+            gemm1_stages=config.num_stages,
             group_m=config.group_m,
             gemm1_block_m=config.gemm1_block_m,
             expert_map=expert_map,

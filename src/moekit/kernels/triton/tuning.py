@@ -17,6 +17,7 @@ import torch
 from moekit.kernels.triton.config import (
     MMA_WORDS_DECODE_TILES,
     MXFP4_PREFILL_TILES,
+    WGMMA_FP8_GEMM1_STAGES,
     WGMMA_FP8_TILES,
     WGMMA_WORDS_BLOCK_MS,
     WGMMA_WORDS_TILES,
@@ -56,7 +57,10 @@ WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, 
 # and held-out shapes (E 128 / 64, H 4096 / 2048); below 64 up to +19 % (an expert's one odd 64-row
 # block leaves half the program idle through both passes over K).
 WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT = 128
-WGMMA_FP8_TALL = replace(WGMMA_FP8_DEFAULT, gemm1_block_m=WGMMA_FP8_TILES["block_m"])
+# Its ring one stage deeper than the 64-row GEMM1's fits: on an H200 (GEMM1's kernel time, same inputs,
+# outputs equal) 5 stages against 4 ran 1 - 5 % shorter for DeepSeek-V3 at T = 4096 / 8192 / 16384 and
+# E 128 / H 4096 / I 1536 at T = 4096 / 16384.
+WGMMA_FP8_TALL = replace(WGMMA_FP8_DEFAULT, gemm1_block_m=WGMMA_FP8_TILES["block_m"], num_stages=5)
 
 # The tl.dot tiles of 16-bit float prefill (beyond 48 tokens an expert), and the same GEMM1 behind the
 # WGMMA_BF16 engine's persistent GEMM2, 256 columns a tile, which Hopper takes from 128 tokens an expert.
@@ -418,11 +422,12 @@ def tuning_space(
         gemm1_rows = (
             (None, WGMMA_FP8_TILES["block_m"]) if per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT else (None,)
         )
+        # GEMM1's ring at its deepest and one stage less (shallower rings were slower at every T measured).
         grid += [
             replace(WGMMA_FP8_DEFAULT, group_m=g, num_stages=st, gemm1_block_m=rows)
             for g in (1, 8)
-            for st in (3, 4)
             for rows in gemm1_rows
+            for st in WGMMA_FP8_GEMM1_STAGES[rows][-2:]
         ]
     if per_expert > 32:
         # Each expert's odd last half-block in a second launch (tail_block_m): 1 - 8 % faster for gpt-oss-120b

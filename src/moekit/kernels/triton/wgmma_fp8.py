@@ -41,6 +41,11 @@ GEMM1_ROWS = 64  # one M-block of GEMM1: the gate and the up warpgroup each hold
 # product (3 x 64 fp32 a thread); the one-warp TMA producer needs few.
 MATH_REGISTERS = 232
 LOAD_REGISTERS = 40
+# GEMM2's ring depth (GEMM1's is the config's num_stages): 180 KiB of 32 KiB stages with its epilogue,
+# compiled for sm_90. On an H200 (GEMM2's kernel time, same inputs, outputs equal) 5 stages ran 0.4 - 8 %
+# shorter than 4 for DeepSeek-V3 at T = 4096 / 8192 / 16384 and E 128 / H 4096 / I 1536 at T = 4096 /
+# 16384; 6 (213 KiB) was no shorter than 5.
+GEMM2_STAGES = 5
 
 
 @dataclass(frozen=True)
@@ -124,15 +129,16 @@ def wgmma_fp8_moe(
     routing: RoutingResult,
     *,
     spec: MoESpec,
-    num_stages: int,
+    gemm1_stages: int,
     group_m: int,
     gemm1_block_m: int | None,
     expert_map: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """The MoE layer of `spec` into `out` [T, H] (T > 0); the caller checked the inputs, the spec
-    (`wgmma_fp8_reason`), the config and the device (sm_90). `gemm1_block_m`: the config's, None for
-    GEMM1 on the alignment's 64-row blocks, 128 on GEMM2's (`_details.wgmma_fp8_gemm1_tall`)."""
+    (`wgmma_fp8_reason`), the config and the device (sm_90). `gemm1_block_m`, `gemm1_stages`: the config's
+    (None for GEMM1 on the alignment's 64-row blocks, 128 on GEMM2's, `_details.wgmma_fp8_gemm1_tall`;
+    GEMM1's ring depth, GEMM2's being GEMM2_STAGES)."""
     gluon = _gluon_hopper()
     aligned = align_routing(
         routing.ids, num_local_experts=spec.E_local, block_m=GEMM1_ROWS, expert_map=expert_map
@@ -142,16 +148,11 @@ def wgmma_fp8_moe(
     h = torch.empty(rows, spec.I, dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty(rows, spec.I // TILE_K, dtype=torch.float32, device=x.device)
     s2 = weights.w2_scale  # fp32 [E_local, H/128, I/128]
-    tuning = dict(
-        GROUP_M=group_m,
-        NUM_STAGES=num_stages,
-        MATH_REGISTERS=MATH_REGISTERS,
-        LOAD_REGISTERS=LOAD_REGISTERS,
-        num_warps=4,
-    )
+    tuning = dict(GROUP_M=group_m, MATH_REGISTERS=MATH_REGISTERS, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=4)
     blocks = paired_blocks(aligned)
     tall = gemm1_block_m is not None
-    _gemm1(xq, xs, weights, aligned, blocks, (h, hs), spec=spec, tall=tall, tuning=tuning)
+    gemm1_tuning = dict(tuning, NUM_STAGES=gemm1_stages)
+    _gemm1(xq, xs, weights, aligned, blocks, (h, hs), spec=spec, tall=tall, tuning=gemm1_tuning)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     # An expert's odd last block runs next to its other blocks (the same weight tiles, from L2), not in
     # a launch of its own that streams those experts' weights again: on an H200 the separate tail launch
@@ -176,6 +177,7 @@ def wgmma_fp8_moe(
         stride_ym=y.stride(0),
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
+        NUM_STAGES=GEMM2_STAGES,
         **tuning,
     )
     return sum_top_k(y, pair_expert=aligned.pair_expert, out=out, spec=spec)
