@@ -25,9 +25,12 @@ def test_fp8_prefill_default_follows_tokens_per_expert_and_scale_layout(spec, to
     config = default_config(spec, tokens)
     assert config.reason_unusable(spec) is None
     assert config in tuning_space(spec, tokens)
-    prefill = tokens * spec.K / spec.E > 32
+    per_expert = tokens * spec.K / spec.E
+    prefill = per_expert > 32
     if prefill and spec.scales_per_128_of_k:  # promoted every K-step: 128 x 64 on 8 warps, tail blocks
         assert (config.block_m, config.block_n, config.num_warps, config.tail_block_m) == (128, 64, 8, 64)
+    elif 8 < per_expert <= 16 and spec.scales_per_128_of_k:  # one 64-row block an expert, two warpgroups
+        assert (config.block_m, config.block_k, config.num_warps, config.num_stages) == (64, 128, 8, 4)
     else:
         assert config.num_warps == 4 and config.tail_block_m is None
         assert config.block_m == 64 if prefill else config.block_m <= 64
