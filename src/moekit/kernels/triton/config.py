@@ -287,8 +287,8 @@ class TritonMoEConfig(KernelConfig):
             if fixed != WGMMA_FP8_TILES or self.gemm2_block_n not in (None, 128) or self.swap_ab:
                 raise SpecError(
                     f"the WGMMA_FP8 engine runs one tiling, {WGMMA_FP8_TILES} (gemm2_block_n None or "
-                    f"128, no swap_ab; group_m, num_stages and gemm1_block_m free), got {fixed}, "
-                    f"gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
+                    f"128, no swap_ab; group_m, gemm1_block_m and GEMM1's ring depth num_stages free), "
+                    f"got {fixed}, gemm2_block_n={self.gemm2_block_n}, swap_ab={self.swap_ab}"
                 )
             depths = WGMMA_FP8_GEMM1_STAGES[self.gemm1_block_m]
             if self.num_stages not in depths:
