@@ -85,11 +85,9 @@ def compile_gemm(
     )
     if gemm == 1:
         values.update(TOP_K=4, INTERLEAVED=True, ROUTE_ON_INPUT=False, ACTIVATION=3, ALPHA=1.702)
-        values.update(HAS_LIMIT=True, LIMIT=7.0)
+        values.update(HAS_LIMIT=True, LIMIT=7.0, QUANT_H=False, H_SORTED=False)
     else:
         values.update(ROUTE_ON_OUTPUT=True)
-    if gemm == 1:
-        values.update(QUANT_H=False, H_SORTED=False)
     if model == "deepseek":  # DeepSeek-V3's layer: CONCAT gate/up rows, SiLU, no biases, K = 8
         values.update(HIDDEN=7168, INTER_SIZE=2048, HAS_BIAS=False)
         if gemm == 1:
@@ -165,21 +163,20 @@ def compile_wgmma_fp8_for_hopper(
     from moekit.kernels.triton.config import WGMMA_FP8_GEMM1_STAGES
 
     def descriptor(block: list[int]) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-        return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+        return _descriptor_type(block, gl.float8e4nv, "fp8e4nv")
 
     weight = descriptor([host.TILE_N, host.TILE_K])
+    if stages is None:  # as the launch runs it: GEMM1's deepest ring (the default configs'), GEMM2's own
+        gemm1_deepest = WGMMA_FP8_GEMM1_STAGES[None if gemm1_rows == host.GEMM1_ROWS else gemm1_rows][-1]
+        stages = gemm1_deepest if gemm == 1 else host.GEMM2_STAGES
     constants = dict(
         HIDDEN=hidden,
         INTER_SIZE=inter,
         GROUP_M=8,
+        NUM_STAGES=stages,
         MATH_REGISTERS=host.MATH_REGISTERS,
         LOAD_REGISTERS=host.LOAD_REGISTERS,
     )
-    if stages is None:
-        deepest = WGMMA_FP8_GEMM1_STAGES[None if gemm1_rows == host.GEMM1_ROWS else gemm1_rows][-1]
-        stages = deepest if gemm == 1 else host.GEMM2_STAGES
-    constants["NUM_STAGES"] = stages
     blocks = dict(block_expert_ptr="*i32", num_blocks_ptr="*i32")  # every kernel's block list
     paired = dict(blocks, block_start_ptr="*i32", expert_end_ptr="*i64")  # `paired_blocks`' 128-row blocks
     if gemm == 1:
@@ -222,9 +219,7 @@ def compile_wgmma_bf16_for_hopper(
     from moekit.kernels.triton._details import wgmma_bf16_gemm2
 
     def descriptor(rows: int) -> str:
-        block = [rows, host.TILE_K]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {host.TILE_K}],{layout!r}>"
+        return _descriptor_type([rows, host.TILE_K], gl.bfloat16, "bf16")
 
     constants = dict(
         HIDDEN=hidden,
@@ -269,27 +264,26 @@ def compile_wgmma_bf16_gemm1_for_hopper(
     block_n: int = 128,
     hidden=2048,
     inter=768,
-    stages: int = 4,
+    stages: int | None = None,
     paired: bool = False,
     bias: bool = False,
     interleaved: bool = False,
 ):
     """The WGMMA_BF16 engine's Gluon GEMM1 compiled for sm_90 at a layer's H and I (Qwen3-30B's by
     default, SiLU, K = 8), `block_n` columns of h a tile, as `wgmma_bf16_gemm1` launches it; `interleaved`:
-    gate/up rows interleaved (gate and up through their own descriptors)."""
+    gate/up rows interleaved (gate and up through their own descriptors); `stages` None: the launch's."""
     from triton.experimental.gluon import language as gl
 
     from moekit.kernels.triton import wgmma_bf16 as host
     from moekit.kernels.triton._details import codes, wgmma_bf16_gemm1
 
-    block = [block_n, host.TILE_K]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    weight = _descriptor_type([block_n, host.TILE_K], gl.bfloat16, "bf16")
     constants = dict(
         HIDDEN=hidden,
         INTER_SIZE=inter,
         TOP_K=8,
         GROUP_M=8,
-        NUM_STAGES=stages,
+        NUM_STAGES=host.GEMM1_STAGES if stages is None else stages,
         HAS_BIAS=bias,
         ROUTE_ON_INPUT=False,
         ACTIVATION=codes.ACT_SILU.value,
@@ -303,8 +297,8 @@ def compile_wgmma_bf16_gemm1_for_hopper(
     )
     pointers = dict(
         x_ptr="*bf16",
-        gate_desc=f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>",
-        up_desc=f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>",
+        gate_desc=weight,
+        up_desc=weight,
         h_ptr="*bf16",
         sorted_pairs_ptr="*i32",
         block_expert_ptr="*i32",
@@ -389,6 +383,15 @@ def compile_words_decode_for_hopper(
         maxnreg=host.register_cap(n_tile, depth),
         aligned=("a_ptr", "w_ptr", "s_ptr", "part_ptr", "stride_am", "stride_part_split", "stride_part_m"),
     )
+
+
+def _descriptor_type(block: list[int], gl_dtype, name: str) -> str:
+    """The signature type of a TMA descriptor argument: `name` elements in `block` boxes, the default NVMMA
+    shared layout the launches build their descriptors with."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return f"tensordesc<{name}[{block[0]}, {block[1]}],{layout!r}>"
 
 
 def compile_gluon_for_hopper(

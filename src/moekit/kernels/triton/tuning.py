@@ -50,17 +50,24 @@ def _experts_hit(spec: MoESpec, num_tokens: int) -> int:
 # expert leave its 64-row blocks mostly padding), -0.3 to +6 % at 64 - 96, +4 to +9 % at 128 - 768, for
 # DeepSeek-V3 (E 256, H 7168, I 2048) and held-out shapes (E 128 / 64, H 4096 / 2048, I 1536 / 1280).
 WGMMA_MIN_TOKENS_PER_EXPERT = 64
-WGMMA_FP8_DEFAULT = TritonMoEConfig(**WGMMA_FP8_TILES, group_m=8, num_stages=4, engine=MatmulEngine.WGMMA_FP8)
+# GEMM1 on 64-row blocks, its ring at the deepest that fits (`WGMMA_FP8_GEMM1_STAGES`): three stages
+# ran 7 - 19 % slower than four at every T swept on an H200.
+WGMMA_FP8_DEFAULT = TritonMoEConfig(
+    **WGMMA_FP8_TILES, group_m=8, num_stages=WGMMA_FP8_GEMM1_STAGES[None][-1], engine=MatmulEngine.WGMMA_FP8
+)
 # From this many tokens an expert GEMM1 runs on the 128-row blocks (`gemm1_block_m`). On an H200 (GEMM1's
 # kernel time, same inputs, outputs bit-identical) the 128-row GEMM1 against the 64-row one: +1 to +5 % at
 # 64 tokens an expert, -3 % at 128, -9 to -13 % at 256 - 1024, for DeepSeek-V3 (E 256, H 7168, I 2048)
 # and held-out shapes (E 128 / 64, H 4096 / 2048); below 64 up to +19 % (an expert's one odd 64-row
 # block leaves half the program idle through both passes over K).
 WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT = 128
-# Its ring one stage deeper than the 64-row GEMM1's fits: on an H200 (GEMM1's kernel time, same inputs,
-# outputs equal) 5 stages against 4 ran 1 - 5 % shorter for DeepSeek-V3 at T = 4096 / 8192 / 16384 and
-# E 128 / H 4096 / I 1536 at T = 4096 / 16384.
-WGMMA_FP8_TALL = replace(WGMMA_FP8_DEFAULT, gemm1_block_m=WGMMA_FP8_TILES["block_m"], num_stages=5)
+# Its ring at its own deepest, one stage deeper than the 64-row GEMM1's: on an H200 (GEMM1's kernel time,
+# same inputs, outputs equal) 5 stages against 4 ran 1 - 5 % shorter for DeepSeek-V3 at T = 4096 / 8192 /
+# 16384 and E 128 / H 4096 / I 1536 at T = 4096 / 16384.
+_TALL_ROWS = WGMMA_FP8_TILES["block_m"]
+WGMMA_FP8_TALL = replace(
+    WGMMA_FP8_DEFAULT, gemm1_block_m=_TALL_ROWS, num_stages=WGMMA_FP8_GEMM1_STAGES[_TALL_ROWS][-1]
+)
 
 # The tl.dot tiles of 16-bit float prefill (beyond 48 tokens an expert), and the same GEMM1 behind the
 # WGMMA_BF16 engine's persistent GEMM2, 256 columns a tile, which Hopper takes from 128 tokens an expert.
