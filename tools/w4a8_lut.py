@@ -1,0 +1,94 @@
+"""The E2M1 -> E4M3 byte-permute table of `w4a8_lut_probe.py`, in plain Python: the word layout
+(`pack_words`), the two table words of a group (`lut_words`), a model of PTX prmt.b32 and the decode of one
+word, and `check`, which compares the decode with exact arithmetic. No GPU and no Triton needed.
+
+A word holds 8 codes packed offline so that one prmt turns 4 codes into 4 E4M3 bytes through an 8-byte
+table: E2M1 value times 2^(6 - d), d = the weight row's largest scale over the K-step minus the group's.
+The table of a group is two integer multiply-adds of d; a code's sign is a bit already in its output
+byte's place. It is exact for d <= 11 (the smallest magnitude, 0.5 * 2^(6 - d), is then still an E4M3
+normal).
+
+Usage: python3 tools/w4a8_lut.py   # exits 1 on any mismatch
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MAX_EXACT_DROP = 11  # binades a group may sit below its row's largest over a K-step and decode exactly
+# E4M3 bytes of the magnitudes 0..7 at d = 0 (0, 0.5 .. 6 times 2^6), four a word; each binade of d lowers
+# every nonzero byte's exponent by one (0x08), code 0 stays 0.
+_LUT_LO, _LUT_HI = 0x6C686000, 0x7C787470
+_STEP_LO, _STEP_HI = 0x08080800, 0x08080808
+_SIGNS = 0x80808080
+_SIGNS_INT32 = _SIGNS - (1 << 32)  # the same bits as a signed 32-bit word (the kernel's int32)
+
+
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes [N, K] (K % 8 == 0) -> int32 words [N, K / 8]: magnitudes of codes 0-3 at bits
+    4i..4i+2 and of codes 4-7 at 16+4i..; the sign of code i < 4 at bit 8i+7, of code 4+i at bit 8i+3."""
+    c = codes.to(torch.int64).reshape(codes.shape[0], -1, 8)
+    magnitude, sign = c & 7, c >> 3
+    w = torch.zeros(c.shape[:2], dtype=torch.int64)
+    for i in range(4):
+        w |= magnitude[..., i] << (4 * i)
+        w |= magnitude[..., 4 + i] << (16 + 4 * i)
+        w |= sign[..., i] << (8 * i + 7)
+        w |= sign[..., 4 + i] << (8 * i + 3)
+    return (w - ((w >> 31) << 32)).to(torch.int32)  # the uint32 bits as int32
+
+
+def lut_words(d: int) -> tuple[int, int]:
+    """The two table words (bytes 0-3, 4-7) of a group d binades below its row's largest."""
+    return (_LUT_LO - d * _STEP_LO) & 0xFFFFFFFF, (_LUT_HI - d * _STEP_HI) & 0xFFFFFFFF
+
+
+def prmt(lo: int, hi: int, selector: int) -> int:
+    """PTX prmt.b32 in its default mode: byte i of the result is byte (selector nibble i) of hi:lo, the
+    byte's sign replicated when the nibble's bit 3 is set."""
+    source = [(lo >> (8 * i)) & 0xFF for i in range(4)] + [(hi >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = source[nibble & 7]
+        if nibble & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def decode_word(word: int, d: int) -> list[int]:
+    """The kernel's decode of one word (uint32 bits) into 8 E4M3 bytes, in K order."""
+    lo, hi = lut_words(d)
+    first = prmt(lo, hi, word & 0x7777) | (word & _SIGNS)
+    second = prmt(lo, hi, (word >> 16) & 0x7777) | ((word << 4) & _SIGNS)
+    return [(first >> (8 * i)) & 0xFF for i in range(4)] + [(second >> (8 * i)) & 0xFF for i in range(4)]
+
+
+def check(words: int = 20000, seed: int = 0) -> int:
+    """Mismatches of `decode_word` against E2M1 * 2^(6 - d): every code at every exact d, then random
+    words of 8 codes."""
+    generator = torch.Generator().manual_seed(seed)
+    cases = [
+        (torch.full((8,), code, dtype=torch.uint8), d)
+        for d in range(MAX_EXACT_DROP + 1)
+        for code in range(16)
+    ]
+    random_codes = torch.randint(0, 16, (words, 8), generator=generator, dtype=torch.uint8)
+    random_drops = torch.randint(0, MAX_EXACT_DROP + 1, (words,), generator=generator)
+    cases += list(zip(random_codes, random_drops.tolist(), strict=True))
+    bad = 0
+    for codes, d in cases:
+        word = int(pack_words(codes[None, :])[0, 0]) & 0xFFFFFFFF
+        got = torch.tensor(decode_word(word, d), dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        want = torch.tensor([E2M1[int(c) & 7] * 2.0 ** (6 - d) * (-1 if int(c) & 8 else 1) for c in codes])
+        same_sign = torch.equal(torch.signbit(got), (codes & 8).bool())
+        bad += int(not (torch.equal(got, want) and same_sign))
+    return bad
+
+
+if __name__ == "__main__":
+    mismatches = check()
+    print(f"mismatches: {mismatches}")
+    raise SystemExit(1 if mismatches else 0)
