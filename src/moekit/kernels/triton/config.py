@@ -72,8 +72,9 @@ def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str |
     if reason is None and device is not None and device.kind is DeviceKind.CUDA and _is_w4a8(spec):
         # Correct on an H200 (the GPU suite's W4A8 tests), but its E2M1 -> E4M3 decode costs about 18
         # instructions an element: 0.31 - 0.35x the W4A16 kernel's speed for gpt-oss-120b at T = 1024 -
-        # 16384 (benchmarks/bench_w4a8.py). Opt-in W4A8 exists to be faster than W4A16; until it is,
-        # the planner takes another capable kernel.
+        # 16384 (benchmarks/bench_w4a8.py). A byte-permute decode on FP8 wgmma (tools/w4a8_lut_probe.py)
+        # ran its GEMM alone below W4A16's whole layer (docs/performance.md, "W4A8"). Opt-in W4A8 exists
+        # to be faster than W4A16; until it is, the planner takes another capable kernel.
         return (
             "W4A8 (MXFP4 weights, FP8 activations) runs correctly on Hopper but at a third of W4A16's speed "
             "(its weight decode is not yet cheap), so the Triton path does not take it on CUDA; the planner "
