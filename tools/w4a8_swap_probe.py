@@ -12,8 +12,12 @@ columns), lane l = 4g + q and slot j = 2c + h, the word holds row 16 rb + 8 h + 
 group. Each K-step's product is scaled by its rows' 2^(s_max - 133) into fp32 (the table is relative to
 the row's largest scale over the step); x's row scale is applied once, at the end.
 
-One program: 128 weight rows (8 warps, the wgmma's M) x BN rows of x (its N); no warp specialization. At
-each step the next step's words are decoded while this step's wgmma runs.
+One program: 128 weight rows (8 warps, the wgmma's M) x BN rows of x (its N); no warp specialization. The
+next step's words are decoded while this step's wgmma runs. K-loops (`LOOP`): 0 waits for each step's
+product and promotes it; 1 keeps the next step's wgmma in flight while promoting (the FP8 engine's window;
+it spills at BN 128); 2 decodes two steps against one reference scale a row, so that their wgmmas share a
+product and each pair is promoted once (exact only where no group falls more than 11 binades below its
+pair's largest scale).
 
 Usage:
   python3 tools/w4a8_swap_probe.py compile   # CPU: sm_90 SASS facts (spills, registers, the K-loop)
@@ -80,13 +84,19 @@ def _bytes(x):
 
 
 @gluon.jit
-def _decode(words, scales, shift):
-    """A step's words [8 rb, 32 lanes, 8 slots] and their rows' 4 scale bytes (int32, same shape) -> the
-    E4M3 bytes of E2M1 * 2^(6 - d): (first, second), int32 of the word's first and last 4 codes."""
-    s_max = gl.maximum(
+def _scale_max(scales):
+    """The largest of each int32's 4 scale bytes."""
+    return gl.maximum(
         gl.maximum(scales & 0xFF, (scales >> 8) & 0xFF),
         gl.maximum((scales >> 16) & 0xFF, (scales >> 24) & 0xFF),
     )
+
+
+@gluon.jit
+def _decode(words, scales, shift, s_max):
+    """A step's words [8 rb, 32 lanes, 8 slots], their rows' 4 scale bytes (int32, same shape) and the
+    rows' reference scale `s_max` (>= every byte) -> the E4M3 bytes of E2M1 * 2^(6 - d), d = s_max minus
+    the group's: (first, second), int32 of each word's first and last 4 codes."""
     d = s_max - ((scales >> shift) & 0xFF)
     lo = gl.where(d > MAX_EXACT_DROP, 0, _LUT_LO - d * _STEP_LO)
     hi = gl.where(d > MAX_EXACT_DROP, 0, _LUT_HI - d * _STEP_HI)
@@ -107,12 +117,9 @@ def _fragment(first, second, fragment: gl.constexpr):
 
 
 @gluon.jit
-def _row_factors(s_rows, k):
-    """2^(s_max - 133) of each row over step k (fp32, the mma layout's rows)."""
-    sc = gl.load(s_rows + k)
-    s_max = gl.maximum(
-        gl.maximum(sc & 0xFF, (sc >> 8) & 0xFF), gl.maximum((sc >> 16) & 0xFF, (sc >> 24) & 0xFF)
-    )
+def _row_factors(s_rows, k, last):
+    """2^(s_max - 133) of each row over steps k to `last` (k or k + 1; fp32, the mma layout's rows)."""
+    s_max = gl.maximum(_scale_max(gl.load(s_rows + k)), _scale_max(gl.load(s_rows + last)))
     return ((s_max - 6) << 23).to(gl.float32, bitcast=True)
 
 
@@ -121,6 +128,125 @@ def _load_x(x_desc, x_smem, ready, xrow0, t, NS: gl.constexpr):
     s = t % NS
     mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(x_desc, [xrow0, t * BK], ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def _raw_step(weights, t, KT: gl.constexpr):
+    """Step t's words and scale bytes (t clamped to the last step)."""
+    w_steps, s_steps, _, _ = weights
+    t = gl.minimum(t, KT - 1)
+    return gl.load(w_steps + t * 32 * WORDS), gl.load(s_steps + t)
+
+
+@gluon.jit
+def _issue(ring, decoded, k, acc, USE_ACC: gl.constexpr, fragment: gl.constexpr, NS: gl.constexpr):
+    """Step k's wgmma (async) on the decoded (first, second), once its x tile is in."""
+    x_smem, ready = ring[1], ring[2]
+    s = k % NS
+    mbarrier.wait(ready.index(s), (k // NS) & 1)
+    a = _fragment(decoded[0], decoded[1], fragment)
+    return warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
+
+
+@gluon.jit
+def _refill(ring, k, KT: gl.constexpr, NS: gl.constexpr):
+    """Step k + NS's x tile into the stage step k's wgmma read (every warp has waited for it)."""
+    if k + NS < KT:
+        _load_x(ring[0], ring[1], ring[2], ring[3], k + NS, NS)
+
+
+@gluon.jit
+def _last_step(ring, decoded, s_rows, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+    """An odd last step of the paired loops, alone."""
+    product = _issue(ring, decoded, KT - 1, zero, False, fragment, NS)
+    factors = _row_factors(s_rows, KT - 1, KT - 1)
+    product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+    return acc + product * factors[:, None]
+
+
+@gluon.jit
+def _plain_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+    """Each step's wgmma waited for, then scaled into acc; the next step's decode under it."""
+    _, _, shift, s_rows = weights
+    words, scales = _raw_step(weights, 0, KT)
+    decoded = _decode(words, scales, shift, _scale_max(scales))
+    words, scales = _raw_step(weights, 1, KT)
+    for k in range(KT):
+        product = _issue(ring, decoded, k, zero, False, fragment, NS)
+        factors = _row_factors(s_rows, k, k)
+        decoded = _decode(words, scales, shift, _scale_max(scales))  # step k + 1 (the last repeats)
+        words, scales = _raw_step(weights, k + 2, KT)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        gl.thread_barrier()
+        _refill(ring, k, KT, NS)
+        acc = acc + product * factors[:, None]
+    return acc
+
+
+@gluon.jit
+def _window_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+    """Steps in pairs, as the FP8 engine's `_promoted_kloop`: wgmma k runs while step k - 1's product is
+    scaled into acc, wgmma k + 1 while step k's is; each step's decode under the wgmma before it."""
+    _, _, shift, s_rows = weights
+    words, scales = _raw_step(weights, 0, KT)
+    decoded = _decode(words, scales, shift, _scale_max(scales))
+    words, scales = _raw_step(weights, 1, KT)
+    done = zero  # the last pair's second product, waited for, not yet scaled in
+    done_factors = gl.zeros([WROWS], gl.float32, gl.SliceLayout(1, zero.type.layout))
+    for i in range(KT // 2):
+        k = 2 * i
+        p0 = _issue(ring, decoded, k, zero, False, fragment, NS)
+        acc = acc + done * done_factors[:, None]
+        f0 = _row_factors(s_rows, k, k)
+        decoded = _decode(words, scales, shift, _scale_max(scales))  # step k + 1
+        words, scales = _raw_step(weights, k + 2, KT)
+        p1 = _issue(ring, decoded, k + 1, zero, False, fragment, NS)
+        done_factors = _row_factors(s_rows, k + 1, k + 1)
+        decoded = _decode(words, scales, shift, _scale_max(scales))  # step k + 2 (the last repeats)
+        words, scales = _raw_step(weights, k + 3, KT)
+        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+        acc = acc + p0 * f0[:, None]
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+        gl.thread_barrier()
+        _refill(ring, k, KT, NS)
+        _refill(ring, k + 1, KT, NS)
+    acc = acc + done * done_factors[:, None]
+    if KT % 2 == 1:
+        acc = _last_step(ring, decoded, s_rows, acc, zero, fragment, KT, NS)
+    return acc
+
+
+@gluon.jit
+def _pair_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+    """Steps in pairs decoded against one reference scale a row (the largest of the pair's 8 groups), so
+    that both wgmmas accumulate into one product and a pair is promoted once: half the waits and the
+    promotions of `_plain_kloop`, the next pair's decode under them. An odd last step runs alone."""
+    _, _, shift, s_rows = weights
+    w0, s0 = _raw_step(weights, 0, KT)
+    w1, s1 = _raw_step(weights, 1, KT)
+    s_max = gl.maximum(_scale_max(s0), _scale_max(s1))
+    first = _decode(w0, s0, shift, s_max)
+    second = _decode(w1, s1, shift, s_max)
+    w0, s0 = _raw_step(weights, 2, KT)
+    w1, s1 = _raw_step(weights, 3, KT)
+    for i in range(KT // 2):
+        k = 2 * i
+        product = _issue(ring, first, k, zero, False, fragment, NS)
+        product = _issue(ring, second, k + 1, product, True, fragment, NS)
+        factors = _row_factors(s_rows, k, k + 1)
+        s_max = gl.maximum(_scale_max(s0), _scale_max(s1))  # steps k + 2 and k + 3 (clamped), under both
+        first = _decode(w0, s0, shift, s_max)
+        second = _decode(w1, s1, shift, s_max)
+        w0, s0 = _raw_step(weights, k + 4, KT)
+        w1, s1 = _raw_step(weights, k + 5, KT)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        gl.thread_barrier()
+        _refill(ring, k, KT, NS)
+        _refill(ring, k + 1, KT, NS)
+        acc = acc + product * factors[:, None]
+    if KT % 2 == 1:  # decoded above as the pair (KT - 1, KT - 1): against its own largest scale
+        acc = _last_step(ring, first, s_rows, acc, zero, fragment, KT, NS)
+    return acc
 
 
 @gluon.jit
@@ -135,6 +261,7 @@ def _w4a8_swap_gemm(
     HIDDEN: gl.constexpr,
     BN: gl.constexpr,
     NS: gl.constexpr,
+    LOOP: gl.constexpr,
 ):
     wrow0 = gl.program_id(0) * WROWS
     xrow0 = gl.program_id(1) * BN
@@ -160,35 +287,31 @@ def _w4a8_swap_gemm(
     shift = 8 * (slot // 2)
     s_rows = s_ptr + (wrow0 + gl.arange(0, WROWS, layout=gl.SliceLayout(1, mma))) * stride_s
 
-    first, second = _decode(gl.load(w_steps), gl.load(s_steps), shift)
-    words = gl.load(w_steps + gl.minimum(1, KT - 1) * 32 * WORDS)
-    scales = gl.load(s_steps + gl.minimum(1, KT - 1))
     acc = gl.zeros([WROWS, BN], gl.float32, mma)
     zero = gl.zeros([WROWS, BN], gl.float32, mma)
-    for k in range(KT):
-        s = k % NS
-        mbarrier.wait(ready.index(s), (k // NS) & 1)
-        a = _fragment(first, second, fragment)
-        product = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        factors = _row_factors(s_rows, k)
-        first, second = _decode(words, scales, shift)  # step k + 1 (the last repeats), under wgmma k
-        words = gl.load(w_steps + gl.minimum(k + 2, KT - 1) * 32 * WORDS)
-        scales = gl.load(s_steps + gl.minimum(k + 2, KT - 1))
-        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-        gl.thread_barrier()  # every warp's wgmma k has read stage s
-        if k + NS < KT:
-            _load_x(x_desc, x_smem, ready, xrow0, k + NS, NS)
-        acc = acc + product * factors[:, None]
+    ring = (x_desc, x_smem, ready, xrow0)
+    weights = (w_steps, s_steps, shift, s_rows)
+    if LOOP == 2:
+        acc = _pair_kloop(ring, weights, acc, zero, fragment, KT, NS)
+    elif LOOP == 1:
+        acc = _window_kloop(ring, weights, acc, zero, fragment, KT, NS)
+    else:
+        acc = _plain_kloop(ring, weights, acc, zero, fragment, KT, NS)
     cols = xrow0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
     rows = wrow0 + gl.arange(0, WROWS, layout=gl.SliceLayout(1, mma))
     x_scale = gl.load(xs_ptr + cols)
     gl.store(out_ptr + cols.to(gl.int64)[None, :] * stride_o + rows[:, None], acc * x_scale[None, :])
 
 
-VARIANTS = ((128, 4), (64, 4))  # (BN, stages)
+VARIANTS = (
+    (128, 4, 0),
+    (128, 4, 2),
+    (64, 4, 1),
+    (64, 4, 2),
+)  # (BN, stages, loop: 0 plain, 1 window, 2 pairs)
 
 
-def compile_offline(hidden: int, bn: int, stages: int):
+def compile_offline(hidden: int, bn: int, stages: int, loop: int):
     from hopper_compile import _descriptor_type, compile_gluon_for_hopper
 
     pointers = dict(
@@ -198,7 +321,7 @@ def compile_offline(hidden: int, bn: int, stages: int):
         xs_ptr="*fp32",
         out_ptr="*fp32",
     )
-    constants = dict(HIDDEN=hidden, BN=bn, NS=stages)
+    constants = dict(HIDDEN=hidden, BN=bn, NS=stages, LOOP=loop)
     aligned = ("w_ptr", "s_ptr", "xs_ptr", "out_ptr", "stride_s", "stride_o")  # as a launch specializes them
     return compile_gluon_for_hopper(
         _w4a8_swap_gemm, pointers=pointers, constants=constants, warps=8, aligned=aligned
@@ -208,8 +331,8 @@ def compile_offline(hidden: int, bn: int, stages: int):
 def main_compile() -> None:
     import sass_report
 
-    for bn, stages in VARIANTS:
-        kernel = compile_offline(2944, bn, stages)
+    for bn, stages, loop in VARIANTS:
+        kernel = compile_offline(2944, bn, stages, loop)
         ins = sass_report.all_instructions(kernel)
         ops: dict[str, int] = {}
         for _, text in ins:
@@ -254,7 +377,7 @@ def main_run() -> None:
         dense_ms = triton.testing.do_bench(
             functools.partial(torch._scaled_mm, xq, dense_w.T, one, one, out_dtype=torch.bfloat16)
         )
-        for bn, stages in VARIANTS:
+        for bn, stages, loop in VARIANTS:
             x_desc = TensorDescriptor.from_tensor(
                 xq, [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
             )
@@ -265,6 +388,7 @@ def main_run() -> None:
                 HIDDEN=hidden,
                 BN=bn,
                 NS=stages,
+                LOOP=loop,
                 num_warps=8,
             )
             call()
@@ -272,7 +396,7 @@ def main_run() -> None:
             error = ((out.cpu() - want).norm() / want.norm()).item()
             ms = triton.testing.do_bench(call)
             print(
-                f"M {rows} N {n} K {hidden}, BN {bn}, {stages} stages: rel L2 {error:.2e}, "
+                f"M {rows} N {n} K {hidden}, BN {bn}, {stages} stages, loop {loop}: rel L2 {error:.2e}, "
                 f"{ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s; "
                 f"dense FP8 {dense_ms * 1e3:.1f} us, {flops / dense_ms / 1e9:.0f}"
             )

@@ -1,8 +1,11 @@
-"""The W4A8 byte-permute decode probe (`tools/w4a8_lut.py`, `tools/w4a8_lut_probe.py`), on the CPU.
+"""The W4A8 decode probes (`tools/w4a8_lut.py`, `tools/w4a8_lut_probe.py`, `tools/w4a8_swap_probe.py`), on
+the CPU.
 
 The table model against exact arithmetic (every code at every exact drop, then random words), the kernel's
-sign mask as the model's, and the probe's Gluon kernel compiled for sm_90 in each variant without a
-spill, so that the probe keeps working as a starting point for a W4A8 engine.
+sign mask as the model's, the register-A probe's offline packing against the fragment positions its kernel
+reads, and both probes' Gluon kernels compiled for sm_90 in each variant without a spill (the register-A
+one also without repacking its fragment), so that the probes keep working as a starting point for a W4A8
+engine.
 """
 
 import sys
@@ -53,3 +56,57 @@ def test_probe_kernel_compiles_for_sm90_without_spills():
     for facts in compiled_json(["-c", _COMPILE]):
         assert facts["local_bytes"] == 0 and facts["local_memory_ops"] == 0, facts
         assert facts["shared"] <= 227 * 1024, facts  # one program an SM fits
+
+
+def _fragment_columns(n: int, k: int) -> torch.Tensor:
+    """Where each packed word's 8 bytes land: [N / 16, K / 128, 32, 8, 8] -> (row, column) as
+    `w4a8_swap_probe.py` documents (row 16 rb + 8 h + g, column 128 t + 32 c + 16 kh + 4 q + byte)."""
+    rb, t, lane, slot, code = torch.meshgrid(
+        *(torch.arange(size) for size in (n // 16, k // 128, 32, 8, 8)), indexing="ij"
+    )
+    g, q, c, h, kh, byte = lane // 4, lane % 4, slot // 2, slot % 2, code // 4, code % 4
+    return 16 * rb + 8 * h + g, 128 * t + 32 * c + 16 * kh + 4 * q + byte
+
+
+def test_fragment_packing_places_every_code_where_the_kernel_reads_it():
+    swap_probe = pytest.importorskip("w4a8_swap_probe")  # imports Triton's Gluon
+    generator = torch.Generator().manual_seed(2)
+    n, k = 32, 256
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    words = swap_probe.pack_fragment_words(codes)
+    assert words.shape == (n // 16, k // 128, 32, 8)
+    decoded = torch.tensor(
+        [w4a8_lut.decode_word(int(w) & 0xFFFFFFFF, 6) for w in words.flatten()], dtype=torch.uint8
+    )  # d = 6: each byte is the code's E2M1 value itself
+    values = decoded.view(torch.float8_e4m3fn).float().reshape(n // 16, k // 128, 32, 8, 8)
+    rows, cols = _fragment_columns(n, k)
+    want = torch.tensor(w4a8_lut.E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
+    assert torch.equal(values, want[rows, cols])
+    placed = torch.zeros(n, k, dtype=torch.int32).index_put_(
+        (rows.flatten(), cols.flatten()), torch.tensor(1, dtype=torch.int32), accumulate=True
+    )
+    assert torch.equal(placed, torch.ones_like(placed))  # every code exactly once
+
+
+_COMPILE_SWAP = """
+import json
+import sass_report
+import w4a8_swap_probe as probe
+out = []
+for bn, stages, loop in probe.VARIANTS:
+    kernel = probe.compile_offline(2944, bn, stages, loop)
+    facts = sass_report.kernel_facts(kernel)
+    repacks = kernel.asm["ptx"].count("0x3340")
+    out.append(dict(variant=[bn, stages, loop], shared=kernel.metadata.shared, repacks=repacks, **facts))
+print(json.dumps(out))
+"""
+
+
+def test_swap_probe_builds_its_fragment_without_repacking_or_spills():
+    pytest.importorskip("triton")
+    from compiled_json import compiled_json
+
+    for facts in compiled_json(["-c", _COMPILE_SWAP]):
+        assert facts["local_bytes"] == 0 and facts["local_memory_ops"] == 0, facts
+        # the decoded int32 registers are the fragment's: no byte pairs packed back by PRMT 0x3340
+        assert facts["repacks"] == 0, facts
