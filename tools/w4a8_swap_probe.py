@@ -22,6 +22,7 @@ pair's largest scale).
 Usage:
   python3 tools/w4a8_swap_probe.py compile   # CPU: sm_90 SASS facts (spills, registers, the K-loop)
   python3 tools/w4a8_swap_probe.py run       # GPU: against torch, timed beside dense FP8
+  python3 tools/w4a8_swap_probe.py profile   # GPU: each variant launched twice, for a profiler
 """
 
 from __future__ import annotations
@@ -402,5 +403,30 @@ def main_run() -> None:
             )
 
 
+def main_profile() -> None:
+    """Each variant launched twice at 16384 x 4096 x 7168, for a profiler's kernel filter (e.g. Nsight
+    Compute's `-k regex:_w4a8_swap_gemm --launch-skip 1 --launch-count 1`, once a variant)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    rows, n, hidden = 16384, 4096, 7168
+    (xq, x_scale, words, scales), _ = _problem(rows, n, hidden, device)
+    out = torch.empty((rows, n), device=device)
+    for bn, stages, loop in VARIANTS:
+        layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+        x_desc = TensorDescriptor.from_tensor(xq, [bn, 128], layout)
+        for _ in range(2):
+            _w4a8_swap_gemm[(n // 128, rows // bn)](
+                *(x_desc, words, scales, x_scale, out, scales.stride(0), out.stride(0)),
+                HIDDEN=hidden,
+                BN=bn,
+                NS=stages,
+                LOOP=loop,
+                num_warps=8,
+            )
+        torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
-    main_compile() if sys.argv[1:] == ["compile"] else main_run()
+    {"compile": main_compile, "profile": main_profile}.get(sys.argv[1] if sys.argv[1:] else "run", main_run)()
