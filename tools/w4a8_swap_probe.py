@@ -94,13 +94,19 @@ def _scale_max(scales):
 
 
 @gluon.jit
-def _decode(words, scales, shift, s_max):
-    """A step's words [8 rb, 32 lanes, 8 slots], their rows' 4 scale bytes (int32, same shape) and the
-    rows' reference scale `s_max` (>= every byte) -> the E4M3 bytes of E2M1 * 2^(6 - d), d = s_max minus
-    the group's: (first, second), int32 of each word's first and last 4 codes."""
-    d = s_max - ((scales >> shift) & 0xFF)
-    lo = gl.where(d > MAX_EXACT_DROP, 0, _LUT_LO - d * _STEP_LO)
-    hi = gl.where(d > MAX_EXACT_DROP, 0, _LUT_HI - d * _STEP_HI)
+def _decode(words, scales, shift, s_max, PRE: gl.constexpr):
+    """A step's words [8 rb, 32 lanes, 8 slots] and their rows' 4 scale bytes (int32, same shape) -> the
+    E4M3 bytes of E2M1 * 2^(6 - d): (first, second), int32 of each word's first and last 4 codes. d is the
+    rows' reference scale `s_max` (>= every byte) minus the group's, groups past 11 flushed; with PRE the
+    bytes are the drops d themselves (`pack_drops`: computed, clamped and flushed when packing)."""
+    if PRE:
+        d = (scales >> shift) & 0xFF
+        lo = _LUT_LO - d * _STEP_LO
+        hi = _LUT_HI - d * _STEP_HI
+    else:
+        d = s_max - ((scales >> shift) & 0xFF)
+        lo = gl.where(d > MAX_EXACT_DROP, 0, _LUT_LO - d * _STEP_LO)
+        hi = gl.where(d > MAX_EXACT_DROP, 0, _LUT_HI - d * _STEP_HI)
     first = _prmt(lo, hi, words & 0x7777) | (words & _SIGNS)
     second = _prmt(lo, hi, (words >> 16) & 0x7777) | ((words << 4) & _SIGNS)
     return first, second
@@ -118,10 +124,15 @@ def _fragment(first, second, fragment: gl.constexpr):
 
 
 @gluon.jit
-def _row_factors(s_rows, k, last):
-    """2^(s_max - 133) of each row over steps k to `last` (k or k + 1; fp32, the mma layout's rows)."""
-    s_max = gl.maximum(_scale_max(gl.load(s_rows + k)), _scale_max(gl.load(s_rows + last)))
-    return ((s_max - 6) << 23).to(gl.float32, bitcast=True)
+def _row_factors(weights, k, last, r, PRE: gl.constexpr):
+    """2^(s_max - 133) of each row over steps k to `last` (k or k + 1; fp32, the mma layout's rows); with
+    PRE, reference r's packed factors."""
+    s_rows, f_rows = weights[3], weights[4]
+    if PRE:
+        return gl.load(f_rows + r)
+    else:
+        s_max = gl.maximum(_scale_max(gl.load(s_rows + k)), _scale_max(gl.load(s_rows + last)))
+        return ((s_max - 6) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -134,7 +145,7 @@ def _load_x(x_desc, x_smem, ready, xrow0, t, NS: gl.constexpr):
 @gluon.jit
 def _raw_step(weights, t, KT: gl.constexpr):
     """Step t's words and scale bytes (t clamped to the last step)."""
-    w_steps, s_steps, _, _ = weights
+    w_steps, s_steps = weights[0], weights[1]
     t = gl.minimum(t, KT - 1)
     return gl.load(w_steps + t * 32 * WORDS), gl.load(s_steps + t)
 
@@ -157,25 +168,38 @@ def _refill(ring, k, KT: gl.constexpr, NS: gl.constexpr):
 
 
 @gluon.jit
-def _last_step(ring, decoded, s_rows, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
-    """An odd last step of the paired loops, alone."""
+def _last_step(
+    ring,
+    decoded,
+    weights,
+    r,
+    acc,
+    zero,
+    fragment: gl.constexpr,
+    KT: gl.constexpr,
+    NS: gl.constexpr,
+    PRE: gl.constexpr,
+):
+    """An odd last step of the paired loops, alone (its factors: reference r)."""
     product = _issue(ring, decoded, KT - 1, zero, False, fragment, NS)
-    factors = _row_factors(s_rows, KT - 1, KT - 1)
+    factors = _row_factors(weights, KT - 1, KT - 1, r, PRE)
     product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
     return acc + product * factors[:, None]
 
 
 @gluon.jit
-def _plain_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+def _plain_kloop(
+    ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, PRE: gl.constexpr
+):
     """Each step's wgmma waited for, then scaled into acc; the next step's decode under it."""
-    _, _, shift, s_rows = weights
+    shift = weights[2]
     words, scales = _raw_step(weights, 0, KT)
-    decoded = _decode(words, scales, shift, _scale_max(scales))
+    decoded = _decode(words, scales, shift, _scale_max(scales), PRE)
     words, scales = _raw_step(weights, 1, KT)
     for k in range(KT):
         product = _issue(ring, decoded, k, zero, False, fragment, NS)
-        factors = _row_factors(s_rows, k, k)
-        decoded = _decode(words, scales, shift, _scale_max(scales))  # step k + 1 (the last repeats)
+        factors = _row_factors(weights, k, k, k, PRE)
+        decoded = _decode(words, scales, shift, _scale_max(scales), PRE)  # step k + 1 (the last repeats)
         words, scales = _raw_step(weights, k + 2, KT)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
         gl.thread_barrier()
@@ -185,12 +209,14 @@ def _plain_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.conste
 
 
 @gluon.jit
-def _window_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+def _window_kloop(
+    ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, PRE: gl.constexpr
+):
     """Steps in pairs, as the FP8 engine's `_promoted_kloop`: wgmma k runs while step k - 1's product is
     scaled into acc, wgmma k + 1 while step k's is; each step's decode under the wgmma before it."""
-    _, _, shift, s_rows = weights
+    shift = weights[2]
     words, scales = _raw_step(weights, 0, KT)
-    decoded = _decode(words, scales, shift, _scale_max(scales))
+    decoded = _decode(words, scales, shift, _scale_max(scales), PRE)
     words, scales = _raw_step(weights, 1, KT)
     done = zero  # the last pair's second product, waited for, not yet scaled in
     done_factors = gl.zeros([WROWS], gl.float32, gl.SliceLayout(1, zero.type.layout))
@@ -198,12 +224,12 @@ def _window_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.const
         k = 2 * i
         p0 = _issue(ring, decoded, k, zero, False, fragment, NS)
         acc = acc + done * done_factors[:, None]
-        f0 = _row_factors(s_rows, k, k)
-        decoded = _decode(words, scales, shift, _scale_max(scales))  # step k + 1
+        f0 = _row_factors(weights, k, k, k, PRE)
+        decoded = _decode(words, scales, shift, _scale_max(scales), PRE)  # step k + 1
         words, scales = _raw_step(weights, k + 2, KT)
         p1 = _issue(ring, decoded, k + 1, zero, False, fragment, NS)
-        done_factors = _row_factors(s_rows, k + 1, k + 1)
-        decoded = _decode(words, scales, shift, _scale_max(scales))  # step k + 2 (the last repeats)
+        done_factors = _row_factors(weights, k + 1, k + 1, k + 1, PRE)
+        decoded = _decode(words, scales, shift, _scale_max(scales), PRE)  # step k + 2 (the last repeats)
         words, scales = _raw_step(weights, k + 3, KT)
         p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
         acc = acc + p0 * f0[:, None]
@@ -213,31 +239,33 @@ def _window_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.const
         _refill(ring, k + 1, KT, NS)
     acc = acc + done * done_factors[:, None]
     if KT % 2 == 1:
-        acc = _last_step(ring, decoded, s_rows, acc, zero, fragment, KT, NS)
+        acc = _last_step(ring, decoded, weights, KT - 1, acc, zero, fragment, KT, NS, PRE)
     return acc
 
 
 @gluon.jit
-def _pair_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+def _pair_kloop(
+    ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, PRE: gl.constexpr
+):
     """Steps in pairs decoded against one reference scale a row (the largest of the pair's 8 groups), so
     that both wgmmas accumulate into one product and a pair is promoted once: half the waits and the
     promotions of `_plain_kloop`, the next pair's decode under them. An odd last step runs alone."""
-    _, _, shift, s_rows = weights
+    shift = weights[2]
     w0, s0 = _raw_step(weights, 0, KT)
     w1, s1 = _raw_step(weights, 1, KT)
     s_max = gl.maximum(_scale_max(s0), _scale_max(s1))
-    first = _decode(w0, s0, shift, s_max)
-    second = _decode(w1, s1, shift, s_max)
+    first = _decode(w0, s0, shift, s_max, PRE)
+    second = _decode(w1, s1, shift, s_max, PRE)
     w0, s0 = _raw_step(weights, 2, KT)
     w1, s1 = _raw_step(weights, 3, KT)
     for i in range(KT // 2):
         k = 2 * i
         product = _issue(ring, first, k, zero, False, fragment, NS)
         product = _issue(ring, second, k + 1, product, True, fragment, NS)
-        factors = _row_factors(s_rows, k, k + 1)
+        factors = _row_factors(weights, k, k + 1, i, PRE)
         s_max = gl.maximum(_scale_max(s0), _scale_max(s1))  # steps k + 2 and k + 3 (clamped), under both
-        first = _decode(w0, s0, shift, s_max)
-        second = _decode(w1, s1, shift, s_max)
+        first = _decode(w0, s0, shift, s_max, PRE)
+        second = _decode(w1, s1, shift, s_max, PRE)
         w0, s0 = _raw_step(weights, k + 4, KT)
         w1, s1 = _raw_step(weights, k + 5, KT)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
@@ -246,7 +274,7 @@ def _pair_kloop(ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constex
         _refill(ring, k + 1, KT, NS)
         acc = acc + product * factors[:, None]
     if KT % 2 == 1:  # decoded above as the pair (KT - 1, KT - 1): against its own largest scale
-        acc = _last_step(ring, first, s_rows, acc, zero, fragment, KT, NS)
+        acc = _last_step(ring, first, weights, KT // 2, acc, zero, fragment, KT, NS, PRE)
     return acc
 
 
@@ -255,14 +283,17 @@ def _w4a8_swap_gemm(
     x_desc,
     w_ptr,
     s_ptr,
+    f_ptr,
     xs_ptr,
     out_ptr,
     stride_s,
+    stride_f,
     stride_o,
     HIDDEN: gl.constexpr,
     BN: gl.constexpr,
     NS: gl.constexpr,
     LOOP: gl.constexpr,
+    PRE: gl.constexpr,
 ):
     wrow0 = gl.program_id(0) * WROWS
     xrow0 = gl.program_id(1) * BN
@@ -286,43 +317,78 @@ def _w4a8_swap_gemm(
     w_steps = w_ptr + ((wrow0 // 16 + rb) * KT * 32 + lane) * WORDS + slot  # + t * 32 * WORDS
     s_steps = s_ptr + (wrow0 + 16 * rb + lane // 4 + 8 * (slot % 2)) * stride_s  # + t
     shift = 8 * (slot // 2)
-    s_rows = s_ptr + (wrow0 + gl.arange(0, WROWS, layout=gl.SliceLayout(1, mma))) * stride_s
+    mma_rows = wrow0 + gl.arange(0, WROWS, layout=gl.SliceLayout(1, mma))
+    s_rows = s_ptr + mma_rows * stride_s
+    f_rows = f_ptr + mma_rows * stride_f
 
     acc = gl.zeros([WROWS, BN], gl.float32, mma)
     zero = gl.zeros([WROWS, BN], gl.float32, mma)
     ring = (x_desc, x_smem, ready, xrow0)
-    weights = (w_steps, s_steps, shift, s_rows)
+    weights = (w_steps, s_steps, shift, s_rows, f_rows)
     if LOOP == 2:
-        acc = _pair_kloop(ring, weights, acc, zero, fragment, KT, NS)
+        acc = _pair_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE)
     elif LOOP == 1:
-        acc = _window_kloop(ring, weights, acc, zero, fragment, KT, NS)
+        acc = _window_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE)
     else:
-        acc = _plain_kloop(ring, weights, acc, zero, fragment, KT, NS)
+        acc = _plain_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE)
     cols = xrow0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
     rows = wrow0 + gl.arange(0, WROWS, layout=gl.SliceLayout(1, mma))
     x_scale = gl.load(xs_ptr + cols)
     gl.store(out_ptr + cols.to(gl.int64)[None, :] * stride_o + rows[:, None], acc * x_scale[None, :])
 
 
-VARIANTS = (
-    (128, 4, 0),
-    (128, 4, 2),
-    (64, 4, 1),
-    (64, 4, 2),
-)  # (BN, stages, loop: 0 plain, 1 window, 2 pairs)
+VARIANTS = (  # (BN, stages, loop: 0 plain, 1 window, 2 pairs; PRE: drops and factors packed offline)
+    (128, 4, 0, False),
+    (128, 4, 2, False),
+    (64, 4, 1, False),
+    (128, 4, 0, True),
+    (128, 4, 2, True),
+)
 
 
-def compile_offline(hidden: int, bn: int, stages: int, loop: int):
+def pack_drops(scale_bytes: torch.Tensor, steps_per_reference: int):
+    """E8M0 bytes [N, K / 32] (K % 128 == 0) -> what a PRE kernel reads instead of them: (drops: int32
+    [N, K / 128], byte c of step t the drop d of group 4 t + c below its reference; factors: fp32 [N, R], the
+    2^(s_max - 133) of each reference of `steps_per_reference` steps (the last may be shorter); flushed:
+    bool [N, K / 32], groups more than 11 binades below their reference, whose codes the caller zeroes and
+    whose drop is clamped)."""
+    n, groups = scale_bytes.shape
+    per_reference = 4 * steps_per_reference
+    s = scale_bytes.to(torch.int32)
+    drops = torch.empty_like(s)
+    factors = []
+    for start in range(0, groups, per_reference):
+        part = s[:, start : start + per_reference]
+        s_max = part.amax(dim=1, keepdim=True)
+        drops[:, start : start + per_reference] = s_max - part
+        factors.append(torch.pow(2.0, (s_max - 133).double()).float())
+    flushed = drops > w4a8_lut.MAX_EXACT_DROP
+    drops = drops.clamp(max=w4a8_lut.MAX_EXACT_DROP).to(torch.uint8).view(torch.int32)
+    return drops, torch.cat(factors, dim=1), flushed
+
+
+def _weights(codes: torch.Tensor, scale_bytes: torch.Tensor, loop: int, pre: bool, device: torch.device):
+    """(words, scales or drops, factors, the factors' row stride) of a variant, on `device`."""
+    if not pre:
+        words = pack_fragment_words(codes).to(device)
+        return words, scale_bytes.view(torch.int32).to(device), torch.ones(1, device=device), 0
+    drops, factors, flushed = pack_drops(scale_bytes, 2 if loop == 2 else 1)
+    codes = torch.where(flushed.repeat_interleave(32, dim=1), 0, codes)
+    return pack_fragment_words(codes).to(device), drops.to(device), factors.to(device), factors.stride(0)
+
+
+def compile_offline(hidden: int, bn: int, stages: int, loop: int, pre: bool):
     from hopper_compile import _descriptor_type, compile_gluon_for_hopper
 
     pointers = dict(
         x_desc=_descriptor_type([bn, 128], gl.float8e4nv, "fp8e4nv"),
         w_ptr="*i32",
         s_ptr="*i32",
+        f_ptr="*fp32",
         xs_ptr="*fp32",
         out_ptr="*fp32",
     )
-    constants = dict(HIDDEN=hidden, BN=bn, NS=stages, LOOP=loop)
+    constants = dict(HIDDEN=hidden, BN=bn, NS=stages, LOOP=loop, PRE=pre)
     aligned = ("w_ptr", "s_ptr", "xs_ptr", "out_ptr", "stride_s", "stride_o")  # as a launch specializes them
     return compile_gluon_for_hopper(
         _w4a8_swap_gemm, pointers=pointers, constants=constants, warps=8, aligned=aligned
@@ -332,20 +398,25 @@ def compile_offline(hidden: int, bn: int, stages: int, loop: int):
 def main_compile() -> None:
     import sass_report
 
-    for bn, stages, loop in VARIANTS:
-        kernel = compile_offline(2944, bn, stages, loop)
+    for bn, stages, loop, pre in VARIANTS:
+        kernel = compile_offline(2944, bn, stages, loop, pre)
         ins = sass_report.all_instructions(kernel)
         ops: dict[str, int] = {}
         for _, text in ins:
             op = sass_report.unpredicated(text).split()[0].split(".")[0]
             ops[op] = ops.get(op, 0) + 1
         print(
-            f"BN {bn}, {stages} stages: shared {kernel.metadata.shared} B, {sass_report.properties(kernel)}"
+            f"BN {bn}, {stages} stages, loop {loop}, PRE {pre}: shared {kernel.metadata.shared} B, "
+            f"{sass_report.kernel_facts(kernel)}"
         )
-        print("  ", {op: ops.get(op) for op in ("PRMT", "LOP3", "QGMMA", "LDG", "LDS", "STS", "SHF", "IMAD")})
+        print(
+            "  ", {op: ops.get(op) for op in ("PRMT", "LOP3", "SEL", "QGMMA", "LDG", "FFMA", "SHF", "IMAD")}
+        )
 
 
-def _problem(rows: int, n: int, hidden: int, device: torch.device):
+def _problem(rows: int, n: int, hidden: int):
+    """Random per-token FP8 x, MXFP4 codes and scale bytes (within 10 binades a row: nothing flushed), and
+    the exact fp32 product of the dequantized operands."""
     codes = torch.randint(0, 16, (n, hidden), dtype=torch.uint8)
     scale_bytes = torch.randint(118, 128, (n, hidden // 32), dtype=torch.uint8)
     w = torch.tensor(w4a8_lut.E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
@@ -353,24 +424,32 @@ def _problem(rows: int, n: int, hidden: int, device: torch.device):
     x = torch.randn(rows, hidden)
     x_scale = x.abs().amax(-1).clamp_min(1e-12) / 448.0
     xq = (x / x_scale[:, None]).to(torch.float8_e4m3fn)
-    want = (xq.float() * x_scale[:, None]) @ w.T
-    operands = (
-        xq.to(device),
-        x_scale.to(device).contiguous(),
-        pack_fragment_words(codes).to(device).contiguous(),
-        scale_bytes.view(torch.int32).to(device).contiguous(),  # a K-step's 4 scale bytes, group g in byte g
+    return xq, x_scale, codes, scale_bytes, (xq.float() * x_scale[:, None]) @ w.T
+
+
+def _launch(xq, x_scale, weights, out, variant, hidden: int):
+    """A call of the kernel in `variant` on device operands."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    bn, stages, loop, pre = variant
+    words, scales, factors, stride_f = weights
+    layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    x_desc = TensorDescriptor.from_tensor(xq, [bn, 128], layout)
+    args = (x_desc, words, scales, factors, x_scale, out, scales.stride(0), stride_f, out.stride(0))
+    grid = (out.shape[1] // 128, out.shape[0] // bn)
+    return functools.partial(
+        _w4a8_swap_gemm[grid], *args, HIDDEN=hidden, BN=bn, NS=stages, LOOP=loop, PRE=pre, num_warps=8
     )
-    return operands, want
 
 
 def main_run() -> None:
     import triton
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     device = torch.device("cuda")
     torch.manual_seed(0)
     for rows, n, hidden in ((512, 1024, 2944), (8192, 5888, 2944), (16384, 4096, 7168)):
-        (xq, x_scale, words, scales), want = _problem(rows, n, hidden, device)
+        xq, x_scale, codes, scale_bytes, want = _problem(rows, n, hidden)
+        xq, x_scale = xq.to(device), x_scale.to(device)
         out = torch.empty((rows, n), device=device)
         flops = 2 * rows * n * hidden
         dense_w = torch.randn(n, hidden, device=device).to(torch.float8_e4m3fn)
@@ -378,53 +457,36 @@ def main_run() -> None:
         dense_ms = triton.testing.do_bench(
             functools.partial(torch._scaled_mm, xq, dense_w.T, one, one, out_dtype=torch.bfloat16)
         )
-        for bn, stages, loop in VARIANTS:
-            x_desc = TensorDescriptor.from_tensor(
-                xq, [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-            )
+        for variant in VARIANTS:
+            weights = _weights(codes, scale_bytes, variant[2], variant[3], device)
             out.fill_(float("nan"))
-            call = functools.partial(
-                _w4a8_swap_gemm[(n // 128, rows // bn)],
-                *(x_desc, words, scales, x_scale, out, scales.stride(0), out.stride(0)),
-                HIDDEN=hidden,
-                BN=bn,
-                NS=stages,
-                LOOP=loop,
-                num_warps=8,
-            )
+            call = _launch(xq, x_scale, weights, out, variant, hidden)
             call()
             torch.cuda.synchronize()
             error = ((out.cpu() - want).norm() / want.norm()).item()
             ms = triton.testing.do_bench(call)
             print(
-                f"M {rows} N {n} K {hidden}, BN {bn}, {stages} stages, loop {loop}: rel L2 {error:.2e}, "
-                f"{ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s; "
+                f"M {rows} N {n} K {hidden}, BN {variant[0]}, {variant[1]} stages, loop {variant[2]}, "
+                f"PRE {variant[3]}: rel L2 {error:.2e}, {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s; "
                 f"dense FP8 {dense_ms * 1e3:.1f} us, {flops / dense_ms / 1e9:.0f}"
             )
 
 
 def main_profile() -> None:
     """Each variant launched twice at 16384 x 4096 x 7168, for a profiler's kernel filter (e.g. Nsight
-    Compute's `-k regex:_w4a8_swap_gemm --launch-skip 1 --launch-count 1`, once a variant)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    Compute's `-k regex:_w4a8_swap_gemm --launch-skip 2 V --launch-count 1` for variant V)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     rows, n, hidden = 16384, 4096, 7168
-    (xq, x_scale, words, scales), _ = _problem(rows, n, hidden, device)
+    xq, x_scale, codes, scale_bytes, _ = _problem(rows, n, hidden)
+    xq, x_scale = xq.to(device), x_scale.to(device)
     out = torch.empty((rows, n), device=device)
-    for bn, stages, loop in VARIANTS:
-        layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-        x_desc = TensorDescriptor.from_tensor(xq, [bn, 128], layout)
-        for _ in range(2):
-            _w4a8_swap_gemm[(n // 128, rows // bn)](
-                *(x_desc, words, scales, x_scale, out, scales.stride(0), out.stride(0)),
-                HIDDEN=hidden,
-                BN=bn,
-                NS=stages,
-                LOOP=loop,
-                num_warps=8,
-            )
+    for variant in VARIANTS:
+        call = _launch(
+            xq, x_scale, _weights(codes, scale_bytes, variant[2], variant[3], device), out, variant, hidden
+        )
+        call()
+        call()
         torch.cuda.synchronize()
 
 

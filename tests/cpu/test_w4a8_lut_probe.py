@@ -93,11 +93,11 @@ import json
 import sass_report
 import w4a8_swap_probe as probe
 out = []
-for bn, stages, loop in probe.VARIANTS:
-    kernel = probe.compile_offline(2944, bn, stages, loop)
+for bn, stages, loop, pre in probe.VARIANTS:
+    kernel = probe.compile_offline(2944, bn, stages, loop, pre)
     facts = sass_report.kernel_facts(kernel)
     repacks = kernel.asm["ptx"].count("0x3340")
-    out.append(dict(variant=[bn, stages, loop], shared=kernel.metadata.shared, repacks=repacks, **facts))
+    out.append(dict(variant=[bn, stages, loop, pre], shared=kernel.metadata.shared, repacks=repacks, **facts))
 print(json.dumps(out))
 """
 
@@ -110,3 +110,38 @@ def test_swap_probe_builds_its_fragment_without_repacking_or_spills():
         assert facts["local_bytes"] == 0 and facts["local_memory_ops"] == 0, facts
         # the decoded int32 registers are the fragment's: no byte pairs packed back by PRMT 0x3340
         assert facts["repacks"] == 0, facts
+
+
+@pytest.mark.parametrize("steps_per_reference", [1, 2])
+def test_packed_drops_and_factors_rebuild_the_weights(steps_per_reference):
+    """What a PRE kernel computes from the packing (each code's table byte at its group's drop, times its
+    reference's factor) is the dequantized weight, except in groups flushed for being more than 11 binades
+    below their reference, which decode to zero."""
+    swap_probe = pytest.importorskip("w4a8_swap_probe")
+    generator = torch.Generator().manual_seed(3)
+    n, k = 16, 384  # three K-steps: with pairs, the last reference is one step
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale_bytes = torch.randint(118, 128, (n, k // 32), generator=generator, dtype=torch.uint8)
+    scale_bytes[3, 5] = 100  # 18 - 27 binades below its row's other groups: flushed
+    drops, factors, flushed = swap_probe.pack_drops(scale_bytes, steps_per_reference)
+    assert flushed[3, 5] and int(flushed.sum()) == 1
+    assert drops.shape == (n, k // 128) and factors.shape == (n, -(-k // (128 * steps_per_reference)))
+    kept = torch.where(flushed.repeat_interleave(32, dim=1), 0, codes)
+    words = swap_probe.pack_fragment_words(kept)
+    group_drops = drops.view(torch.uint8).reshape(n, k // 32).long()
+    rows, cols = _fragment_columns(n, k)
+    got = torch.empty(n, k)
+    for index, word in enumerate(words.flatten().tolist()):
+        rb, t, lane, slot = torch.unravel_index(torch.tensor(index), words.shape)
+        row, col = rows[rb, t, lane, slot, 0].item(), cols[rb, t, lane, slot, 0].item()
+        d = group_drops[row, col // 32].item()
+        values = torch.tensor(w4a8_lut.decode_word(word & 0xFFFFFFFF, d), dtype=torch.uint8)
+        factor = factors[row, col // (128 * steps_per_reference)].double()
+        # the kernel's 2^(s_max - 133) times the table's 2^(6 - d) scaling: 2^(s - 127)
+        got[row, cols[rb, t, lane, slot].tolist()] = (
+            values.view(torch.float8_e4m3fn).double() * factor
+        ).float()
+    want = torch.tensor(w4a8_lut.E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
+    want = want * torch.pow(2.0, scale_bytes.float() - 127).repeat_interleave(32, dim=1)
+    want[3, 5 * 32 : 6 * 32] = 0.0
+    assert torch.equal(got, want)
