@@ -114,13 +114,14 @@ def _decode(words, scales, shift, s_max, PRE: gl.constexpr):
 
 @gluon.jit
 def _fragment(first, second, fragment: gl.constexpr):
-    """(first, second) of `_decode` -> the E4M3 A fragment [128 rows, 128 columns]: a renaming of registers
+    """(first, second) of `_decode` -> the E4M3 A fragment [16 RB rows, 128 columns]: a renaming of registers
     when built next to its wgmma (carried through the loop as bytes, it was repacked: 3 PRMT a register)."""
     t = gl.join(_bytes(first), _bytes(second))  # [8, 32, 8, 2, 2, 2]: rb, lane, slot, byte // 2, byte % 2, kh
     t = gl.permute(t, [0, 1, 2, 5, 3, 4])  # rb, lane, slot, kh, byte // 2, byte % 2
-    t = gl.reshape(t, [8, 8, 4, 4, 2, 2, 4])  # rb, g, q, c, h, kh, byte
+    RB: gl.constexpr = first.shape[0]
+    t = gl.reshape(t, [RB, 8, 4, 4, 2, 2, 4])  # rb, g, q, c, h, kh, byte
     t = gl.permute(t, [0, 4, 1, 3, 5, 2, 6])  # rb, h, g, c, kh, q, byte: row, then column order
-    return gl.convert_layout(gl.reshape(t, [WROWS, BK]), fragment)
+    return gl.convert_layout(gl.reshape(t, [16 * RB, BK]), fragment)
 
 
 @gluon.jit
@@ -168,6 +169,19 @@ def _refill(ring, k, KT: gl.constexpr, NS: gl.constexpr):
 
 
 @gluon.jit
+def _release(ring, k, STEPS: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, WS: gl.constexpr):
+    """Steps k .. k + STEPS - 1 are read (this warpgroup waited for their wgmma): with WS, hand their stages
+    to the producer partition; else wait for every warp, then load the x tiles NS steps on."""
+    if WS:
+        for j in gl.static_range(STEPS):
+            mbarrier.arrive(ring[4].index((k + j) % NS), count=1)
+    else:
+        gl.thread_barrier()
+        for j in gl.static_range(STEPS):
+            _refill(ring, k + j, KT, NS)
+
+
+@gluon.jit
 def _last_step(
     ring,
     decoded,
@@ -189,7 +203,15 @@ def _last_step(
 
 @gluon.jit
 def _plain_kloop(
-    ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, PRE: gl.constexpr
+    ring,
+    weights,
+    acc,
+    zero,
+    fragment: gl.constexpr,
+    KT: gl.constexpr,
+    NS: gl.constexpr,
+    PRE: gl.constexpr,
+    WS: gl.constexpr,
 ):
     """Each step's wgmma waited for, then scaled into acc; the next step's decode under it."""
     shift = weights[2]
@@ -202,15 +224,22 @@ def _plain_kloop(
         decoded = _decode(words, scales, shift, _scale_max(scales), PRE)  # step k + 1 (the last repeats)
         words, scales = _raw_step(weights, k + 2, KT)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-        gl.thread_barrier()
-        _refill(ring, k, KT, NS)
+        _release(ring, k, 1, KT, NS, WS)
         acc = acc + product * factors[:, None]
     return acc
 
 
 @gluon.jit
 def _window_kloop(
-    ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, PRE: gl.constexpr
+    ring,
+    weights,
+    acc,
+    zero,
+    fragment: gl.constexpr,
+    KT: gl.constexpr,
+    NS: gl.constexpr,
+    PRE: gl.constexpr,
+    WS: gl.constexpr,
 ):
     """Steps in pairs, as the FP8 engine's `_promoted_kloop`: wgmma k runs while step k - 1's product is
     scaled into acc, wgmma k + 1 while step k's is; each step's decode under the wgmma before it."""
@@ -234,9 +263,7 @@ def _window_kloop(
         p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
         acc = acc + p0 * f0[:, None]
         done = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-        gl.thread_barrier()
-        _refill(ring, k, KT, NS)
-        _refill(ring, k + 1, KT, NS)
+        _release(ring, k, 2, KT, NS, WS)
     acc = acc + done * done_factors[:, None]
     if KT % 2 == 1:
         acc = _last_step(ring, decoded, weights, KT - 1, acc, zero, fragment, KT, NS, PRE)
@@ -245,7 +272,15 @@ def _window_kloop(
 
 @gluon.jit
 def _pair_kloop(
-    ring, weights, acc, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, PRE: gl.constexpr
+    ring,
+    weights,
+    acc,
+    zero,
+    fragment: gl.constexpr,
+    KT: gl.constexpr,
+    NS: gl.constexpr,
+    PRE: gl.constexpr,
+    WS: gl.constexpr,
 ):
     """Steps in pairs decoded against one reference scale a row (the largest of the pair's 8 groups), so
     that both wgmmas accumulate into one product and a pair is promoted once: half the waits and the
@@ -269,13 +304,76 @@ def _pair_kloop(
         w0, s0 = _raw_step(weights, k + 4, KT)
         w1, s1 = _raw_step(weights, k + 5, KT)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-        gl.thread_barrier()
-        _refill(ring, k, KT, NS)
-        _refill(ring, k + 1, KT, NS)
+        _release(ring, k, 2, KT, NS, WS)
         acc = acc + product * factors[:, None]
     if KT % 2 == 1:  # decoded above as the pair (KT - 1, KT - 1): against its own largest scale
         acc = _last_step(ring, first, weights, KT // 2, acc, zero, fragment, KT, NS, PRE)
     return acc
+
+
+@gluon.jit
+def _weight_rows(
+    ring,
+    pointers,
+    row0,
+    RB: gl.constexpr,
+    KT: gl.constexpr,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
+    LOOP: gl.constexpr,
+    PRE: gl.constexpr,
+    WS: gl.constexpr,
+):
+    """out[x rows, row0 + 16 RB rows] on RB warps (one 16-row block each): the K-loop, then x's row scale.
+    `pointers`: w, scales (or drops), factors, x scales, out, and the strides of scales, factors, out."""
+    w_ptr, s_ptr, f_ptr, xs_ptr, out_ptr, stride_s, stride_f, stride_o = pointers
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [RB, 1, 1], [2, 1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[RB, 1], instr_shape=[16, BN, 32]
+    )
+    fragment: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    rb = gl.arange(0, RB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+    slot = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    w_steps = w_ptr + ((row0 // 16 + rb) * KT * 32 + lane) * WORDS + slot  # + t * 32 * WORDS
+    s_steps = s_ptr + (row0 + 16 * rb + lane // 4 + 8 * (slot % 2)) * stride_s  # + t
+    mma_rows = row0 + gl.arange(0, 16 * RB, layout=gl.SliceLayout(1, mma))
+    weights = (w_steps, s_steps, 8 * (slot // 2), s_ptr + mma_rows * stride_s, f_ptr + mma_rows * stride_f)
+    acc = gl.zeros([16 * RB, BN], gl.float32, mma)
+    zero = gl.zeros([16 * RB, BN], gl.float32, mma)
+    if LOOP == 2:
+        acc = _pair_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE, WS)
+    elif LOOP == 1:
+        acc = _window_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE, WS)
+    else:
+        acc = _plain_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE, WS)
+    cols = ring[3] + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    x_scale = gl.load(xs_ptr + cols)
+    gl.store(out_ptr + cols.to(gl.int64)[None, :] * stride_o + mma_rows[:, None], acc * x_scale[None, :])
+
+
+@gluon.jit
+def _ring(x_desc, xrow0, NS: gl.constexpr, BN: gl.constexpr, EMPTY_COUNT: gl.constexpr):
+    """(x_desc, x stages, ready barriers, xrow0, empty barriers) of a program's x ring, barriers initialized;
+    empty barriers (EMPTY_COUNT arrivals a phase) only where EMPTY_COUNT > 0."""
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [NS, BN, BK], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        if EMPTY_COUNT > 0:
+            mbarrier.init(empty.index(i), count=EMPTY_COUNT)
+    return x_desc, x_smem, ready, xrow0, empty
+
+
+@gluon.jit
+def _producer(ring, KT: gl.constexpr, NS: gl.constexpr):
+    """The x tiles through the ring, each stage once both math partitions handed it back."""
+    x_desc, x_smem, ready, xrow0, empty = ring
+    for t in range(KT):
+        s = t % NS
+        mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
+        _load_x(x_desc, x_smem, ready, xrow0, t, NS)
 
 
 @gluon.jit
@@ -294,56 +392,43 @@ def _w4a8_swap_gemm(
     NS: gl.constexpr,
     LOOP: gl.constexpr,
     PRE: gl.constexpr,
+    WS: gl.constexpr,
 ):
-    wrow0 = gl.program_id(0) * WROWS
-    xrow0 = gl.program_id(1) * BN
+    """A program: 128 weight rows x BN rows of x. Without WS, 8 warps, each stage reloaded after a CTA-wide
+    barrier. With WS (launched with 4 warps), each warpgroup its own partition of 64 weight rows and a
+    one-warp TMA producer: stages go back through `empty` barriers, so the two warpgroups drift apart and
+    one's promotion can run under the other's wgmma."""
     KT: gl.constexpr = HIDDEN // BK
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [8, 1, 1], [2, 1, 0])
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BN, 32]
-    )
-    fragment: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [NS, BN, BK], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-    for t in gl.static_range(NS):
-        if t < KT:
-            _load_x(x_desc, x_smem, ready, xrow0, t, NS)
-
-    rb = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
-    slot = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    w_steps = w_ptr + ((wrow0 // 16 + rb) * KT * 32 + lane) * WORDS + slot  # + t * 32 * WORDS
-    s_steps = s_ptr + (wrow0 + 16 * rb + lane // 4 + 8 * (slot % 2)) * stride_s  # + t
-    shift = 8 * (slot // 2)
-    mma_rows = wrow0 + gl.arange(0, WROWS, layout=gl.SliceLayout(1, mma))
-    s_rows = s_ptr + mma_rows * stride_s
-    f_rows = f_ptr + mma_rows * stride_f
-
-    acc = gl.zeros([WROWS, BN], gl.float32, mma)
-    zero = gl.zeros([WROWS, BN], gl.float32, mma)
-    ring = (x_desc, x_smem, ready, xrow0)
-    weights = (w_steps, s_steps, shift, s_rows, f_rows)
-    if LOOP == 2:
-        acc = _pair_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE)
-    elif LOOP == 1:
-        acc = _window_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE)
+    ring = _ring(x_desc, gl.program_id(1) * BN, NS, BN, 2 if WS else 0)
+    pointers = (w_ptr, s_ptr, f_ptr, xs_ptr, out_ptr, stride_s, stride_f, stride_o)
+    wrow0 = gl.program_id(0) * WROWS
+    if WS:
+        gl.warp_specialize(
+            [
+                (_weight_rows, (ring, pointers, wrow0, 4, KT, BN, NS, LOOP, PRE, True)),
+                (_weight_rows, (ring, pointers, wrow0 + 64, 4, KT, BN, NS, LOOP, PRE, True)),
+                (_producer, (ring, KT, NS)),
+            ],
+            [4, 1],
+            [232, 40],
+        )
     else:
-        acc = _plain_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE)
-    cols = xrow0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-    rows = wrow0 + gl.arange(0, WROWS, layout=gl.SliceLayout(1, mma))
-    x_scale = gl.load(xs_ptr + cols)
-    gl.store(out_ptr + cols.to(gl.int64)[None, :] * stride_o + rows[:, None], acc * x_scale[None, :])
+        for t in gl.static_range(NS):
+            if t < KT:
+                _load_x(x_desc, ring[1], ring[2], ring[3], t, NS)
+        _weight_rows(ring, pointers, wrow0, 8, KT, BN, NS, LOOP, PRE, False)
 
 
-VARIANTS = (  # (BN, stages, loop: 0 plain, 1 window, 2 pairs; PRE: drops and factors packed offline)
-    (128, 4, 0, False),
-    (128, 4, 2, False),
-    (64, 4, 1, False),
-    (128, 4, 0, True),
-    (128, 4, 2, True),
+VARIANTS = (  # (BN, stages, loop: 0 plain, 1 window, 2 pairs; PRE: drops and factors packed offline; WS)
+    (128, 4, 0, False, False),
+    (128, 4, 2, False, False),
+    (64, 4, 1, False, False),
+    (128, 4, 0, True, False),
+    (128, 4, 2, True, False),
+    (128, 4, 0, True, True),
+    (128, 4, 2, True, True),
 )
+# WS: each warpgroup its own partition, stages handed back by barrier, not CTA-wide (`_w4a8_swap_gemm`)
 
 
 def pack_drops(scale_bytes: torch.Tensor, steps_per_reference: int):
@@ -377,7 +462,7 @@ def _weights(codes: torch.Tensor, scale_bytes: torch.Tensor, loop: int, pre: boo
     return pack_fragment_words(codes).to(device), drops.to(device), factors.to(device), factors.stride(0)
 
 
-def compile_offline(hidden: int, bn: int, stages: int, loop: int, pre: bool):
+def compile_offline(hidden: int, bn: int, stages: int, loop: int, pre: bool, ws: bool):
     from hopper_compile import _descriptor_type, compile_gluon_for_hopper
 
     pointers = dict(
@@ -388,25 +473,25 @@ def compile_offline(hidden: int, bn: int, stages: int, loop: int, pre: bool):
         xs_ptr="*fp32",
         out_ptr="*fp32",
     )
-    constants = dict(HIDDEN=hidden, BN=bn, NS=stages, LOOP=loop, PRE=pre)
+    constants = dict(HIDDEN=hidden, BN=bn, NS=stages, LOOP=loop, PRE=pre, WS=ws)
     aligned = ("w_ptr", "s_ptr", "xs_ptr", "out_ptr", "stride_s", "stride_o")  # as a launch specializes them
     return compile_gluon_for_hopper(
-        _w4a8_swap_gemm, pointers=pointers, constants=constants, warps=8, aligned=aligned
+        _w4a8_swap_gemm, pointers=pointers, constants=constants, warps=4 if ws else 8, aligned=aligned
     )
 
 
 def main_compile() -> None:
     import sass_report
 
-    for bn, stages, loop, pre in VARIANTS:
-        kernel = compile_offline(2944, bn, stages, loop, pre)
+    for bn, stages, loop, pre, ws in VARIANTS:
+        kernel = compile_offline(2944, bn, stages, loop, pre, ws)
         ins = sass_report.all_instructions(kernel)
         ops: dict[str, int] = {}
         for _, text in ins:
             op = sass_report.unpredicated(text).split()[0].split(".")[0]
             ops[op] = ops.get(op, 0) + 1
         print(
-            f"BN {bn}, {stages} stages, loop {loop}, PRE {pre}: shared {kernel.metadata.shared} B, "
+            f"BN {bn}, {stages} stages, loop {loop}, PRE {pre}, WS {ws}: shared {kernel.metadata.shared} B, "
             f"{sass_report.kernel_facts(kernel)}"
         )
         print(
@@ -431,14 +516,22 @@ def _launch(xq, x_scale, weights, out, variant, hidden: int):
     """A call of the kernel in `variant` on device operands."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    bn, stages, loop, pre = variant
+    bn, stages, loop, pre, ws = variant
     words, scales, factors, stride_f = weights
     layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
     x_desc = TensorDescriptor.from_tensor(xq, [bn, 128], layout)
     args = (x_desc, words, scales, factors, x_scale, out, scales.stride(0), stride_f, out.stride(0))
     grid = (out.shape[1] // 128, out.shape[0] // bn)
     return functools.partial(
-        _w4a8_swap_gemm[grid], *args, HIDDEN=hidden, BN=bn, NS=stages, LOOP=loop, PRE=pre, num_warps=8
+        _w4a8_swap_gemm[grid],
+        *args,
+        HIDDEN=hidden,
+        BN=bn,
+        NS=stages,
+        LOOP=loop,
+        PRE=pre,
+        WS=ws,
+        num_warps=4 if ws else 8,
     )
 
 
@@ -467,7 +560,8 @@ def main_run() -> None:
             ms = triton.testing.do_bench(call)
             print(
                 f"M {rows} N {n} K {hidden}, BN {variant[0]}, {variant[1]} stages, loop {variant[2]}, "
-                f"PRE {variant[3]}: rel L2 {error:.2e}, {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s; "
+                f"PRE {variant[3]}, WS {variant[4]}: rel L2 {error:.2e}, {ms * 1e3:.1f} us, "
+                f"{flops / ms / 1e9:.0f} TFLOP/s; "
                 f"dense FP8 {dense_ms * 1e3:.1f} us, {flops / dense_ms / 1e9:.0f}"
             )
 

@@ -93,11 +93,12 @@ import json
 import sass_report
 import w4a8_swap_probe as probe
 out = []
-for bn, stages, loop, pre in probe.VARIANTS:
-    kernel = probe.compile_offline(2944, bn, stages, loop, pre)
+for bn, stages, loop, pre, ws in probe.VARIANTS:
+    kernel = probe.compile_offline(2944, bn, stages, loop, pre, ws)
     facts = sass_report.kernel_facts(kernel)
     repacks = kernel.asm["ptx"].count("0x3340")
-    out.append(dict(variant=[bn, stages, loop, pre], shared=kernel.metadata.shared, repacks=repacks, **facts))
+    variant = [bn, stages, loop, pre, ws]
+    out.append(dict(variant=variant, shared=kernel.metadata.shared, repacks=repacks, **facts))
 print(json.dumps(out))
 """
 
