@@ -22,7 +22,7 @@ pair's largest scale).
 Usage:
   python3 tools/w4a8_swap_probe.py compile   # CPU: sm_90 SASS facts (spills, registers, the K-loop)
   python3 tools/w4a8_swap_probe.py run       # GPU: against torch, timed beside dense FP8
-  python3 tools/w4a8_swap_probe.py profile   # GPU: each variant launched twice, for a profiler
+  python3 tools/w4a8_swap_probe.py profile [V ...]   # GPU: variants V (all) launched twice, for a profiler
 """
 
 from __future__ import annotations
@@ -566,23 +566,29 @@ def main_run() -> None:
             )
 
 
-def main_profile() -> None:
-    """Each variant launched twice at 16384 x 4096 x 7168, for a profiler's kernel filter (e.g. Nsight
-    Compute's `-k regex:_w4a8_swap_gemm --launch-skip 2 V --launch-count 1` for variant V)."""
+def main_profile(indices: list[int]) -> None:
+    """VARIANTS[i] for each i in `indices` (all if none), each launched twice at 16384 x 4096 x 7168, for a
+    profiler's kernel filter (e.g. Nsight Compute's `-k regex:_w4a8_swap_gemm --launch-skip 1
+    --launch-count 1` with one index)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     rows, n, hidden = 16384, 4096, 7168
     xq, x_scale, codes, scale_bytes, _ = _problem(rows, n, hidden)
     xq, x_scale = xq.to(device), x_scale.to(device)
     out = torch.empty((rows, n), device=device)
-    for variant in VARIANTS:
-        call = _launch(
-            xq, x_scale, _weights(codes, scale_bytes, variant[2], variant[3], device), out, variant, hidden
-        )
+    for index in indices or range(len(VARIANTS)):
+        variant = VARIANTS[index]
+        weights = _weights(codes, scale_bytes, variant[2], variant[3], device)
+        call = _launch(xq, x_scale, weights, out, variant, hidden)
         call()
         call()
         torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
-    {"compile": main_compile, "profile": main_profile}.get(sys.argv[1] if sys.argv[1:] else "run", main_run)()
+    if sys.argv[1:2] == ["compile"]:
+        main_compile()
+    elif sys.argv[1:2] == ["profile"]:
+        main_profile([int(i) for i in sys.argv[2:]])
+    else:
+        main_run()
