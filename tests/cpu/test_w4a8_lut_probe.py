@@ -2,8 +2,9 @@
 the CPU.
 
 The table model against exact arithmetic (every code at every exact drop, then random words), the kernel's
-sign mask as the model's, the register-A probe's offline packing against the fragment positions its kernel
-reads, and both probes' Gluon kernels compiled for sm_90 in each variant without a spill (the register-A
+sign mask as the model's, the register-A probe's offline packing (words in fragment order; drops and
+factors) against the fragment positions its kernel reads and the dequantized weights, and both probes' Gluon
+kernels compiled for sm_90 in each variant without a spill (the register-A
 one also without repacking its fragment), so that the probes keep working as a starting point for a W4A8
 engine.
 """
