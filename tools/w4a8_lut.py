@@ -1,6 +1,7 @@
 """The E2M1 -> E4M3 byte-permute table of `w4a8_lut_probe.py`, in plain Python: the word layout
 (`pack_words`), the two table words of a group (`lut_words`), a model of PTX prmt.b32 and the decode of one
-word, and `check`, which compares the decode with exact arithmetic. No GPU and no Triton needed.
+word, `check`, which compares the decode with exact arithmetic, and the probes' random weights and their
+dequantization. No GPU and no Triton needed.
 
 A word holds 8 codes packed offline so that one prmt turns 4 codes into 4 E4M3 bytes through an 8-byte
 table: E2M1 value times 2^(6 - d), d = the weight row's largest scale over the K-step minus the group's.
@@ -37,6 +38,20 @@ def pack_words(codes: torch.Tensor) -> torch.Tensor:
         w |= sign[..., i] << (8 * i + 7)
         w |= sign[..., 4 + i] << (8 * i + 3)
     return (w - ((w >> 31) << 32)).to(torch.int32)  # the uint32 bits as int32
+
+
+def dequantize(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] of uint8 E2M1 codes [N, K] and E8M0 bytes [N, K / 32]: E2M1 value times 2^(s - 127)."""
+    w = torch.tensor(E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
+    return w * torch.pow(2.0, scale_bytes.float() - 127).repeat_interleave(32, dim=1)
+
+
+def random_mxfp4(n: int, k: int, generator: torch.Generator | None = None):
+    """Random codes [N, K] and scale bytes [N, K / 32] drawn within 10 binades (118 - 127), so that no group
+    is flushed at a 4- or 8-group reference."""
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale_bytes = torch.randint(118, 128, (n, k // 32), generator=generator, dtype=torch.uint8)
+    return codes, scale_bytes
 
 
 def lut_words(d: int) -> tuple[int, int]:

@@ -41,7 +41,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-E2M1 = w4a8_lut.E2M1
 pack_words = w4a8_lut.pack_words
 MAX_EXACT_DROP = gl.constexpr(w4a8_lut.MAX_EXACT_DROP)
 _LUT_LO = gl.constexpr(w4a8_lut._LUT_LO)
@@ -72,6 +71,31 @@ def _prmt(lo, hi, selector):
 
 
 @gluon.jit
+def _scale_max(scales):
+    """The largest of each int32's 4 scale bytes (a K-step's groups of one row)."""
+    return gl.maximum(
+        gl.maximum(scales & 0xFF, (scales >> 8) & 0xFF),
+        gl.maximum((scales >> 16) & 0xFF, (scales >> 24) & 0xFF),
+    )
+
+
+@gluon.jit
+def _table_bytes(words, d, FLUSH: gl.constexpr):
+    """`w4a8_lut.decode_word` on int32 words and their groups' drops d: (first, second), the E4M3 bytes of
+    each word's first and last 4 codes. With FLUSH, drops past MAX_EXACT_DROP give zeros; without, the
+    caller guarantees d <= MAX_EXACT_DROP (`w4a8_swap_probe.pack_drops`)."""
+    if FLUSH:
+        lo = gl.where(d > MAX_EXACT_DROP, 0, _LUT_LO - d * _STEP_LO)
+        hi = gl.where(d > MAX_EXACT_DROP, 0, _LUT_HI - d * _STEP_HI)
+    else:
+        lo = _LUT_LO - d * _STEP_LO
+        hi = _LUT_HI - d * _STEP_HI
+    first = _prmt(lo, hi, words & 0x7777) | (words & _SIGNS)
+    second = _prmt(lo, hi, (words >> 16) & 0x7777) | ((words << 4) & _SIGNS)
+    return first, second
+
+
+@gluon.jit
 def _load_step(x_desc, w_desc, x_smem, w_smem, raw_ready, empty, row0, wrow0, t, NS: gl.constexpr):
     """Step t's x tile and words, once both math partitions handed its stage back."""
     s = t % NS
@@ -86,16 +110,9 @@ def _load_step(x_desc, w_desc, x_smem, w_smem, raw_ready, empty, row0, wrow0, t,
 def _decode_step(w_smem, b_words, ws_smem, dec_ready, s, scales, group, layout: gl.constexpr):
     """Stage s's words -> E4M3 bytes of each code times 2^(6 - d), and the rows' 2^(s_max - 133)."""
     words = w_smem.index(s).load(layout)  # int32 [WROWS, 16]
-    s_max = gl.maximum(
-        gl.maximum(scales & 0xFF, (scales >> 8) & 0xFF),
-        gl.maximum((scales >> 16) & 0xFF, (scales >> 24) & 0xFF),
-    )
+    s_max = _scale_max(scales)
     d = s_max[:, None] - ((scales[:, None] >> (8 * group)[None, :]) & 0xFF)
-    lo = gl.where(d > MAX_EXACT_DROP, 0, _LUT_LO - d * _STEP_LO)
-    hi = gl.where(d > MAX_EXACT_DROP, 0, _LUT_HI - d * _STEP_HI)
-    signs = words & _SIGNS
-    first = _prmt(lo, hi, words & 0x7777) | signs
-    second = _prmt(lo, hi, (words >> 16) & 0x7777) | ((words << 4) & _SIGNS)
+    first, second = _table_bytes(words, d, True)
     b_words.index(s).store(gl.reshape(gl.join(first, second), [WROWS, 32]))
     ws_smem.index(s).store(((s_max - 6) << 23).to(gl.float32, bitcast=True))  # 2^(s_max - 133)
     fence_async_shared()
@@ -279,13 +296,37 @@ def main_compile() -> None:
         print(f"{stages} stages, {work.name}: shared {kernel.metadata.shared} B, {facts}")
 
 
+def dense_fp8_report(xq: torch.Tensor, n: int) -> tuple[float, str]:
+    """(ms, a report's tail) of dense `torch._scaled_mm` at xq's M and K against N random E4M3 rows: the
+    FP8 rate the probes compare to, in the same run."""
+    import triton
+
+    dense_w = torch.randn(n, xq.shape[1], device=xq.device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=xq.device)
+    ms = triton.testing.do_bench(
+        functools.partial(torch._scaled_mm, xq, dense_w.T, one, one, out_dtype=torch.bfloat16)
+    )
+    flops = 2 * xq.shape[0] * n * xq.shape[1]
+    return ms, f"dense FP8 {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s"
+
+
+def checked_report(call, out: torch.Tensor, want: torch.Tensor, flops: int) -> str:
+    """Run `call` once into `out` (NaN first), then time it: "rel L2 against `want`, µs, TFLOP/s"."""
+    import triton
+
+    out.fill_(float("nan"))
+    call()
+    torch.cuda.synchronize()
+    error = ((out.cpu() - want).norm() / want.norm()).item()
+    ms = triton.testing.do_bench(call)
+    return f"rel L2 {error:.2e}, {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s"
+
+
 def _problem(rows: int, n: int, hidden: int, device: torch.device):
-    """Random FP8 x (1x128 scales), MXFP4 w (scales within 10 binades a row: no group flushed) and the
-    exact fp32 product of the dequantized operands."""
-    codes = torch.randint(0, 16, (n, hidden), dtype=torch.uint8)
-    scale_bytes = torch.randint(118, 128, (n, hidden // 32), dtype=torch.uint8)
-    w = torch.tensor(E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
-    w = w * torch.pow(2.0, scale_bytes.float() - 127).repeat_interleave(32, dim=1)
+    """Random FP8 x (1x128 scales), MXFP4 w (`w4a8_lut.random_mxfp4`: no group flushed) and the exact
+    fp32 product of the dequantized operands."""
+    codes, scale_bytes = w4a8_lut.random_mxfp4(n, hidden)
+    w = w4a8_lut.dequantize(codes, scale_bytes)
     x = torch.randn(rows, hidden)
     x_scale = x.reshape(rows, -1, 128).abs().amax(-1).clamp_min(1e-12) / 448.0
     xq = (x.reshape(rows, -1, 128) / x_scale[..., None]).to(torch.float8_e4m3fn)
@@ -300,7 +341,6 @@ def _problem(rows: int, n: int, hidden: int, device: torch.device):
 
 
 def main_run() -> None:
-    import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     device = torch.device("cuda")
@@ -314,14 +354,8 @@ def main_run() -> None:
             words, [128, 16], gl.NVMMASharedLayout.get_default_for([128, 16], gl.int32)
         )
         out = torch.empty((rows, n), device=device)
-        flops = 2 * rows * n * hidden
-        dense_w = torch.randn(n, hidden, device=device).to(torch.float8_e4m3fn)
-        one = torch.ones((), device=device)
-        dense_ms = triton.testing.do_bench(
-            functools.partial(torch._scaled_mm, xq, dense_w.T, one, one, out_dtype=torch.bfloat16)
-        )
+        _, dense = dense_fp8_report(xq, n)
         for stages, work in VARIANTS:
-            out.fill_(float("nan"))
             call = functools.partial(
                 _w4a8_gemm[(rows // 128, n // 128)],
                 *(x_desc, w_desc, x_scale, scales, out, x_scale.stride(0), scales.stride(0), out.stride(0)),
@@ -330,15 +364,8 @@ def main_run() -> None:
                 WORK=int(work),
                 num_warps=4,
             )
-            call()
-            torch.cuda.synchronize()
-            error = ((out.cpu() - want).norm() / want.norm()).item()
-            ms = triton.testing.do_bench(call)
-            print(
-                f"M {rows} N {n} K {hidden}, {stages} stages, {work.name}: rel L2 {error:.2e}, "
-                f"{ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOP/s; dense FP8 {dense_ms * 1e3:.1f} us, "
-                f"{flops / dense_ms / 1e9:.0f} TFLOP/s"
-            )
+            report = checked_report(call, out, want, 2 * rows * n * hidden)
+            print(f"M {rows} N {n} K {hidden}, {stages} stages, {work.name}: {report}; {dense}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ the row's largest scale over the step); x's row scale is applied once, at the en
 
 One program: 128 weight rows (8 warps, the wgmma's M) x BN rows of x (its N); no warp specialization. The
 next step's words are decoded while this step's wgmma runs. K-loops (`LOOP`): 0 waits for each step's
-product and promotes it; 1 keeps the next step's wgmma in flight while promoting (the FP8 engine's window;
-it spills at BN 128); 2 decodes two steps against one reference scale a row, so that their wgmmas share a
+product and promotes it; 2 decodes two steps against one reference scale a row, so that their wgmmas share a
 product and each pair is promoted once (exact only where no group falls more than 11 binades below its
-pair's largest scale).
+pair's largest scale). The FP8 engine's window (the next step's wgmma in flight while promoting) spilled at
+BN 128 and ran slower at BN 64 (docs/performance.md, "W4A8"), so it is not here.
 
 Usage:
   python3 tools/w4a8_swap_probe.py compile   # CPU: sm_90 SASS facts (spills, registers, the K-loop)
@@ -44,13 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from w4a8_lut_probe import _scale_max, _table_bytes, checked_report, dense_fp8_report  # noqa: E402
 
-MAX_EXACT_DROP = gl.constexpr(w4a8_lut.MAX_EXACT_DROP)
-_LUT_LO = gl.constexpr(w4a8_lut._LUT_LO)
-_LUT_HI = gl.constexpr(w4a8_lut._LUT_HI)
-_STEP_LO = gl.constexpr(w4a8_lut._STEP_LO)
-_STEP_HI = gl.constexpr(w4a8_lut._STEP_HI)
-_SIGNS = gl.constexpr(w4a8_lut._SIGNS_INT32)
 WROWS = gl.constexpr(128)  # weight rows a program: 8 row blocks of 16, one a warp
 BK = gl.constexpr(128)  # K a step: four MX groups
 WORDS = gl.constexpr(8)  # words a thread a step: 4 groups x rows g and g + 8
@@ -67,13 +62,6 @@ def pack_fragment_words(codes: torch.Tensor) -> torch.Tensor:
 
 
 @gluon.jit
-def _prmt(lo, hi, selector):
-    return gl.inline_asm_elementwise(
-        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, selector], dtype=gl.int32, is_pure=True, pack=1
-    )
-
-
-@gluon.jit
 def _bytes(x):
     """int32 [..] -> E4M3 [.., 4] (byte 0 first): a renaming of the register's bytes."""
     b0 = x.to(gl.uint8).to(gl.float8e4nv, bitcast=True)
@@ -85,31 +73,15 @@ def _bytes(x):
 
 
 @gluon.jit
-def _scale_max(scales):
-    """The largest of each int32's 4 scale bytes."""
-    return gl.maximum(
-        gl.maximum(scales & 0xFF, (scales >> 8) & 0xFF),
-        gl.maximum((scales >> 16) & 0xFF, (scales >> 24) & 0xFF),
-    )
-
-
-@gluon.jit
 def _decode(words, scales, shift, s_max, PRE: gl.constexpr):
-    """A step's words [8 rb, 32 lanes, 8 slots] and their rows' 4 scale bytes (int32, same shape) -> the
-    E4M3 bytes of E2M1 * 2^(6 - d): (first, second), int32 of each word's first and last 4 codes. d is the
-    rows' reference scale `s_max` (>= every byte) minus the group's, groups past 11 flushed; with PRE the
-    bytes are the drops d themselves (`pack_drops`: computed, clamped and flushed when packing)."""
+    """A step's words [8 rb, 32 lanes, 8 slots] and their rows' 4 scale bytes (int32, same shape) ->
+    `_table_bytes`' (first, second). d is the rows' reference scale `s_max` (>= every byte) minus the group's,
+    groups past 11 flushed; with PRE the bytes are the drops d themselves (`pack_drops`: computed, clamped
+    and flushed when packing; `s_max` unused)."""
     if PRE:
-        d = (scales >> shift) & 0xFF
-        lo = _LUT_LO - d * _STEP_LO
-        hi = _LUT_HI - d * _STEP_HI
+        return _table_bytes(words, (scales >> shift) & 0xFF, False)
     else:
-        d = s_max - ((scales >> shift) & 0xFF)
-        lo = gl.where(d > MAX_EXACT_DROP, 0, _LUT_LO - d * _STEP_LO)
-        hi = gl.where(d > MAX_EXACT_DROP, 0, _LUT_HI - d * _STEP_HI)
-    first = _prmt(lo, hi, words & 0x7777) | (words & _SIGNS)
-    second = _prmt(lo, hi, (words >> 16) & 0x7777) | ((words << 4) & _SIGNS)
-    return first, second
+        return _table_bytes(words, s_max - ((scales >> shift) & 0xFF), True)
 
 
 @gluon.jit
@@ -182,30 +154,9 @@ def _release(ring, k, STEPS: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr, W
 
 
 @gluon.jit
-def _last_step(
-    ring,
-    decoded,
-    weights,
-    r,
-    acc,
-    zero,
-    fragment: gl.constexpr,
-    KT: gl.constexpr,
-    NS: gl.constexpr,
-    PRE: gl.constexpr,
-):
-    """An odd last step of the paired loops, alone (its factors: reference r)."""
-    product = _issue(ring, decoded, KT - 1, zero, False, fragment, NS)
-    factors = _row_factors(weights, KT - 1, KT - 1, r, PRE)
-    product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-    return acc + product * factors[:, None]
-
-
-@gluon.jit
 def _plain_kloop(
     ring,
     weights,
-    acc,
     zero,
     fragment: gl.constexpr,
     KT: gl.constexpr,
@@ -213,8 +164,9 @@ def _plain_kloop(
     PRE: gl.constexpr,
     WS: gl.constexpr,
 ):
-    """Each step's wgmma waited for, then scaled into acc; the next step's decode under it."""
+    """Each step's wgmma waited for, then scaled into the sum; the next step's decode under it."""
     shift = weights[2]
+    acc = zero
     words, scales = _raw_step(weights, 0, KT)
     decoded = _decode(words, scales, shift, _scale_max(scales), PRE)
     words, scales = _raw_step(weights, 1, KT)
@@ -230,51 +182,9 @@ def _plain_kloop(
 
 
 @gluon.jit
-def _window_kloop(
-    ring,
-    weights,
-    acc,
-    zero,
-    fragment: gl.constexpr,
-    KT: gl.constexpr,
-    NS: gl.constexpr,
-    PRE: gl.constexpr,
-    WS: gl.constexpr,
-):
-    """Steps in pairs, as the FP8 engine's `_promoted_kloop`: wgmma k runs while step k - 1's product is
-    scaled into acc, wgmma k + 1 while step k's is; each step's decode under the wgmma before it."""
-    shift = weights[2]
-    words, scales = _raw_step(weights, 0, KT)
-    decoded = _decode(words, scales, shift, _scale_max(scales), PRE)
-    words, scales = _raw_step(weights, 1, KT)
-    done = zero  # the last pair's second product, waited for, not yet scaled in
-    done_factors = gl.zeros([WROWS], gl.float32, gl.SliceLayout(1, zero.type.layout))
-    for i in range(KT // 2):
-        k = 2 * i
-        p0 = _issue(ring, decoded, k, zero, False, fragment, NS)
-        acc = acc + done * done_factors[:, None]
-        f0 = _row_factors(weights, k, k, k, PRE)
-        decoded = _decode(words, scales, shift, _scale_max(scales), PRE)  # step k + 1
-        words, scales = _raw_step(weights, k + 2, KT)
-        p1 = _issue(ring, decoded, k + 1, zero, False, fragment, NS)
-        done_factors = _row_factors(weights, k + 1, k + 1, k + 1, PRE)
-        decoded = _decode(words, scales, shift, _scale_max(scales), PRE)  # step k + 2 (the last repeats)
-        words, scales = _raw_step(weights, k + 3, KT)
-        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-        acc = acc + p0 * f0[:, None]
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-        _release(ring, k, 2, KT, NS, WS)
-    acc = acc + done * done_factors[:, None]
-    if KT % 2 == 1:
-        acc = _last_step(ring, decoded, weights, KT - 1, acc, zero, fragment, KT, NS, PRE)
-    return acc
-
-
-@gluon.jit
 def _pair_kloop(
     ring,
     weights,
-    acc,
     zero,
     fragment: gl.constexpr,
     KT: gl.constexpr,
@@ -286,6 +196,7 @@ def _pair_kloop(
     that both wgmmas accumulate into one product and a pair is promoted once: half the waits and the
     promotions of `_plain_kloop`, the next pair's decode under them. An odd last step runs alone."""
     shift = weights[2]
+    acc = zero
     w0, s0 = _raw_step(weights, 0, KT)
     w1, s1 = _raw_step(weights, 1, KT)
     s_max = gl.maximum(_scale_max(s0), _scale_max(s1))
@@ -307,7 +218,10 @@ def _pair_kloop(
         _release(ring, k, 2, KT, NS, WS)
         acc = acc + product * factors[:, None]
     if KT % 2 == 1:  # decoded above as the pair (KT - 1, KT - 1): against its own largest scale
-        acc = _last_step(ring, first, weights, KT // 2, acc, zero, fragment, KT, NS, PRE)
+        product = _issue(ring, first, KT - 1, zero, False, fragment, NS)
+        factors = _row_factors(weights, KT - 1, KT - 1, KT // 2, PRE)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        acc = acc + product * factors[:, None]
     return acc
 
 
@@ -339,14 +253,11 @@ def _weight_rows(
     s_steps = s_ptr + (row0 + 16 * rb + lane // 4 + 8 * (slot % 2)) * stride_s  # + t
     mma_rows = row0 + gl.arange(0, 16 * RB, layout=gl.SliceLayout(1, mma))
     weights = (w_steps, s_steps, 8 * (slot // 2), s_ptr + mma_rows * stride_s, f_ptr + mma_rows * stride_f)
-    acc = gl.zeros([16 * RB, BN], gl.float32, mma)
     zero = gl.zeros([16 * RB, BN], gl.float32, mma)
     if LOOP == 2:
-        acc = _pair_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE, WS)
-    elif LOOP == 1:
-        acc = _window_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE, WS)
+        acc = _pair_kloop(ring, weights, zero, fragment, KT, NS, PRE, WS)
     else:
-        acc = _plain_kloop(ring, weights, acc, zero, fragment, KT, NS, PRE, WS)
+        acc = _plain_kloop(ring, weights, zero, fragment, KT, NS, PRE, WS)
     cols = ring[3] + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
     x_scale = gl.load(xs_ptr + cols)
     gl.store(out_ptr + cols.to(gl.int64)[None, :] * stride_o + mma_rows[:, None], acc * x_scale[None, :])
@@ -419,10 +330,9 @@ def _w4a8_swap_gemm(
         _weight_rows(ring, pointers, wrow0, 8, KT, BN, NS, LOOP, PRE, False)
 
 
-VARIANTS = (  # (BN, stages, loop: 0 plain, 1 window, 2 pairs; PRE: drops and factors packed offline; WS)
+VARIANTS = (  # (BN, stages, loop: 0 plain, 2 pairs; PRE: drops and factors packed offline; WS)
     (128, 4, 0, False, False),
     (128, 4, 2, False, False),
-    (64, 4, 1, False, False),
     (128, 4, 0, True, False),
     (128, 4, 2, True, False),
     (128, 4, 0, True, True),
@@ -452,14 +362,28 @@ def pack_drops(scale_bytes: torch.Tensor, steps_per_reference: int):
     return drops, torch.cat(factors, dim=1), flushed
 
 
-def _weights(codes: torch.Tensor, scale_bytes: torch.Tensor, loop: int, pre: bool, device: torch.device):
-    """(words, scales or drops, factors, the factors' row stride) of a variant, on `device`."""
+def _weights(codes: torch.Tensor, scale_bytes: torch.Tensor, pre: bool, steps_per_reference: int, device):
+    """(words, scales or drops, factors, the factors' row stride) on `device`: without `pre` the raw scale
+    bytes (and a placeholder for the factors), with it `pack_drops` at `steps_per_reference`."""
     if not pre:
         words = pack_fragment_words(codes).to(device)
         return words, scale_bytes.view(torch.int32).to(device), torch.ones(1, device=device), 0
-    drops, factors, flushed = pack_drops(scale_bytes, 2 if loop == 2 else 1)
+    drops, factors, flushed = pack_drops(scale_bytes, steps_per_reference)
     codes = torch.where(flushed.repeat_interleave(32, dim=1), 0, codes)
     return pack_fragment_words(codes).to(device), drops.to(device), factors.to(device), factors.stride(0)
+
+
+def _variant_weights(codes: torch.Tensor, scale_bytes: torch.Tensor, device, indices=None):
+    """(variant, its `_weights`) for VARIANTS[i], i in `indices` (all if None), each packing made once for
+    the variants that read it."""
+    packed = {}
+    for index in range(len(VARIANTS)) if indices is None else indices:
+        variant = VARIANTS[index]
+        loop, pre = variant[2], variant[3]
+        key = (pre, 2 if pre and loop == 2 else 1)
+        if key not in packed:
+            packed[key] = _weights(codes, scale_bytes, *key, device)
+        yield variant, packed[key]
 
 
 def compile_offline(hidden: int, bn: int, stages: int, loop: int, pre: bool, ws: bool):
@@ -500,16 +424,13 @@ def main_compile() -> None:
 
 
 def _problem(rows: int, n: int, hidden: int, reference: bool = True):
-    """Random per-token FP8 x, MXFP4 codes and scale bytes (within 10 binades a row: nothing flushed), and
+    """Random per-token FP8 x, MXFP4 codes and scale bytes (`w4a8_lut.random_mxfp4`: nothing flushed), and
     the exact fp32 product of the dequantized operands (None without `reference`)."""
-    codes = torch.randint(0, 16, (n, hidden), dtype=torch.uint8)
-    scale_bytes = torch.randint(118, 128, (n, hidden // 32), dtype=torch.uint8)
-    w = torch.tensor(w4a8_lut.E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
-    w = w * torch.pow(2.0, scale_bytes.float() - 127).repeat_interleave(32, dim=1)
+    codes, scale_bytes = w4a8_lut.random_mxfp4(n, hidden)
     x = torch.randn(rows, hidden)
     x_scale = x.abs().amax(-1).clamp_min(1e-12) / 448.0
     xq = (x / x_scale[:, None]).to(torch.float8_e4m3fn)
-    want = (xq.float() * x_scale[:, None]) @ w.T if reference else None
+    want = (xq.float() * x_scale[:, None]) @ w4a8_lut.dequantize(codes, scale_bytes).T if reference else None
     return xq, x_scale, codes, scale_bytes, want
 
 
@@ -537,33 +458,20 @@ def _launch(xq, x_scale, weights, out, variant, hidden: int):
 
 
 def main_run() -> None:
-    import triton
-
     device = torch.device("cuda")
     torch.manual_seed(0)
     for rows, n, hidden in ((512, 1024, 2944), (8192, 5888, 2944), (16384, 4096, 7168)):
         xq, x_scale, codes, scale_bytes, want = _problem(rows, n, hidden)
         xq, x_scale = xq.to(device), x_scale.to(device)
         out = torch.empty((rows, n), device=device)
-        flops = 2 * rows * n * hidden
-        dense_w = torch.randn(n, hidden, device=device).to(torch.float8_e4m3fn)
-        one = torch.ones((), device=device)
-        dense_ms = triton.testing.do_bench(
-            functools.partial(torch._scaled_mm, xq, dense_w.T, one, one, out_dtype=torch.bfloat16)
-        )
-        for variant in VARIANTS:
-            weights = _weights(codes, scale_bytes, variant[2], variant[3], device)
-            out.fill_(float("nan"))
+        _, dense = dense_fp8_report(xq, n)
+        for variant, weights in _variant_weights(codes, scale_bytes, device):
             call = _launch(xq, x_scale, weights, out, variant, hidden)
-            call()
-            torch.cuda.synchronize()
-            error = ((out.cpu() - want).norm() / want.norm()).item()
-            ms = triton.testing.do_bench(call)
+            report = checked_report(call, out, want, 2 * rows * n * hidden)
+            bn, stages, loop, pre, ws = variant
             print(
-                f"M {rows} N {n} K {hidden}, BN {variant[0]}, {variant[1]} stages, loop {variant[2]}, "
-                f"PRE {variant[3]}, WS {variant[4]}: rel L2 {error:.2e}, {ms * 1e3:.1f} us, "
-                f"{flops / ms / 1e9:.0f} TFLOP/s; "
-                f"dense FP8 {dense_ms * 1e3:.1f} us, {flops / dense_ms / 1e9:.0f}"
+                f"M {rows} N {n} K {hidden}, BN {bn}, {stages} stages, loop {loop}, PRE {pre}, WS {ws}: "
+                f"{report}; {dense}"
             )
 
 
@@ -577,9 +485,7 @@ def main_profile(indices: list[int]) -> None:
     xq, x_scale, codes, scale_bytes, _ = _problem(rows, n, hidden, reference=False)
     xq, x_scale = xq.to(device), x_scale.to(device)
     out = torch.empty((rows, n), device=device)
-    for index in indices or range(len(VARIANTS)):
-        variant = VARIANTS[index]
-        weights = _weights(codes, scale_bytes, variant[2], variant[3], device)
+    for variant, weights in _variant_weights(codes, scale_bytes, device, indices or None):
         call = _launch(xq, x_scale, weights, out, variant, hidden)
         call()
         call()

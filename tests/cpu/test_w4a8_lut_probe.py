@@ -122,8 +122,7 @@ def test_packed_drops_and_factors_rebuild_the_weights(steps_per_reference):
     swap_probe = pytest.importorskip("w4a8_swap_probe")
     generator = torch.Generator().manual_seed(3)
     n, k = 16, 384  # three K-steps: with pairs, the last reference is one step
-    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
-    scale_bytes = torch.randint(118, 128, (n, k // 32), generator=generator, dtype=torch.uint8)
+    codes, scale_bytes = w4a8_lut.random_mxfp4(n, k, generator)
     scale_bytes[3, 5] = 100  # 18 - 27 binades below its row's other groups: flushed
     drops, factors, flushed = swap_probe.pack_drops(scale_bytes, steps_per_reference)
     assert flushed[3, 5] and int(flushed.sum()) == 1
@@ -143,7 +142,6 @@ def test_packed_drops_and_factors_rebuild_the_weights(steps_per_reference):
         got[row, cols[rb, t, lane, slot].tolist()] = (
             values.view(torch.float8_e4m3fn).double() * factor
         ).float()
-    want = torch.tensor(w4a8_lut.E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
-    want = want * torch.pow(2.0, scale_bytes.float() - 127).repeat_interleave(32, dim=1)
+    want = w4a8_lut.dequantize(codes, scale_bytes)
     want[3, 5 * 32 : 6 * 32] = 0.0
     assert torch.equal(got, want)
