@@ -21,7 +21,7 @@ BN 128 and ran slower at BN 64 (docs/performance.md, "W4A8"), so it is not here.
 
 Usage:
   python3 tools/w4a8_swap_probe.py compile   # CPU: sm_90 SASS facts (spills, registers, the K-loop)
-  python3 tools/w4a8_swap_probe.py run       # GPU: against torch, timed beside dense FP8
+  python3 tools/w4a8_swap_probe.py run [V ...]       # GPU: variants V (all) against torch, beside dense FP8
   python3 tools/w4a8_swap_probe.py profile [V ...]   # GPU: variants V (all) launched twice, for a profiler
 """
 
@@ -457,7 +457,8 @@ def _launch(xq, x_scale, weights, out, variant, hidden: int):
     )
 
 
-def main_run() -> None:
+def main_run(indices: list[int]) -> None:
+    """VARIANTS[i] for each i in `indices` (all if none), each checked and timed at three shapes."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     for rows, n, hidden in ((512, 1024, 2944), (8192, 5888, 2944), (16384, 4096, 7168)):
@@ -465,7 +466,7 @@ def main_run() -> None:
         xq, x_scale = xq.to(device), x_scale.to(device)
         out = torch.empty((rows, n), device=device)
         _, dense = dense_fp8_report(xq, n)
-        for variant, weights in _variant_weights(codes, scale_bytes, device):
+        for variant, weights in _variant_weights(codes, scale_bytes, device, indices or None):
             call = _launch(xq, x_scale, weights, out, variant, hidden)
             report = checked_report(call, out, want, 2 * rows * n * hidden)
             bn, stages, loop, pre, ws = variant
@@ -498,4 +499,4 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["profile"]:
         main_profile([int(i) for i in sys.argv[2:]])
     else:
-        main_run()
+        main_run([int(i) for i in sys.argv[2:]])

@@ -30,7 +30,7 @@ from moekit.errors import (
 from moekit.formats import check_mxfp4_scales
 from moekit.routing import RoutingResult
 from moekit.spec import MoESpec, RoutingMethod, RoutingSpec, WeightFormat
-from moekit.weights import ExpertWeights
+from moekit.weights import ExpertWeights, WeightPacking
 
 
 def described(value: object) -> str:
@@ -171,6 +171,8 @@ def check_scale_values(weights: ExpertWeights) -> None:
     """No MXFP4 scale byte is 0xFF (E8M0 NaN). Each scale tensor is scanned once (a sync) and again only
     after an in-place change (its version counter moves); later calls cost a dictionary lookup."""
     if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
+        return
+    if weights.packing is WeightPacking.MXFP4_W4A8:  # no E8M0 bytes left: checked when packed
         return
     for name in ("w13_scale", "w2_scale"):
         t = getattr(weights, name)

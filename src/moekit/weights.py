@@ -28,6 +28,7 @@ from moekit.formats import (
     dequantize_mxfp4,
     fp8_weight_scale_shape,
     mxfp4_groups,
+    mxfp4_w4a8,
     quantize_fp8_weight,
     quantize_mxfp4,
 )
@@ -47,6 +48,11 @@ class WeightPacking(enum.Enum):
     # (`moekit.formats.mxfp4_words`); scales keep their [E, N, G] shape. Made by the Triton kernel's
     # `prepare_weights`; `unpacked()` returns CHECKPOINT packing.
     MXFP4_MMA_WORDS = "mxfp4_mma_words"
+    # MXFP4 for W4A8 on FP8 tensor cores (`moekit.formats.mxfp4_w4a8`): w13 / w2 int32 words
+    # [E, N'/16, S, 32, 8] (N' the rows padded to 128; w13's rows interleaved gate/up whatever
+    # `gate_layout` says), w13_scale / w2_scale int32 drops and reference factors [E, N', S + R]. Made by
+    # the Triton kernel's `prepare_weights` for W4A8 specs on sm_90; `unpacked()` returns CHECKPOINT packing.
+    MXFP4_W4A8 = "mxfp4_w4a8"
 
 
 def gate_layout_permutation(
@@ -95,6 +101,8 @@ class ExpertWeights:
 
     @property
     def H(self) -> int:  # noqa: N802
+        if self.packing is WeightPacking.MXFP4_W4A8:  # w2's rows are padded to whole programs
+            return self.hidden_size
         return self.w2.shape[1] * self._rows_per_entry
 
     @property
@@ -102,8 +110,8 @@ class ExpertWeights:
         return self.w13.shape[1] * self._rows_per_entry // 2
 
     @property
-    def _rows_per_entry(self) -> int:  # MXFP4_MMA_WORDS stores 16-row blocks along dim 1
-        return 16 if self.packing is WeightPacking.MXFP4_MMA_WORDS else 1
+    def _rows_per_entry(self) -> int:  # the word packings store 16-row blocks along dim 1
+        return 16 if self.packing in (WeightPacking.MXFP4_MMA_WORDS, WeightPacking.MXFP4_W4A8) else 1
 
     @property
     def has_bias(self) -> bool:
@@ -132,8 +140,12 @@ class ExpertWeights:
             if not isinstance(t, torch.Tensor):
                 raise DTypeError(f"ExpertWeights.{name} must be a torch.Tensor, got {type(t).__name__}")
         words = self.packing is WeightPacking.MXFP4_MMA_WORDS
-        if words and fmt is not WeightFormat.MXFP4:
+        w4a8 = self.packing is WeightPacking.MXFP4_W4A8
+        if (words or w4a8) and fmt is not WeightFormat.MXFP4:
             raise LayoutMismatchError(f"{self.packing.name} packing is for MXFP4 weights, got {fmt.name}")
+        if w4a8:
+            self._check_w4a8_structure()
+            return
         rank = 3 if self.stores_floats else 6 if words else 4 if fmt is WeightFormat.MXFP4 else 3
         for name in ("w13", "w2"):
             t = getattr(self, name)
@@ -177,6 +189,23 @@ class ExpertWeights:
             )
         if not self.stores_floats and (self.w13_scale is None or self.w2_scale is None):
             raise FormatError(f"{fmt.name} weights need both w13_scale and w2_scale")
+
+    def _check_w4a8_structure(self) -> None:
+        if self.hidden_size is None:
+            raise ShapeError("MXFP4_W4A8 weights need hidden_size (H): w2's rows are padded")
+        if self.w13_scale is None or self.w2_scale is None:
+            raise FormatError("MXFP4_W4A8 weights need both w13_scale and w2_scale (drops and factors)")
+        if (self.b13 is None) != (self.b2 is None):
+            raise ShapeError("give both biases b13 and b2, or neither")
+        e, i = self.w13.shape[0], self.w13.shape[1] * 8
+        expected = self.expected_shapes(num_experts=e, hidden=self.hidden_size, intermediate=i)
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            t = getattr(self, name)
+            if tuple(t.shape) != expected[name]:
+                raise ShapeError(
+                    f"MXFP4_W4A8 {name} has shape {tuple(t.shape)}, expected {expected[name]} for "
+                    f"E={e}, H={self.hidden_size}, I={i}"
+                )
 
     # ----- validation against a spec ---------------------------------------------------------------
     def validate(self, spec: MoESpec, *, check_nan_scales: bool = False) -> None:
@@ -223,6 +252,14 @@ class ExpertWeights:
         shapes: dict[str, tuple[int, ...]]
         if self.stores_floats:
             shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+        elif self.packing is WeightPacking.MXFP4_W4A8:
+            sh, si, rows2 = mxfp4_w4a8.steps(h), mxfp4_w4a8.steps(i), mxfp4_w4a8.padded_rows(h)
+            shapes = {
+                "w13": (e, 2 * i // 16, sh, 32, 8),
+                "w2": (e, rows2 // 16, si, 32, 8),
+                "w13_scale": (e, 2 * i, sh + mxfp4_w4a8.references(h)),
+                "w2_scale": (e, rows2, si + mxfp4_w4a8.references(i)),
+            }
         elif self.format is WeightFormat.MXFP4:
             gh, gi = mxfp4_groups(h), mxfp4_groups(i)
             words = self.packing is WeightPacking.MXFP4_MMA_WORDS
@@ -248,6 +285,8 @@ class ExpertWeights:
         floats = (torch.float32, torch.bfloat16, torch.float16)
         if name in ("b13", "b2") or (self.packing is WeightPacking.DEQUANTIZED):
             return floats
+        if self.packing is WeightPacking.MXFP4_W4A8:
+            return (torch.int32,)
         if self.format is WeightFormat.MXFP4:
             words = self.packing is WeightPacking.MXFP4_MMA_WORDS and name in ("w13", "w2")
             return (torch.int32,) if words else (torch.uint8,)
@@ -260,7 +299,7 @@ class ExpertWeights:
         """Return the same weights with w13's gate/up rows (and their scales and bias) reordered."""
         if target is self.gate_layout:
             return self
-        if self.packing is WeightPacking.MXFP4_MMA_WORDS:
+        if self.packing in (WeightPacking.MXFP4_MMA_WORDS, WeightPacking.MXFP4_W4A8):
             return self.unpacked().to_layout(target)
         if self.format is WeightFormat.FP8_E4M3 and self.fp8_scale is Fp8Scale.BLOCK_128:
             raise LayoutMismatchError(
@@ -278,7 +317,14 @@ class ExpertWeights:
         )
 
     def unpacked(self) -> ExpertWeights:
-        """The same weights in CHECKPOINT packing (undoes MXFP4_MMA_WORDS; scales made contiguous)."""
+        """The same weights in CHECKPOINT packing (undoes MXFP4_MMA_WORDS, or MXFP4_W4A8 as the kernels
+        compute with them: groups it flushed keep zero codes; scales made contiguous)."""
+        if self.packing is WeightPacking.MXFP4_W4A8:
+            w13, w13_scale = self._unpack_w4a8("w13")
+            w2, w2_scale = self._unpack_w4a8("w2")
+            return replace(
+                self, packing=WeightPacking.CHECKPOINT, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale
+            )
         if self.packing is not WeightPacking.MXFP4_MMA_WORDS:
             return self
         return replace(
@@ -294,7 +340,7 @@ class ExpertWeights:
         """All experts as float `dtype` in DEQUANTIZED packing (a load-time step; memory E*3*H*I*2 bytes)."""
         if not self.format.is_quantized:
             return self  # already floats of the declared format
-        if self.packing is WeightPacking.MXFP4_MMA_WORDS:
+        if self.packing in (WeightPacking.MXFP4_MMA_WORDS, WeightPacking.MXFP4_W4A8):
             return self.unpacked().dequantized(dtype)
         if self.packing is WeightPacking.DEQUANTIZED:
             return replace(self, w13=self.w13.to(dtype), w2=self.w2.to(dtype))
@@ -327,6 +373,9 @@ class ExpertWeights:
         data = getattr(self, name)[expert]
         if self.stores_floats:
             return data.float()
+        if self.packing is WeightPacking.MXFP4_W4A8:
+            blocks, scales = self._unpack_w4a8(name, experts=slice(expert, expert + 1))
+            return dequantize_mxfp4(blocks[0], scales[0], in_dim=in_dim, dtype=torch.float32)
         if self.packing is WeightPacking.MXFP4_MMA_WORDS:
             data = unpack_mma_words(data, num_groups=mxfp4_groups(in_dim))
         scale = getattr(self, f"{name}_scale")
@@ -335,6 +384,17 @@ class ExpertWeights:
         if self.format is WeightFormat.FP8_E4M3:
             return dequantize_fp8_weight(data, scale[expert], granularity=self.fp8_scale, dtype=torch.float32)
         return data.float()
+
+    def _unpack_w4a8(self, name: str, experts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checkpoint (blocks, scales) of MXFP4_W4A8 `name` ("w13" or "w2") for `experts`, w13's rows back
+        in `gate_layout`."""
+        rows, in_dim = (2 * self.I, self.H) if name == "w13" else (self.H, self.I)
+        words, drops = getattr(self, name)[experts], getattr(self, f"{name}_scale")[experts]
+        blocks, scales = mxfp4_w4a8.unpack_w4a8(words, drops, rows=rows, in_dim=in_dim)
+        if name == "w13" and self.gate_layout is not GateLayout.INTERLEAVED:
+            perm = gate_layout_permutation(self.I, source=GateLayout.INTERLEAVED, target=self.gate_layout)
+            blocks, scales = blocks[:, perm.to(blocks.device)], scales[:, perm.to(scales.device)]
+        return blocks, scales
 
     # ----- construction from float tensors ----------------------------------------------------------
     @classmethod

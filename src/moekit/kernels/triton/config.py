@@ -22,6 +22,9 @@ from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS as WGMMA_BF16_ALIGNM
 from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
 from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_reason
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
+from moekit.kernels.triton.wgmma_w4a8 import BLOCK_M as W4A8_BLOCK_M
+from moekit.kernels.triton.wgmma_w4a8 import STAGES as W4A8_STAGES
+from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_reason
 from moekit.kernels.triton.wgmma_words import BLOCK_MS as WGMMA_WORDS_BLOCK_MS
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.kernels.triton.words_decode import BLOCK_MS as MMA_WORDS_DECODE_BLOCK_MS
@@ -51,7 +54,7 @@ TRITON_CAPABILITIES = Capabilities(
     router_placements=frozenset(RouterWeightPlacement),
     expert_map=True,
     devices=frozenset({DeviceKind.CUDA}),
-    packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.MXFP4_MMA_WORDS}),
+    packings=frozenset({WeightPacking.CHECKPOINT, WeightPacking.MXFP4_MMA_WORDS, WeightPacking.MXFP4_W4A8}),
     min_compute_capability=(8, 0),  # the float formats; `_SM90_FORMATS` need 9.0
     act_quant_weight_formats=frozenset({WeightFormat.FP8_E4M3, WeightFormat.MXFP4}),  # W8A8, W4A8
 )
@@ -70,16 +73,15 @@ def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str |
         if reason is not None:
             return f"{spec.weight_format.name} {reason}"
     if reason is None and device is not None and device.kind is DeviceKind.CUDA and _is_w4a8(spec):
-        # Correct on an H200 (the GPU suite's W4A8 tests), but its E2M1 -> E4M3 decode costs about 18
-        # instructions an element: 0.31 - 0.35x the W4A16 kernel's speed for gpt-oss-120b at T = 1024 -
-        # 16384 (benchmarks/bench_w4a8.py). A byte-permute decode on FP8 wgmma (tools/w4a8_lut_probe.py)
-        # ran its GEMM alone below W4A16's whole layer (docs/performance.md, "W4A8"). Opt-in W4A8 exists
-        # to be faster than W4A16; until it is, the planner takes another capable kernel.
-        return (
-            "W4A8 (MXFP4 weights, FP8 activations) runs correctly on Hopper but at a third of W4A16's speed "
-            "(its weight decode is not yet cheap), so the Triton path does not take it on CUDA; the planner "
-            "takes another capable kernel (torch_grouped), or drop act_quant for the fast W4A16 path"
-        )
+        # On CUDA, W4A8 runs the WGMMA_W4A8 engine only: the tl.dot W4A8 decode (about 18 instructions an
+        # element) ran at 0.31 - 0.35x W4A16's speed for gpt-oss-120b at T = 1024 - 16384 on an H200
+        # (benchmarks/bench_w4a8.py), and opt-in W4A8 exists to be faster than W4A16.
+        engine_reason = wgmma_w4a8_reason(spec)
+        if engine_reason is not None:
+            return (
+                f"W4A8 (MXFP4 weights, FP8 activations) runs on CUDA on the WGMMA_W4A8 engine only, which "
+                f"cannot compute this spec: {engine_reason}; drop act_quant for the W4A16 path"
+            )
     return reason
 
 
@@ -121,6 +123,10 @@ class MatmulEngine(enum.Enum):
     # gemm1_gluon) writing h in the alignment's sorted rows, then a persistent Gluon wgmma GEMM2 reading h
     # and w2 through TMA.
     WGMMA_BF16 = "persistent Gluon wgmma GEMM2, GEMM1 on tl.dot or Gluon (16-bit float prefill, sm_90)"
+    # MXFP4 weights with per-token FP8 activations (`wgmma_w4a8.wgmma_w4a8_reason`) on MXFP4_W4A8 weights:
+    # Gluon FP8 wgmma, the weights decoded by byte permutes into register A, two math warpgroups of 64
+    # weight rows and a TMA producer of the sorted FP8 rows, 128 rows a block.
+    WGMMA_W4A8 = "Gluon FP8 wgmma kernels on MXFP4 weights decoded into register A (W4A8, sm_90)"
 
 
 # The one tiling the WGMMA_FP8 engine runs (its kernels fix the rest): GEMM2's 128-row blocks with
@@ -151,9 +157,17 @@ MMA_WORDS_DECODE_TILES = dict(
     block_n=32, gemm2_block_n=64, block_k=128, num_warps=4, tail_block_m=None, swap_ab=False, group_m=1
 )
 
+# What the WGMMA_W4A8 engine's kernel fixes: 128 sorted rows a block against 128 weight rows (64 columns of
+# h in GEMM1), 128-wide K-steps, two 4-warp math partitions; group_m and num_stages (the activation ring,
+# `wgmma_w4a8.STAGES`) free.
+WGMMA_W4A8_TILES = dict(
+    block_n=64, gemm2_block_n=128, block_k=128, num_warps=4, split_k=1, tail_block_m=None, swap_ab=False
+)
+
 # The Gluon word engines' tilings: fixed fields, block_m values, num_stages values and what else is free
 # (max_registers is None: their launches set the register cap).
 _WORD_ENGINE_TILINGS = {
+    MatmulEngine.WGMMA_W4A8: (WGMMA_W4A8_TILES, (W4A8_BLOCK_M,), W4A8_STAGES, "group_m free"),
     MatmulEngine.WGMMA_WORDS: (WGMMA_WORDS_TILES, WGMMA_WORDS_BLOCK_MS, range(3, 9), "group_m free"),
     MatmulEngine.MMA_WORDS_DECODE: (
         MMA_WORDS_DECODE_TILES,
@@ -344,6 +358,9 @@ class TritonMoEConfig(KernelConfig):
         if self.engine is MatmulEngine.WGMMA_BF16:
             reason = wgmma_bf16_reason(spec)
             return None if reason is None else f"the WGMMA_BF16 engine cannot compute this spec: {reason}"
+        if self.engine is MatmulEngine.WGMMA_W4A8:
+            reason = wgmma_w4a8_reason(spec)
+            return None if reason is None else f"the WGMMA_W4A8 engine cannot compute this spec: {reason}"
         if self.engine is MatmulEngine.WGMMA_WORDS:
             reason = wgmma_words_reason(spec)
             return None if reason is None else f"the WGMMA_WORDS engine cannot compute this spec: {reason}"
@@ -383,5 +400,8 @@ class TritonMoEConfig(KernelConfig):
 MXFP4_PREFILL_TILES = TritonMoEConfig(
     block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, gemm2_block_n=128
 )
+# The tl.dot tiles a WGMMA_W4A8 plan runs on weights not packed for it (CHECKPOINT packing): the regime
+# of 16 - 96 tokens an expert's W4A8 default, one MX group a K-step (always exact).
+W4A8_TL_DOT_TILES = TritonMoEConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=4)
 # The tl.dot tiles a MMA_WORDS_DECODE plan runs (its split_k kept) on weights that kept CHECKPOINT packing.
 MXFP4_DECODE_TILES = TritonMoEConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)

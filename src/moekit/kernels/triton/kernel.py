@@ -14,6 +14,8 @@ import warnings
 
 import torch
 
+from moekit.formats.mxfp4 import check_mxfp4_scales
+from moekit.formats.mxfp4_w4a8 import MAX_EXACT_DROP, flushed_groups
 from moekit.formats.mxfp4_words import pack_mma_words, scales_reason
 from moekit.kernels.base import Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.triton.align import max_blocks_bound
@@ -27,14 +29,38 @@ from moekit.kernels.triton.config import (
 from moekit.kernels.triton.launch import share_counts, triton_fused_moe, workspace_bytes
 from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_workspace_bytes
+from moekit.kernels.triton.wgmma_w4a8 import pack_weights, wgmma_w4a8_reason, wgmma_w4a8_workspace_bytes
 from moekit.kernels.triton.wgmma_words import wgmma_words_workspace_bytes
-from moekit.spec import MoESpec, WeightFormat
+from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
 
 
 def n_major(scales: torch.Tensor) -> torch.Tensor:
     """`scales` [..., N, G] with the same values, laid out so that N is the fastest-moving index."""
     return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _w4a8_engine_takes(weights: ExpertWeights, spec: MoESpec) -> bool:
+    """Whether W4A8 `spec` runs the WGMMA_W4A8 engine on these weights: on an sm_90 GPU, where the
+    engine computes the spec."""
+    on_hopper = weights.device.type == "cuda" and torch.cuda.get_device_capability(weights.device) == (9, 0)
+    return on_hopper and spec.act_quant is not ActivationQuant.NONE and wgmma_w4a8_reason(spec) is None
+
+
+def _packed_for_w4a8(weights: ExpertWeights) -> ExpertWeights:
+    """MXFP4_W4A8 packing, saying at load how many scale groups it flushes (`mxfp4_w4a8.pack_w4a8`)."""
+    check_mxfp4_scales(weights.w13_scale, name="w13_scale")  # the packing keeps no E8M0 byte to check later
+    check_mxfp4_scales(weights.w2_scale, name="w2_scale")
+    flushed = flushed_groups(weights.w13_scale) + flushed_groups(weights.w2_scale)
+    if flushed:
+        total = weights.w13_scale.numel() + weights.w2_scale.numel()
+        warnings.warn(
+            f"W4A8 packing flushes {flushed} of {total} MXFP4 scale groups to zero: each sits more than "
+            f"{MAX_EXACT_DROP} binades below the largest scale of its row's 256 columns, below what its "
+            "E4M3 decode can hold (reference: ExpertWeights.unpacked() of the packed weights)",
+            stacklevel=3,
+        )
+    return pack_weights(weights)
 
 
 def _hopper(problem: Problem) -> bool:
@@ -71,8 +97,10 @@ class TritonFusedKernel(Kernel):
         its BLOCK_N scale bytes as one run instead of BLOCK_N bytes G apart."""
         if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
             return weights
-        if weights.packing is WeightPacking.MXFP4_MMA_WORDS:
+        if weights.packing in (WeightPacking.MXFP4_MMA_WORDS, WeightPacking.MXFP4_W4A8):
             return weights  # prepared already: no second scan of the scales
+        if _w4a8_engine_takes(weights, spec):
+            return _packed_for_w4a8(weights)
 
         scales = dict(w13_scale=n_major(weights.w13_scale), w2_scale=n_major(weights.w2_scale))
         if words_reason(spec) is not None:  # the spec rules it out: expected, nothing to say
@@ -117,6 +145,8 @@ class TritonFusedKernel(Kernel):
     def workspace_bytes(self, spec: MoESpec, num_tokens: int, config: KernelConfig | None = None) -> int:
         if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_FP8:
             return wgmma_fp8_workspace_bytes(spec, num_tokens)
+        if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_W4A8:
+            return wgmma_w4a8_workspace_bytes(spec, num_tokens)
         if isinstance(config, TritonMoEConfig) and config.engine is MatmulEngine.WGMMA_WORDS:
             return wgmma_words_workspace_bytes(spec, num_tokens, config.block_m)
         shares = share_counts(spec, config) if isinstance(config, TritonMoEConfig) else None

@@ -30,6 +30,7 @@ from moekit.kernels.triton.align import BlockList, gemm_blocks
 from moekit.kernels.triton.config import (
     MXFP4_DECODE_TILES,
     MXFP4_PREFILL_TILES,
+    W4A8_TL_DOT_TILES,
     MatmulEngine,
     TritonMoEConfig,
     triton_supports,
@@ -45,6 +46,7 @@ from moekit.kernels.triton.wgmma_bf16 import (
     wgmma_bf16_gemm2,
 )
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_moe
+from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_moe
 from moekit.kernels.triton.wgmma_words import wgmma_words_moe
 from moekit.kernels.triton.words_decode import decode_gemm, gemm2_split
 from moekit.routing import RoutingResult
@@ -223,6 +225,17 @@ def triton_fused_moe(
         out = torch.empty(num_tokens, spec.H, dtype=spec.act_dtype, device=x.device)
     if num_tokens == 0:
         return out
+    if weights.packing is WeightPacking.MXFP4_W4A8:
+        if config.engine is not MatmulEngine.WGMMA_W4A8:
+            raise SpecError(
+                f"MXFP4_W4A8 weights are read by the WGMMA_W4A8 engine only, the config runs "
+                f"{config.engine.name}; plan with the kernel's default config, or keep CHECKPOINT packing "
+                f"(ExpertWeights.unpacked()) for the tl.dot W4A8 path"
+            )
+        tiles = dict(num_stages=config.num_stages, group_m=config.group_m)
+        return wgmma_w4a8_moe(x, weights, routing, spec=spec, **tiles, expert_map=expert_map, out=out)
+    if config.engine is MatmulEngine.WGMMA_W4A8:  # weights not packed for it (`kernel.prepare_weights`)
+        config = W4A8_TL_DOT_TILES
     if config.engine is MatmulEngine.WGMMA_FP8:
         return wgmma_fp8_moe(
             x,

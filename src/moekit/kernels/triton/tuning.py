@@ -19,6 +19,7 @@ from moekit.kernels.triton.config import (
     MXFP4_PREFILL_TILES,
     WGMMA_FP8_GEMM1_STAGES,
     WGMMA_FP8_TILES,
+    WGMMA_W4A8_TILES,
     WGMMA_WORDS_BLOCK_MS,
     WGMMA_WORDS_TILES,
     MatmulEngine,
@@ -27,6 +28,7 @@ from moekit.kernels.triton.config import (
 from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
 from moekit.kernels.triton.wgmma_bf16 import gluon_gemm1_reason, wgmma_bf16_reason
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
+from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_reason
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 
@@ -212,6 +214,22 @@ def _w4a8_tiles(per_expert: float) -> tuple[TritonMoEConfig, ...]:
     )
 
 
+def _wgmma_w4a8() -> tuple[TritonMoEConfig, ...]:
+    """The WGMMA_W4A8 engine's candidates, the default first: its activation ring 4 deep (the depth its
+    GEMM ran at 785 - 867 TFLOP/s on an H200, tools/w4a8_swap_probe.py), then 3 and 5, and 4 with
+    M-blocks grouped 8 to an N-tile."""
+    return tuple(
+        TritonMoEConfig(
+            engine=MatmulEngine.WGMMA_W4A8,
+            block_m=128,
+            num_stages=stages,
+            group_m=group_m,
+            **WGMMA_W4A8_TILES,
+        )
+        for stages, group_m in ((4, 1), (3, 1), (5, 1), (4, 8))
+    )
+
+
 def default_config(
     spec: MoESpec, num_tokens: int, multiprocessors: int | None = None, *, hopper: bool = False
 ) -> TritonMoEConfig:
@@ -228,6 +246,8 @@ def default_config(
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
     fmt = spec.weight_format
     if fmt is WeightFormat.MXFP4 and spec.act_quant is not ActivationQuant.NONE:
+        if hopper and wgmma_w4a8_reason(spec) is None:
+            return _wgmma_w4a8()[0]
         return _w4a8_tiles(per_expert)[0]
     if fmt is WeightFormat.MXFP4:
         if hopper and _takes_wgmma_words(spec, per_expert):
@@ -301,6 +321,8 @@ def tuning_space(
     per_expert = _tokens_per_expert(spec, num_tokens)
     mxfp4 = spec.weight_format is WeightFormat.MXFP4
     if mxfp4 and spec.act_quant is not ActivationQuant.NONE:
+        if hopper and wgmma_w4a8_reason(spec) is None:
+            return _wgmma_w4a8()
         return _w4a8_tiles(per_expert)
     default = default_config(spec, num_tokens, multiprocessors, hopper=hopper)
     dot_default = default_config(spec, num_tokens, multiprocessors)  # split-K variants are tl.dot's

@@ -136,6 +136,48 @@ def _quant_fp8_groups_sorted(
 
 
 @triton.jit
+def _quant_fp8_rows_sorted(
+    src_ptr,  # [T, C] float rows (tokens)
+    pair_expert_ptr,  # int32 [T*K]: local expert of each pair, -1 if dropped
+    pair_rows_ptr,  # int32 [T*K]: sorted row of each kept pair
+    dst_ptr,  # float8_e4m3fn [R, C]
+    scale_ptr,  # fp32 [R]
+    NUM_COLS: tl.constexpr,
+    stride_src,
+    stride_dst,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
+):
+    """`_quant_fp8_rows` of token t (program t), stored into the sorted row of each of its kept pairs, as
+    `_quant_fp8_groups_sorted` does per 1x128 group (padding rows not written)."""
+    _pdl_prologue(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, NUM_COLS, BLOCK):
+        cols = c + offs
+        v = tl.load(src_ptr + token * stride_src + cols, mask=cols < NUM_COLS, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = _fp8_scale(tl.max(amax, axis=0))
+    for c in range(0, NUM_COLS, BLOCK):
+        cols = c + offs
+        mask = cols < NUM_COLS
+        v = tl.load(src_ptr + token * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        codes = _fp8_codes(v, scale)
+        for k in tl.static_range(TOP_K):
+            pair = token * TOP_K + k
+            kept = tl.load(pair_expert_ptr + pair) >= 0
+            row = tl.load(pair_rows_ptr + pair, mask=kept, other=0).to(tl.int64)
+            tl.store(dst_ptr + row * stride_dst + cols, codes, mask=mask & kept)
+    for k in tl.static_range(TOP_K):
+        pair = token * TOP_K + k
+        kept = tl.load(pair_expert_ptr + pair) >= 0
+        row = tl.load(pair_rows_ptr + pair, mask=kept, other=0).to(tl.int64)
+        tl.store(scale_ptr + row, scale, mask=kept)
+
+
+@triton.jit
 def _fp8_group_codes(v):
     """fp32 [R, 128] (one 1x128 group a row; zeros where a row has no value) -> (float8_e4m3fn codes
     [R, 128], fp32 scales [R]) exactly as moekit.formats: scale = max(amax / 448, tiny), 1 if amax == 0.
