@@ -8,13 +8,15 @@ Usage (GPU):
 Kernel names are grouped by the substrings in STAGES; the rest is listed as "other". Times are summed
 GPU busy time per layer. The same run also times the layer itself (graph replay, L2 flushed, as
 `bench_moe.py` does) and prints the difference, the GPU's idle time between the layer's kernels (launch
-gaps), with the count of kernels a layer launches. `--preset` takes "name@ExKxHxI" too.
+gaps), with the count of kernels a layer launches. `--preset` takes "name@ExKxHxI" too, `--act-quant` FP8
+activations (W8A8, W4A8).
 """
 
 import argparse
 import json
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from moekit.app.bench import flushed_seconds, prepared_weights, profiled_kernels
 from moekit.kernels.base import DeviceInfo
 from moekit.planning.plan import plan
 from moekit.presets import preset_at
+from moekit.spec import ActivationQuant
 from moekit.synthetic import random_batch, random_layer
 
 STAGES = (
@@ -46,10 +49,15 @@ def main() -> int:
     p.add_argument("--preset", default="gpt-oss-120b")
     p.add_argument("--tokens", default="1,8,64,512,1024,8192")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument(
+        "--act-quant", default=None, choices=[q.value for q in ActivationQuant], help="default: the preset's"
+    )
     p.add_argument("--json", default=None, help="write the per-stage times here, e.g. bench-results/p.json")
     args = p.parse_args()
     device = torch.device("cuda")
     spec = preset_at(args.preset)
+    if args.act_quant is not None:
+        spec = replace(spec, act_quant=ActivationQuant(args.act_quant))
     layer = random_layer(spec, seed=0, device=device)
     info = DeviceInfo.of(device)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)

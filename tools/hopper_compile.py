@@ -417,3 +417,51 @@ def compile_gluon_for_hopper(
     return triton.compile(
         GluonASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options=options
     )
+
+
+def compile_wgmma_w4a8_for_hopper(gemm: int, *, hidden: int, inter: int, stages: int = 4, bias: bool = True):
+    """The WGMMA_W4A8 engine's GEMM (`_details.wgmma_w4a8._w4a8_gemm`) as `wgmma_w4a8_moe` launches it for
+    GEMM 1 (gated, GPT-OSS's SwiGLU with its limit, gate/up interleaved) or 2 of a layer of `hidden` x
+    `inter`."""
+    from triton.experimental.gluon import language as gl
+
+    from moekit.formats import mxfp4_w4a8
+    from moekit.kernels.triton._details.wgmma_w4a8 import _w4a8_gemm
+    from moekit.kernels.triton.wgmma_w4a8 import BLOCK_M, LOAD_REGISTERS, MATH_REGISTERS
+
+    gated = gemm == 1
+    pointers = dict(
+        a_desc=_descriptor_type([BLOCK_M, mxfp4_w4a8.STEP_K], gl.float8e4nv, "fp8e4nv"),
+        a_scale_ptr="*fp32",
+        w_ptr="*i32",
+        d_ptr="*i32",
+        b_ptr="*bf16",
+        route_w_ptr="*fp32",
+        sorted_pairs_ptr="*i32",
+        block_expert_ptr="*i32",
+        num_blocks_ptr="*i32",
+        out_ptr="*fp32" if gated else "*bf16",
+    )
+    n_out = 2 * inter if gated else hidden
+    constants = dict(
+        KT=mxfp4_w4a8.steps(hidden if gated else inter),
+        N_ROWS=mxfp4_w4a8.padded_rows(n_out),
+        N_OUT=n_out,
+        BN=BLOCK_M,
+        NS=stages,
+        GROUP_M=1,
+        GATED=gated,
+        INTERLEAVED=True,
+        ACTIVATION=codes.ACT_SWIGLU_OAI.value,
+        ALPHA=1.702,
+        HAS_LIMIT=True,
+        LIMIT=7.0,
+        MATH_REGISTERS=MATH_REGISTERS,
+        LOAD_REGISTERS=LOAD_REGISTERS,
+    )
+    if not bias:
+        constants["b_ptr"] = None
+    aligned = ("a_scale_ptr", "w_ptr", "d_ptr", "out_ptr", "stride_d", "stride_out")
+    return compile_gluon_for_hopper(
+        _w4a8_gemm, pointers=pointers, constants=constants, warps=4, aligned=aligned
+    )

@@ -16,28 +16,20 @@ from __future__ import annotations
 
 import torch
 
+from moekit.formats.mxfp4_w4a8 import LUT_HI as _LUT_HI
+from moekit.formats.mxfp4_w4a8 import LUT_LO as _LUT_LO
+from moekit.formats.mxfp4_w4a8 import MAX_EXACT_DROP, SIGNS_INT32, _pack_words
+from moekit.formats.mxfp4_w4a8 import SIGNS as _SIGNS
+from moekit.formats.mxfp4_w4a8 import STEP_HI as _STEP_HI
+from moekit.formats.mxfp4_w4a8 import STEP_LO as _STEP_LO
+
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-MAX_EXACT_DROP = 11  # binades a group may sit below its row's largest over a K-step and decode exactly
-# E4M3 bytes of the magnitudes 0..7 at d = 0 (0, 0.5 .. 6 times 2^6), four a word; each binade of d lowers
-# every nonzero byte's exponent by one (0x08), code 0 stays 0.
-_LUT_LO, _LUT_HI = 0x6C686000, 0x7C787470
-_STEP_LO, _STEP_HI = 0x08080800, 0x08080808
-_SIGNS = 0x80808080
-_SIGNS_INT32 = _SIGNS - (1 << 32)  # the same bits as a signed 32-bit word (the kernel's int32)
+_SIGNS_INT32 = SIGNS_INT32
 
 
 def pack_words(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes [N, K] (K % 8 == 0) -> int32 words [N, K / 8]: magnitudes of codes 0-3 at bits
-    4i..4i+2 and of codes 4-7 at 16+4i..; the sign of code i < 4 at bit 8i+7, of code 4+i at bit 8i+3."""
-    c = codes.to(torch.int64).reshape(codes.shape[0], -1, 8)
-    magnitude, sign = c & 7, c >> 3
-    w = torch.zeros(c.shape[:2], dtype=torch.int64)
-    for i in range(4):
-        w |= magnitude[..., i] << (4 * i)
-        w |= magnitude[..., 4 + i] << (16 + 4 * i)
-        w |= sign[..., i] << (8 * i + 7)
-        w |= sign[..., 4 + i] << (8 * i + 3)
-    return (w - ((w >> 31) << 32)).to(torch.int32)  # the uint32 bits as int32
+    """uint8 E2M1 codes [N, K] (K % 8 == 0) -> int32 words [N, K / 8] (`mxfp4_w4a8`'s bit placement)."""
+    return _pack_words(codes.reshape(codes.shape[0], -1, 8))
 
 
 def dequantize(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:

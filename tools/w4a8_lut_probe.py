@@ -41,13 +41,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
+from moekit.kernels.triton._details.w4a8_decode import _table_bytes  # noqa: E402
+
 pack_words = w4a8_lut.pack_words
-MAX_EXACT_DROP = gl.constexpr(w4a8_lut.MAX_EXACT_DROP)
-_LUT_LO = gl.constexpr(w4a8_lut._LUT_LO)
-_LUT_HI = gl.constexpr(w4a8_lut._LUT_HI)
-_STEP_LO = gl.constexpr(w4a8_lut._STEP_LO)
-_STEP_HI = gl.constexpr(w4a8_lut._STEP_HI)
-_SIGNS = gl.constexpr(w4a8_lut._SIGNS_INT32)
 
 
 class Work(enum.IntEnum):
@@ -64,35 +60,12 @@ BK = gl.constexpr(128)  # K a step: four 32-groups, one x scale group
 
 
 @gluon.jit
-def _prmt(lo, hi, selector):
-    return gl.inline_asm_elementwise(
-        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, selector], dtype=gl.int32, is_pure=True, pack=1
-    )
-
-
-@gluon.jit
 def _scale_max(scales):
     """The largest of each int32's 4 scale bytes (a K-step's groups of one row)."""
     return gl.maximum(
         gl.maximum(scales & 0xFF, (scales >> 8) & 0xFF),
         gl.maximum((scales >> 16) & 0xFF, (scales >> 24) & 0xFF),
     )
-
-
-@gluon.jit
-def _table_bytes(words, d, FLUSH: gl.constexpr):
-    """`w4a8_lut.decode_word` on int32 words and their groups' drops d: (first, second), the E4M3 bytes of
-    each word's first and last 4 codes. With FLUSH, drops past MAX_EXACT_DROP give zeros; without, the
-    caller guarantees d <= MAX_EXACT_DROP (`w4a8_swap_probe.pack_drops`)."""
-    if FLUSH:
-        lo = gl.where(d > MAX_EXACT_DROP, 0, _LUT_LO - d * _STEP_LO)
-        hi = gl.where(d > MAX_EXACT_DROP, 0, _LUT_HI - d * _STEP_HI)
-    else:
-        lo = _LUT_LO - d * _STEP_LO
-        hi = _LUT_HI - d * _STEP_HI
-    first = _prmt(lo, hi, words & 0x7777) | (words & _SIGNS)
-    second = _prmt(lo, hi, (words >> 16) & 0x7777) | ((words << 4) & _SIGNS)
-    return first, second
 
 
 @gluon.jit

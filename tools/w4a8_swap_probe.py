@@ -44,7 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from w4a8_lut_probe import _scale_max, _table_bytes, checked_report, dense_fp8_report  # noqa: E402
+from w4a8_lut_probe import _scale_max, checked_report, dense_fp8_report  # noqa: E402
+
+from moekit.kernels.triton._details.w4a8_decode import _fragment, _table_bytes  # noqa: E402
 
 WROWS = gl.constexpr(128)  # weight rows a program: 8 row blocks of 16, one a warp
 BK = gl.constexpr(128)  # K a step: four MX groups
@@ -62,17 +64,6 @@ def pack_fragment_words(codes: torch.Tensor) -> torch.Tensor:
 
 
 @gluon.jit
-def _bytes(x):
-    """int32 [..] -> E4M3 [.., 4] (byte 0 first): a renaming of the register's bytes."""
-    b0 = x.to(gl.uint8).to(gl.float8e4nv, bitcast=True)
-    b1 = (x >> 8).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
-    b2 = (x >> 16).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
-    b3 = (x >> 24).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
-    # join's new dimension is the last: join(join(b0, b2), join(b1, b3))[.., i, j] = byte 2 i + j
-    return gl.join(gl.join(b0, b2), gl.join(b1, b3))
-
-
-@gluon.jit
 def _decode(words, scales, shift, s_max, PRE: gl.constexpr):
     """A step's words [8 rb, 32 lanes, 8 slots] and their rows' 4 scale bytes (int32, same shape) ->
     `_table_bytes`' (first, second). d is the rows' reference scale `s_max` (>= every byte) minus the group's,
@@ -82,18 +73,6 @@ def _decode(words, scales, shift, s_max, PRE: gl.constexpr):
         return _table_bytes(words, (scales >> shift) & 0xFF, False)
     else:
         return _table_bytes(words, s_max - ((scales >> shift) & 0xFF), True)
-
-
-@gluon.jit
-def _fragment(first, second, fragment: gl.constexpr):
-    """(first, second) of `_decode` -> the E4M3 A fragment [16 RB rows, 128 columns]: a renaming of registers
-    when built next to its wgmma (carried through the loop as bytes, it was repacked: 3 PRMT a register)."""
-    t = gl.join(_bytes(first), _bytes(second))  # [8, 32, 8, 2, 2, 2]: rb, lane, slot, byte // 2, byte % 2, kh
-    t = gl.permute(t, [0, 1, 2, 5, 3, 4])  # rb, lane, slot, kh, byte // 2, byte % 2
-    RB: gl.constexpr = first.shape[0]
-    t = gl.reshape(t, [RB, 8, 4, 4, 2, 2, 4])  # rb, g, q, c, h, kh, byte
-    t = gl.permute(t, [0, 4, 1, 3, 5, 2, 6])  # rb, h, g, c, kh, q, byte: row, then column order
-    return gl.convert_layout(gl.reshape(t, [16 * RB, BK]), fragment)
 
 
 @gluon.jit

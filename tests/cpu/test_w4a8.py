@@ -10,9 +10,9 @@ import torch
 from moekit import FusedMoE
 from moekit.app.cli_spec import SIMULATED_DEVICES
 from moekit.errors import SpecError
-from moekit.kernels.base import Problem
 from moekit.kernels.registry import default_registry
-from moekit.kernels.triton.config import triton_supports, words_reason
+from moekit.kernels.triton.config import MatmulEngine, triton_supports, words_reason
+from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
 from moekit.presets import preset_at
@@ -21,6 +21,7 @@ from moekit.spec import ActivationQuant, WeightFormat
 from moekit.synthetic import random_batch, random_layer
 
 W4A16 = preset_at("gpt-oss-20b@8x2x256x192")  # GPT-OSS math, small: H and I not multiples of 128
+W4A16_ODD_I = preset_at("gpt-oss-20b@8x2x256x200")  # 2I = 400: not whole 128-row programs
 FP8_ACTS = [ActivationQuant.FP8_PER_TOKEN, ActivationQuant.FP8_PER_GROUP_128]
 
 
@@ -38,13 +39,12 @@ def test_float_weights_still_refuse_fp8_activations():
 
 
 @pytest.mark.parametrize("quant", FP8_ACTS)
-def test_triton_w4a8_tiles_promote_every_step(quant):
+def test_triton_w4a8_tl_dot_tiles_promote_every_step(quant):
+    # Off sm_90 (the interpreter, tests/interpret) W4A8 runs the tl.dot tiles.
     spec = replace(W4A16, act_quant=quant)
-    h200 = SIMULATED_DEVICES["h200"]
-    triton = default_registry().get("triton_fused")
     for t in (1, 64, 4096):
-        space = triton.tuning_space(spec, Problem(t, h200))
-        assert space[0] == triton.default_config(spec, Problem(t, h200))
+        space = tuning_space(spec, t, 132)
+        assert space[0] == default_config(spec, t, 132)
         assert space[0].block_k == 32  # one MX group a step: exact
         assert {c.block_k for c in space} == {32, 128} and all(c.reason_unusable(spec) is None for c in space)
     wide = replace(space[0], block_k=256)
@@ -52,15 +52,31 @@ def test_triton_w4a8_tiles_promote_every_step(quant):
     assert "W4A8" in words_reason(spec)  # decoded from checkpoint bytes, never MMA words
 
 
-@pytest.mark.parametrize("quant", FP8_ACTS)
-def test_planner_keeps_w4a8_off_the_gpu_triton_path_while_slower_than_w4a16(quant):
-    # The kernel matches the reference interpreted (tests/interpret) and on an H200 (tests/gpu), at a
-    # third of W4A16's speed there: on a GPU the planner takes the unfused path, and says why.
-    spec = replace(W4A16, act_quant=quant)
+def test_planner_runs_per_token_w4a8_on_the_wgmma_w4a8_engine_on_hopper():
+    spec = replace(W4A16, act_quant=ActivationQuant.FP8_PER_TOKEN)
+    for t in (1, 64, 4096):
+        chosen = plan(spec, num_tokens=t, device=SIMULATED_DEVICES["h200"])
+        assert chosen.kernel == "triton_fused" and chosen.config.engine is MatmulEngine.WGMMA_W4A8
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        (replace(W4A16, act_quant=ActivationQuant.FP8_PER_GROUP_128), "FP8_PER_TOKEN"),
+        (
+            replace(preset_at("gpt-oss-20b@8x2x256x200"), act_quant=ActivationQuant.FP8_PER_TOKEN),
+            "2I must be",
+        ),
+    ],
+    ids=["per-1x128-groups", "2I-not-a-multiple-of-128"],
+)
+def test_planner_keeps_w4a8_the_engine_cannot_compute_off_the_gpu_triton_path(spec, why):
+    # The tl.dot W4A8 decode ran at a third of W4A16's speed on an H200: on a GPU the planner takes the
+    # unfused path, and says why.
     chosen = plan(spec, num_tokens=64, device=SIMULATED_DEVICES["h200"])
     assert chosen.kernel == "torch_grouped"
     (refusal,) = [r for r in chosen.refused if r.kernel == "triton_fused"]
-    assert "W4A8" in refusal.reason and "third of W4A16's speed" in refusal.reason
+    assert "WGMMA_W4A8 engine only" in refusal.reason and why in refusal.reason
     assert triton_supports(spec) is None  # the launch itself (interpreter, GPU tests) accepts it
 
 
