@@ -458,6 +458,7 @@ def compile_wgmma_w4a8_for_hopper(gemm: int, *, hidden: int, inter: int, stages:
         LIMIT=7.0,
         MATH_REGISTERS=MATH_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS,
+        NARROW=True,
     )
     if not bias:
         constants["b_ptr"] = None

@@ -24,6 +24,7 @@ from test_wgmma_fp8_gpu import _assert_close, _run  # noqa: E402  (NaN-poisoned 
 
 from moekit import Activation, ActivationSpec, GateLayout, fused_moe_reference  # noqa: E402
 from moekit.kernels.base import DeviceInfo, DeviceKind, Problem  # noqa: E402
+from moekit.kernels.triton import wgmma_w4a8 as wgmma_w4a8_host  # noqa: E402
 from moekit.kernels.triton.config import MatmulEngine  # noqa: E402
 from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
@@ -62,6 +63,13 @@ DEFAULT, *OTHERS = _wgmma_w4a8()
 CONFIGS = {"default": DEFAULT, f"stages{OTHERS[-1].num_stages}-group{OTHERS[-1].group_m}": OTHERS[-1]}
 
 
+@pytest.fixture(params=[True, False], ids=["narrow-blocks", "full-width"])
+def narrow(request, monkeypatch):
+    """Both K-loop sets: blocks at most a quarter or half full on a narrower wgmma, or every block on 128."""
+    monkeypatch.setattr(wgmma_w4a8_host, "NARROW_BLOCKS", request.param)
+    return request.param
+
+
 def _packed(spec, *, seed: int, raw=None):
     """Random MXFP4 weights of `spec` (or `raw`) and their MXFP4_W4A8 packing, as the layer prepares them."""
     raw = _gpu_weights(spec, seed=seed) if raw is None else raw
@@ -73,7 +81,7 @@ def _packed(spec, *, seed: int, raw=None):
 @pytest.mark.parametrize("t", [1, 7, 130, 1000, 3000])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", list(SPECS))
-def test_matches_reference(name, config, t):
+def test_matches_reference(name, config, t, narrow):
     spec = SPECS[name]
     assert wgmma_w4a8_reason(spec) is None
     raw, weights = _packed(spec, seed=len(name))
@@ -93,7 +101,7 @@ def test_packing_round_trips_the_checkpoint():
 
 
 @pytest.mark.parametrize("t", [200, 2600])
-def test_skewed_routing_with_empty_experts(t):
+def test_skewed_routing_with_empty_experts(t, narrow):
     spec = SPECS["gpt-oss-e16"]
     _, weights = _packed(spec, seed=3)
     x, routing = skewed_inputs(spec, t, [0, 5, 9, 15], seed=t)

@@ -16,11 +16,19 @@ from moekit.spec import ActivationQuant
 
 
 def quantize_rows(
-    src: torch.Tensor, *, quant: ActivationQuant, row_mult: torch.Tensor | None = None
+    src: torch.Tensor,
+    *,
+    quant: ActivationQuant,
+    row_mult: torch.Tensor | None = None,
+    valid_blocks: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 codes [R, C] and fp32 scales [R, 1] / [R, ceil(C/128)] of `src`, exactly as moekit.formats."""
+    """FP8 codes [R, C] and fp32 scales [R, 1] / [R, ceil(C/128)] of `src`, exactly as moekit.formats.
+    `valid_blocks` (per token only): (int32 [1] count on the device, rows a block): rows past that many
+    blocks are not read and their codes and scales are left unwritten."""
     rows, cols = src.shape
     per_group = quant is ActivationQuant.FP8_PER_GROUP_128
+    if per_group and valid_blocks is not None:
+        raise ValueError("quantize_rows: valid_blocks is for per-token scales (FP8_PER_TOKEN)")
     groups = triton.cdiv(cols, 128) if per_group else 1
     data = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=src.device)
     scale = torch.empty(rows, groups, dtype=torch.float32, device=src.device)
@@ -52,5 +60,7 @@ def quantize_rows(
         NUM_COLS=cols,
         HAS_ROW_MULT=row_mult is not None,
         BLOCK=min(1024, triton.next_power_of_2(cols)),
+        num_blocks_ptr=None if valid_blocks is None else valid_blocks[0],
+        ROWS_PER_BLOCK=1 if valid_blocks is None else valid_blocks[1],
     )
     return data, scale

@@ -36,6 +36,8 @@ STAGES = range(2, 7)  # activation tiles in flight: 16 KiB a stage
 # 64 K): the pair K-loop holds two steps' decoded bytes and the next two steps' words beside its
 # accumulator and product.
 MATH_REGISTERS, LOAD_REGISTERS = 232, 40
+# Blocks at most a quarter or half full (an expert's last) run a wgmma on their first 32 or 64 rows.
+NARROW_BLOCKS = True
 
 
 @functools.cache
@@ -166,6 +168,7 @@ def wgmma_w4a8_moe(
         LIMIT=float(act.limit) if act.limit is not None else 0.0,
         MATH_REGISTERS=MATH_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS,
+        NARROW=NARROW_BLOCKS,
         num_warps=4,
     )
     h = torch.empty(rows, spec.I, dtype=torch.float32, device=x.device)
@@ -184,7 +187,8 @@ def wgmma_w4a8_moe(
         GATED=True,
         **common,
     )
-    hq, hs = quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN)
+    valid = (aligned.num_valid_blocks, BLOCK_M)  # the rows GEMM1 wrote; GEMM2 reads no other
+    hq, hs = quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, valid_blocks=valid)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     n_rows = mxfp4_w4a8.padded_rows(spec.H)
     gemm[(aligned.max_blocks * (n_rows // 128),)](

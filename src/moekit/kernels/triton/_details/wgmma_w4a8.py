@@ -44,13 +44,26 @@ def _decode(step, shift):
 
 
 @gluon.jit
-def _issue(ring, decoded, k, acc, USE_ACC: gl.constexpr, fragment: gl.constexpr, NS: gl.constexpr):
-    """Step k's wgmma (async) on the decoded bytes, once its activation tile is in."""
+def _issue(
+    ring,
+    decoded,
+    k,
+    acc,
+    USE_ACC: gl.constexpr,
+    fragment: gl.constexpr,
+    NS: gl.constexpr,
+    WIDTH: gl.constexpr,
+):
+    """Step k's wgmma (async) on the decoded bytes, once its activation tile is in: the tile's first rows,
+    as many as the accumulator's columns."""
     a_smem, ready = ring[1], ring[2]
     s = k % NS
     mbarrier.wait(ready.index(s), (k // NS) & 1)
     a = _fragment(decoded[0], decoded[1], fragment)
-    return warpgroup_mma(a, a_smem.index(s).permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
+    tile = a_smem.index(s)
+    if WIDTH < tile.shape[0]:
+        tile = tile.slice(0, WIDTH)
+    return warpgroup_mma(a, tile.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
 
 
 @gluon.jit
@@ -63,6 +76,7 @@ def _factors(weights, r):
 def _kloop(ring, weights, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
     shift = weights[2]
     empty = ring[4]
+    WIDTH: gl.constexpr = zero.shape[1]
     acc = zero
     first = _decode(_step(weights, 0, KT), shift)
     second = _decode(_step(weights, 1, KT), shift)
@@ -70,8 +84,8 @@ def _kloop(ring, weights, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl
     next1 = _step(weights, 3, KT)
     for i in range(KT // 2):
         k = 2 * i
-        product = _issue(ring, first, k, zero, False, fragment, NS)
-        product = _issue(ring, second, k + 1, product, True, fragment, NS)
+        product = _issue(ring, first, k, zero, False, fragment, NS, WIDTH)
+        product = _issue(ring, second, k + 1, product, True, fragment, NS, WIDTH)
         factors = _factors(weights, i)
         first = _decode(next0, shift)  # steps k + 2 and k + 3 (clamped), under both wgmmas
         second = _decode(next1, shift)
@@ -82,7 +96,7 @@ def _kloop(ring, weights, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl
         mbarrier.arrive(empty.index((k + 1) % NS), count=1)
         acc = acc + product * factors[:, None]
     if KT % 2 == 1:  # decoded above as step KT - 1, against its own reference
-        product = _issue(ring, first, KT - 1, zero, False, fragment, NS)
+        product = _issue(ring, first, KT - 1, zero, False, fragment, NS, WIDTH)
         factors = _factors(weights, KT // 2)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
         acc = acc + product * factors[:, None]
@@ -106,15 +120,56 @@ def _math(
     ALPHA: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     LIMIT: gl.constexpr,
+    NARROW: gl.constexpr,
 ):
-    """64 weight rows from `wrow0` (tile rows of the expert's packed weights) against the M-block's BN rows,
-    then the epilogue. `tensors`: words, drops, activation scales, bias (or None), router weights, sorted
-    pairs, out; `ints`: expert, M-block, pair count, the drops' and out's row strides."""
+    """With NARROW, `_tile` on as many of the M-block's rows as hold pairs, rounded up to BN / 4, BN / 2 or
+    BN: an expert's padding rows close its last block, so a block holds at most BN / 4 pairs when its row
+    BN / 4 is padding. A narrower wgmma does the MMA work of the rows it covers; the decode is the same.
+    Without NARROW, `_tile` on all BN rows."""
+    sorted_pairs_ptr = tensors[5]
+    pid_m, num_pairs = ints[1], ints[2]
+    args = (ring, tensors, ints, wrow0)  # constexprs stay out of tuples: they would lose constexpr-ness
+    if not NARROW:
+        _tile(*args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+    elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 4) >= num_pairs:
+        _tile(
+            *args, KT, BN, BN // 4, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
+        )
+    elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 2) >= num_pairs:
+        _tile(
+            *args, KT, BN, BN // 2, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
+        )
+    else:
+        _tile(*args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+
+
+@gluon.jit
+def _tile(
+    ring,
+    tensors,
+    ints,
+    wrow0,
+    KT: gl.constexpr,
+    BN: gl.constexpr,
+    WIDTH: gl.constexpr,  # the block's first WIDTH rows (the wgmma's N)
+    NS: gl.constexpr,
+    N_ROWS: gl.constexpr,
+    N_OUT: gl.constexpr,
+    GATED: gl.constexpr,
+    INTERLEAVED: gl.constexpr,
+    ACTIVATION: gl.constexpr,
+    ALPHA: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    LIMIT: gl.constexpr,
+):
+    """64 weight rows from `wrow0` (tile rows of the expert's packed weights) against the M-block's first
+    WIDTH rows, then the epilogue. `tensors`: words, drops, activation scales, bias (or None), router
+    weights, sorted pairs, out; `ints`: expert, M-block, pair count, the drops' and out's row strides."""
     w_ptr, d_ptr, a_scale_ptr, b_ptr, route_w_ptr, sorted_pairs_ptr, out_ptr = tensors
     expert, pid_m, num_pairs, stride_d, stride_out = ints
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [4, 1, 1], [2, 1, 0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32]
     )
     fragment: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     rb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
@@ -126,8 +181,8 @@ def _math(
     d_steps = d_base + (wrow0 + 16 * rb + lane // 4 + 8 * (slot % 2)) * stride_d  # + t
     mma_rows = wrow0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     weights = (w_steps, d_steps, 8 * (slot // 2), d_base + mma_rows * stride_d + KT)
-    acc = _kloop(ring, weights, gl.zeros([64, BN], gl.float32, mma), fragment, KT, NS)
-    slots = pid_m * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    acc = _kloop(ring, weights, gl.zeros([64, WIDTH], gl.float32, mma), fragment, KT, NS)
+    slots = pid_m * BN + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, mma))
     acc = acc * gl.load(a_scale_ptr + slots)[None, :]
     if GATED:
         # Packed rows 2j / 2j + 1 are gate / up of column j (`mxfp4_w4a8` packs w13 interleaved); b13 is in
@@ -139,12 +194,12 @@ def _math(
             if not INTERLEAVED:
                 r = r // 2 + (r % 2) * (N_OUT // 2)
             acc = acc + gl.load(b_ptr + expert * N_OUT + r).to(gl.float32)[:, None]
-        gate, up = gl.split(gl.permute(gl.reshape(acc, [32, 2, BN]), [0, 2, 1]))
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [32, 2, WIDTH]), [0, 2, 1]))
         h = _gated_activation(gate, up, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
         SL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, 4], [0, 1])
         h = gl.convert_layout(h, SL)
         cols = wrow0 // 2 + gl.arange(0, 32, layout=gl.SliceLayout(1, SL))
-        rows = (pid_m * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, SL))).to(gl.int64)
+        rows = (pid_m * BN + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, SL))).to(gl.int64)
         gl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], h)
     else:
         SL: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
@@ -154,7 +209,7 @@ def _math(
         if b_ptr is not None:  # b2 per expert before the router weight, as GPT-OSS adds it
             b = gl.load(b_ptr + expert * N_OUT + cols, mask=col_in, other=0.0)
             acc = acc + b.to(gl.float32)[:, None]
-        pairs = gl.load(sorted_pairs_ptr + pid_m * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, SL)))
+        pairs = gl.load(sorted_pairs_ptr + pid_m * BN + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, SL)))
         valid = pairs < num_pairs
         acc = acc * gl.load(route_w_ptr + pairs, mask=valid, other=0.0)[None, :]
         y = acc.to(out_ptr.dtype.element_ty)
@@ -203,6 +258,7 @@ def _w4a8_gemm(
     LIMIT: gl.constexpr,
     MATH_REGISTERS: gl.constexpr,
     LOAD_REGISTERS: gl.constexpr,
+    NARROW: gl.constexpr,  # blocks at most a quarter or half full run a narrower wgmma (`_math`)
 ):
     NUM_PID_N: gl.constexpr = N_ROWS // 128
     pid = gl.program_id(0)  # GROUP_M M-blocks walk one N-tile (its weights stay in L2)
@@ -244,6 +300,7 @@ def _w4a8_gemm(
                     ALPHA,
                     HAS_LIMIT,
                     LIMIT,
+                    NARROW,
                 ),
             ),
             (
@@ -264,6 +321,7 @@ def _w4a8_gemm(
                     ALPHA,
                     HAS_LIMIT,
                     LIMIT,
+                    NARROW,
                 ),
             ),
             (_producer, (ring, KT, NS)),
