@@ -63,10 +63,21 @@ DEFAULT, *OTHERS = _wgmma_w4a8()
 CONFIGS = {"default": DEFAULT, f"stages{OTHERS[-1].num_stages}-group{OTHERS[-1].group_m}": OTHERS[-1]}
 
 
-@pytest.fixture(params=[True, False], ids=["narrow-blocks", "full-width"])
+# (NARROW_BLOCKS, PERSISTENT): the shipped setting, every block on a 128-row wgmma, a program a tile
+KERNEL_SETS = {
+    "narrow-persistent": (True, True),
+    "full-width": (False, True),
+    "a-program-a-tile": (True, False),
+}
+
+
+@pytest.fixture(params=list(KERNEL_SETS))
 def narrow(request, monkeypatch):
-    """Both K-loop sets: blocks at most a quarter or half full on a narrower wgmma, or every block on 128."""
-    monkeypatch.setattr(wgmma_w4a8_host, "NARROW_BLOCKS", request.param)
+    """The kernel's paths: blocks at most a quarter or half full on a narrower wgmma or every block on 128;
+    one program an SM walking its tiles, or a program a tile."""
+    narrow_blocks, persistent = KERNEL_SETS[request.param]
+    monkeypatch.setattr(wgmma_w4a8_host, "NARROW_BLOCKS", narrow_blocks)
+    monkeypatch.setattr(wgmma_w4a8_host, "PERSISTENT", persistent)
     return request.param
 
 

@@ -26,6 +26,7 @@ from moekit.kernels.triton.align import align_routing, max_blocks_bound, pair_ro
 from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.quantize import quantize_rows
 from moekit.kernels.triton.sum_k import sum_top_k
+from moekit.kernels.triton.wgmma_fp8 import multiprocessors
 from moekit.routing import RoutingResult
 from moekit.spec import ActivationQuant, GateLayout, MoESpec, RouterWeightPlacement, WeightFormat
 from moekit.weights import ExpertWeights
@@ -38,6 +39,9 @@ STAGES = range(2, 7)  # activation tiles in flight: 16 KiB a stage
 MATH_REGISTERS, LOAD_REGISTERS = 232, 40
 # Blocks at most a quarter or half full (an expert's last) run a wgmma on their first 32 or 64 rows.
 NARROW_BLOCKS = True
+# One program an SM, each walking the tiles (M-block, N-tile) its id strides over, so that a program's next
+# tile is loaded under its last one's epilogue; else a program a tile.
+PERSISTENT = True
 
 
 @functools.cache
@@ -116,6 +120,11 @@ def _descriptor(tensor: torch.Tensor):
     return descriptor_type.from_tensor(tensor, block, layout)
 
 
+def _grid(tiles: int, device: torch.device) -> tuple[int]:
+    """Programs for at most `tiles` tiles (the valid ones are counted on the device)."""
+    return (min(tiles, multiprocessors(device)) if PERSISTENT else tiles,)
+
+
 def wgmma_w4a8_moe(
     x: torch.Tensor,
     weights: ExpertWeights,
@@ -157,7 +166,6 @@ def wgmma_w4a8_moe(
         block_expert_ptr=aligned.block_expert,  # int32 [max_blocks]
         num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
         num_pairs=aligned.num_pairs,
-        num_pid_m=aligned.max_blocks,
         BN=BLOCK_M,
         NS=num_stages,
         GROUP_M=group_m,
@@ -172,7 +180,7 @@ def wgmma_w4a8_moe(
         num_warps=4,
     )
     h = torch.empty(rows, spec.I, dtype=torch.float32, device=x.device)
-    gemm[(aligned.max_blocks * (2 * spec.I // 128),)](
+    gemm[_grid(aligned.max_blocks * (2 * spec.I // 128), x.device)](
         a_desc=_descriptor(xq),
         a_scale_ptr=xs,
         w_ptr=weights.w13,  # int32 [E, 2I/16, KT, 32, 8]
@@ -191,7 +199,7 @@ def wgmma_w4a8_moe(
     hq, hs = quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, valid_blocks=valid)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     n_rows = mxfp4_w4a8.padded_rows(spec.H)
-    gemm[(aligned.max_blocks * (n_rows // 128),)](
+    gemm[_grid(aligned.max_blocks * (n_rows // 128), x.device)](
         a_desc=_descriptor(hq),
         a_scale_ptr=hs,  # fp32 [R, 1]
         w_ptr=weights.w2,  # int32 [E, H'/16, KT, 32, 8]

@@ -73,9 +73,10 @@ def _factors(weights, r):
 
 
 @gluon.jit
-def _kloop(ring, weights, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+def _kloop(ring, weights, zero, step0, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
+    """The tile's K-loop; its steps are the ring's steps step0 + 0 .. KT - 1."""
     shift = weights[2]
-    empty = ring[4]
+    empty = ring[3]
     WIDTH: gl.constexpr = zero.shape[1]
     acc = zero
     first = _decode(_step(weights, 0, KT), shift)
@@ -84,23 +85,34 @@ def _kloop(ring, weights, zero, fragment: gl.constexpr, KT: gl.constexpr, NS: gl
     next1 = _step(weights, 3, KT)
     for i in range(KT // 2):
         k = 2 * i
-        product = _issue(ring, first, k, zero, False, fragment, NS, WIDTH)
-        product = _issue(ring, second, k + 1, product, True, fragment, NS, WIDTH)
+        product = _issue(ring, first, step0 + k, zero, False, fragment, NS, WIDTH)
+        product = _issue(ring, second, step0 + k + 1, product, True, fragment, NS, WIDTH)
         factors = _factors(weights, i)
         first = _decode(next0, shift)  # steps k + 2 and k + 3 (clamped), under both wgmmas
         second = _decode(next1, shift)
         next0 = _step(weights, k + 4, KT)
         next1 = _step(weights, k + 5, KT)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-        mbarrier.arrive(empty.index(k % NS), count=1)
-        mbarrier.arrive(empty.index((k + 1) % NS), count=1)
+        mbarrier.arrive(empty.index((step0 + k) % NS), count=1)
+        mbarrier.arrive(empty.index((step0 + k + 1) % NS), count=1)
         acc = acc + product * factors[:, None]
     if KT % 2 == 1:  # decoded above as step KT - 1, against its own reference
-        product = _issue(ring, first, KT - 1, zero, False, fragment, NS, WIDTH)
+        product = _issue(ring, first, step0 + KT - 1, zero, False, fragment, NS, WIDTH)
         factors = _factors(weights, KT // 2)
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        mbarrier.arrive(empty.index((step0 + KT - 1) % NS), count=1)
         acc = acc + product * factors[:, None]
     return acc
+
+
+@gluon.jit
+def _tile_of(tile, num_pid_m, NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(M-block, 128-row N-tile) of tile index `tile`: GROUP_M M-blocks walk one N-tile (its weights stay in
+    L2), the M-blocks of one expert next to each other."""
+    width = GROUP_M * NUM_PID_N
+    first_m = (tile // width) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
 
 
 @gluon.jit
@@ -108,7 +120,7 @@ def _math(
     ring,
     tensors,
     ints,
-    wrow0,
+    half,
     KT: gl.constexpr,
     BN: gl.constexpr,
     NS: gl.constexpr,
@@ -120,27 +132,70 @@ def _math(
     ALPHA: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     LIMIT: gl.constexpr,
+    GROUP_M: gl.constexpr,
     NARROW: gl.constexpr,
 ):
-    """With NARROW, `_tile` on as many of the M-block's rows as hold pairs, rounded up to BN / 4, BN / 2 or
-    BN: an expert's padding rows close its last block, so a block holds at most BN / 4 pairs when its row
-    BN / 4 is padding. A narrower wgmma does the MMA work of the rows it covers; the decode is the same.
-    Without NARROW, `_tile` on all BN rows."""
-    sorted_pairs_ptr = tensors[5]
-    pid_m, num_pairs = ints[1], ints[2]
-    args = (ring, tensors, ints, wrow0)  # constexprs stay out of tuples: they would lose constexpr-ness
-    if not NARROW:
-        _tile(*args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
-    elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 4) >= num_pairs:
-        _tile(
-            *args, KT, BN, BN // 4, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
+    """The program's tiles (every num_programs-th from its id), weight rows 64 `half` onward of each. With
+    NARROW, `_tile` on as many of an M-block's rows as hold pairs, rounded up to BN / 4, BN / 2 or BN: an
+    expert's padding rows close its last block, so a block holds at most BN / 4 pairs when its row BN / 4
+    is padding. A narrower wgmma does the MMA work of the rows it covers; the decode is the same. Without
+    NARROW, `_tile` on all BN rows."""
+    sorted_pairs_ptr, block_expert_ptr = tensors[5], tensors[7]
+    num_blocks_ptr, num_pairs, stride_d, stride_out = ints
+    NUM_PID_N: gl.constexpr = N_ROWS // 128
+    valid_m = gl.load(num_blocks_ptr)
+    step0 = 0
+    for tile in range(gl.program_id(0), valid_m * NUM_PID_N, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(tile, valid_m, NUM_PID_N, GROUP_M)
+        expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+        args = (
+            ring,
+            tensors,
+            (expert, pid_m, num_pairs, stride_d, stride_out),
+            pid_n * 128 + 64 * half,
+            step0,
         )
-    elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 2) >= num_pairs:
-        _tile(
-            *args, KT, BN, BN // 2, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
-        )
-    else:
-        _tile(*args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+        if not NARROW:
+            _tile(
+                *args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
+            )
+        elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 4) >= num_pairs:
+            _tile(
+                *args,
+                KT,
+                BN,
+                BN // 4,
+                NS,
+                N_ROWS,
+                N_OUT,
+                GATED,
+                INTERLEAVED,
+                ACTIVATION,
+                ALPHA,
+                HAS_LIMIT,
+                LIMIT,
+            )
+        elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 2) >= num_pairs:
+            _tile(
+                *args,
+                KT,
+                BN,
+                BN // 2,
+                NS,
+                N_ROWS,
+                N_OUT,
+                GATED,
+                INTERLEAVED,
+                ACTIVATION,
+                ALPHA,
+                HAS_LIMIT,
+                LIMIT,
+            )
+        else:
+            _tile(
+                *args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
+            )
+        step0 += KT
 
 
 @gluon.jit
@@ -149,6 +204,7 @@ def _tile(
     tensors,
     ints,
     wrow0,
+    step0,
     KT: gl.constexpr,
     BN: gl.constexpr,
     WIDTH: gl.constexpr,  # the block's first WIDTH rows (the wgmma's N)
@@ -165,7 +221,7 @@ def _tile(
     """64 weight rows from `wrow0` (tile rows of the expert's packed weights) against the M-block's first
     WIDTH rows, then the epilogue. `tensors`: words, drops, activation scales, bias (or None), router
     weights, sorted pairs, out; `ints`: expert, M-block, pair count, the drops' and out's row strides."""
-    w_ptr, d_ptr, a_scale_ptr, b_ptr, route_w_ptr, sorted_pairs_ptr, out_ptr = tensors
+    w_ptr, d_ptr, a_scale_ptr, b_ptr, route_w_ptr, sorted_pairs_ptr, out_ptr = tensors[:7]
     expert, pid_m, num_pairs, stride_d, stride_out = ints
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [4, 1, 1], [2, 1, 0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -181,7 +237,7 @@ def _tile(
     d_steps = d_base + (wrow0 + 16 * rb + lane // 4 + 8 * (slot % 2)) * stride_d  # + t
     mma_rows = wrow0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     weights = (w_steps, d_steps, 8 * (slot // 2), d_base + mma_rows * stride_d + KT)
-    acc = _kloop(ring, weights, gl.zeros([64, WIDTH], gl.float32, mma), fragment, KT, NS)
+    acc = _kloop(ring, weights, gl.zeros([64, WIDTH], gl.float32, mma), step0, fragment, KT, NS)
     slots = pid_m * BN + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, mma))
     acc = acc * gl.load(a_scale_ptr + slots)[None, :]
     if GATED:
@@ -218,14 +274,29 @@ def _tile(
 
 
 @gluon.jit
-def _producer(ring, KT: gl.constexpr, NS: gl.constexpr):
-    """The activation tiles through the ring, each stage once both math partitions handed it back."""
-    a_desc, a_smem, ready, row0, empty = ring
-    for t in range(KT):
-        s = t % NS
-        mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [row0, t * STEP_K], ready.index(s), a_smem.index(s))
+def _producer(
+    ring,
+    num_blocks_ptr,
+    KT: gl.constexpr,
+    NS: gl.constexpr,
+    BN: gl.constexpr,
+    NUM_PID_N: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    """The activation tiles of the program's tiles through the ring, each stage once both math partitions
+    handed it back."""
+    a_desc, a_smem, ready, empty = ring
+    valid_m = gl.load(num_blocks_ptr)
+    step0 = 0
+    for tile in range(gl.program_id(0), valid_m * NUM_PID_N, gl.num_programs(0)):
+        row0 = _tile_of(tile, valid_m, NUM_PID_N, GROUP_M)[0] * BN
+        for t in range(KT):
+            g = step0 + t
+            s = g % NS
+            mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, t * STEP_K], ready.index(s), a_smem.index(s))
+        step0 += KT
 
 
 @gluon.jit
@@ -241,7 +312,6 @@ def _w4a8_gemm(
     num_blocks_ptr,  # int32 [1]
     out_ptr,  # GATED: fp32 h [R, N_ROWS / 2], sorted rows; else y [T*K, N], pair order
     num_pairs,
-    num_pid_m,
     stride_d,
     stride_out,
     KT: gl.constexpr,
@@ -260,26 +330,16 @@ def _w4a8_gemm(
     LOAD_REGISTERS: gl.constexpr,
     NARROW: gl.constexpr,  # blocks at most a quarter or half full run a narrower wgmma (`_math`)
 ):
-    NUM_PID_N: gl.constexpr = N_ROWS // 128
-    pid = gl.program_id(0)  # GROUP_M M-blocks walk one N-tile (its weights stay in L2)
-    width = GROUP_M * NUM_PID_N
-    first_m = (pid // width) * GROUP_M
-    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    if pid_m >= gl.load(num_blocks_ptr):
-        return
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    """Persistent over the tiles (M-block, N-tile) of the valid M-blocks when launched with fewer programs."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [NS, BN, STEP_K], a_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both math partitions
-    ring = (a_desc, a_smem, ready, pid_m * BN, empty)
-    tensors = (w_ptr, d_ptr, a_scale_ptr, b_ptr, route_w_ptr, sorted_pairs_ptr, out_ptr)
-    ints = (expert, pid_m, num_pairs, stride_d, stride_out)
-    wrow0 = pid_n * 128
+    ring = (a_desc, a_smem, ready, empty)
+    tensors = (w_ptr, d_ptr, a_scale_ptr, b_ptr, route_w_ptr, sorted_pairs_ptr, out_ptr, block_expert_ptr)
+    ints = (num_blocks_ptr, num_pairs, stride_d, stride_out)
     gl.warp_specialize(
         [
             (
@@ -288,7 +348,7 @@ def _w4a8_gemm(
                     ring,
                     tensors,
                     ints,
-                    wrow0,
+                    0,
                     KT,
                     BN,
                     NS,
@@ -300,6 +360,7 @@ def _w4a8_gemm(
                     ALPHA,
                     HAS_LIMIT,
                     LIMIT,
+                    GROUP_M,
                     NARROW,
                 ),
             ),
@@ -309,7 +370,7 @@ def _w4a8_gemm(
                     ring,
                     tensors,
                     ints,
-                    wrow0 + 64,
+                    1,
                     KT,
                     BN,
                     NS,
@@ -321,10 +382,11 @@ def _w4a8_gemm(
                     ALPHA,
                     HAS_LIMIT,
                     LIMIT,
+                    GROUP_M,
                     NARROW,
                 ),
             ),
-            (_producer, (ring, KT, NS)),
+            (_producer, (ring, num_blocks_ptr, KT, NS, BN, N_ROWS // 128, GROUP_M)),
         ],
         [MATH_WARPS, 1],
         [MATH_REGISTERS, LOAD_REGISTERS],
