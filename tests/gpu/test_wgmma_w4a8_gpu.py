@@ -60,7 +60,8 @@ SPECS = {
     ),
 }
 DEFAULT, *OTHERS = _wgmma_w4a8()
-CONFIGS = {"default": DEFAULT, f"stages{OTHERS[-1].num_stages}-group{OTHERS[-1].group_m}": OTHERS[-1]}
+DEEPEST = max(OTHERS, key=lambda c: c.num_stages)
+CONFIGS = {"default": DEFAULT, f"stages{DEEPEST.num_stages}-group8": replace(DEEPEST, group_m=8)}
 
 
 # (NARROW_BLOCKS, PERSISTENT): the shipped setting, every block on a 128-row wgmma, a program a tile
