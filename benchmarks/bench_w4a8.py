@@ -5,10 +5,10 @@ Usage:
   python benchmarks/bench_w4a8.py --presets gpt-oss-120b --tokens 1024,4096,16384 \
       --json bench-results/w4a8.json
 
-Per preset and T, the Triton path of both specs (W4A8: `act_quant` FP8 per token or per 1x128 group),
-launched directly: W4A16 with its planned config, W4A8 with the kernel's default, or with `--sweep` every
-config of its tuning space (the best verified one reported; the planner does not choose W4A8 on a GPU
-until this benchmark and the GPU suite have run it, `config.triton_supports`). The
+Per preset and T, the Triton path of both specs (W4A8: `act_quant` FP8 per token, the WGMMA_W4A8 engine
+on sm_90, or per 1x128 group, the tl.dot W4A8 tiles the planner does not take on a GPU), launched
+directly on the weights each spec's `prepare_weights` makes: W4A16 with its planned config, W4A8 with the
+kernel's default, or with `--sweep` every config of its tuning space (the best verified one reported). The
 whole layer (routing included) graph-timed with L2 flushed, each output checked against its own spec's
 reference (poisoned first), and both outputs' rel L2 against the exact layer (fp32 reference on the
 dequantized weights, activations unquantized): the error W4A8 adds, next to W4A16's.
@@ -78,7 +78,7 @@ def main() -> int:
     p.add_argument("--tokens", default="1024,4096,8192,16384")
     p.add_argument(
         "--act-quant",
-        default=ActivationQuant.FP8_PER_GROUP_128.value,
+        default=ActivationQuant.FP8_PER_TOKEN.value,
         choices=[q.value for q in ActivationQuant][1:],
     )
     p.add_argument("--sweep", action="store_true", help="time every W4A8 config of the tuning space")

@@ -80,7 +80,8 @@ def triton_supports(spec: MoESpec, *, device: DeviceInfo | None = None) -> str |
         if engine_reason is not None:
             return (
                 f"W4A8 (MXFP4 weights, FP8 activations) runs on CUDA on the WGMMA_W4A8 engine only, which "
-                f"cannot compute this spec: {engine_reason}; drop act_quant for the W4A16 path"
+                f"cannot compute this spec: {engine_reason}; the engine takes act_quant=FP8_PER_TOKEN, or "
+                f"drop act_quant for the W4A16 path"
             )
     return reason
 

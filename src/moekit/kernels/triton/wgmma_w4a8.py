@@ -15,6 +15,7 @@ load by the kernel's `prepare_weights`).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -29,7 +30,7 @@ from moekit.kernels.triton.sum_k import sum_top_k
 from moekit.kernels.triton.wgmma_fp8 import multiprocessors
 from moekit.routing import RoutingResult
 from moekit.spec import ActivationQuant, GateLayout, MoESpec, RouterWeightPlacement, WeightFormat
-from moekit.weights import ExpertWeights
+from moekit.weights import ExpertWeights, WeightPacking, gate_layout_permutation
 
 BLOCK_M = 128  # sorted rows a program (the wgmma's N) and the alignment's block
 STAGES = range(2, 7)  # activation tiles in flight: 16 KiB a stage
@@ -82,10 +83,6 @@ def wgmma_w4a8_reason(spec: MoESpec) -> str | None:
 
 def pack_weights(weights: ExpertWeights) -> ExpertWeights:
     """CHECKPOINT MXFP4 weights -> MXFP4_W4A8 (w13's rows interleaved gate/up, as the kernel reads them)."""
-    from dataclasses import replace
-
-    from moekit.weights import WeightPacking, gate_layout_permutation
-
     w13, s13 = weights.w13, weights.w13_scale
     if weights.gate_layout is not GateLayout.INTERLEAVED:
         perm = gate_layout_permutation(weights.I, source=weights.gate_layout, target=GateLayout.INTERLEAVED)

@@ -3,10 +3,13 @@ against per-token FP8 activation rows in the alignment's sorted order, on FP8 wg
 gated activation of gate/up row pairs -> h in fp32, sorted rows) and GEMM2 (-> y in bf16, pair order,
 times the router weight) are the same kernel.
 
-A program: 128 weight rows (the wgmma's M, register A) x BN sorted rows of one M-block (its N, B through
-a TMA ring). Three partitions: two math warpgroups of 64 weight rows each and a one-warp TMA producer.
-The math partitions hand each stage back through `empty` barriers, so they drift apart and one's
-promotion runs under the other's wgmma.
+A tile: 128 weight rows (the wgmma's M, register A) x BN sorted rows of one M-block (its N, B through a
+TMA ring). A program walks the tiles its id strides over (one program an SM when the host launches
+fewer programs than tiles), the ring's steps counted across tiles, so the next tile's rows load under the
+last one's epilogue. Three partitions: two math warpgroups of 64 weight rows each and a one-warp TMA
+producer. The math partitions hand each stage back through `empty` barriers, so they drift apart and
+one's promotion runs under the other's wgmma. A block at most a quarter or half full runs its wgmma on
+its first BN / 4 or BN / 2 rows (NARROW).
 
 K-loop (`_kloop`), steps in pairs: both steps' words decode against one reference scale a row (the
 largest of their 8 groups, packed offline with each group's drop below it), so both wgmmas accumulate into
