@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 )
 from w4a8_lut_probe import _scale_max, checked_report, dense_fp8_report  # noqa: E402
 
+from moekit.formats import mxfp4_w4a8  # noqa: E402
 from moekit.kernels.triton._details.w4a8_decode import _fragment, _table_bytes  # noqa: E402
 
 WROWS = gl.constexpr(128)  # weight rows a program: 8 row blocks of 16, one a warp
@@ -55,12 +56,8 @@ WORDS = gl.constexpr(8)  # words a thread a step: 4 groups x rows g and g + 8
 
 def pack_fragment_words(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes [N, K] (N % 16 == 0, K % 128 == 0) -> int32 words [N / 16, K / 128, 32, 8] in the
-    fragment order of the module docstring."""
-    n, k = codes.shape
-    c = codes.reshape(n // 16, 2, 8, k // 128, 4, 2, 4, 4)  # rb, h, g, t, c, kh, q, byte
-    c = c.permute(0, 3, 2, 6, 4, 1, 5, 7)  # rb, t, g, q, c, h, kh, byte
-    words = w4a8_lut.pack_words(c.reshape(-1, 8))
-    return words.reshape(n // 16, k // 128, 32, 8)
+    fragment order of the module docstring (the engine's packing, `moekit.formats.mxfp4_w4a8`)."""
+    return mxfp4_w4a8._pack_words(mxfp4_w4a8._fragment_order(codes))
 
 
 @gluon.jit
