@@ -143,6 +143,8 @@ class ExpertWeights:
         w4a8 = self.packing is WeightPacking.MXFP4_W4A8
         if (words or w4a8) and fmt is not WeightFormat.MXFP4:
             raise LayoutMismatchError(f"{self.packing.name} packing is for MXFP4 weights, got {fmt.name}")
+        if (self.b13 is None) != (self.b2 is None):
+            raise ShapeError("give both biases b13 and b2, or neither")
         if w4a8:
             self._check_w4a8_structure()
             return
@@ -155,8 +157,6 @@ class ExpertWeights:
             raise ShapeError(f"w13 must have 2I rows (gate and up), got {self.w13.shape[1]} rows")
         if self.w13.shape[0] != self.w2.shape[0]:
             raise ShapeError(f"w13 has {self.w13.shape[0]} experts but w2 has {self.w2.shape[0]}")
-        if (self.b13 is None) != (self.b2 is None):
-            raise ShapeError("give both biases b13 and b2, or neither")
         if fmt is WeightFormat.FP8_E4M3:
             if not isinstance(self.fp8_scale, Fp8Scale):
                 raise DTypeError(f"FP8 weights need fp8_scale (an Fp8Scale), got {self.fp8_scale!r}")
@@ -195,8 +195,6 @@ class ExpertWeights:
             raise ShapeError("MXFP4_W4A8 weights need hidden_size (H): w2's rows are padded")
         if self.w13_scale is None or self.w2_scale is None:
             raise FormatError("MXFP4_W4A8 weights need both w13_scale and w2_scale (drops and factors)")
-        if (self.b13 is None) != (self.b2 is None):
-            raise ShapeError("give both biases b13 and b2, or neither")
         e, i = self.w13.shape[0], self.w13.shape[1] * 8
         expected = self.expected_shapes(num_experts=e, hidden=self.hidden_size, intermediate=i)
         for name in ("w13", "w2", "w13_scale", "w2_scale"):

@@ -401,8 +401,5 @@ class TritonMoEConfig(KernelConfig):
 MXFP4_PREFILL_TILES = TritonMoEConfig(
     block_m=128, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, gemm2_block_n=128
 )
-# The tl.dot tiles a WGMMA_W4A8 plan runs on weights not packed for it (CHECKPOINT packing): the regime
-# of 16 - 96 tokens an expert's W4A8 default, one MX group a K-step (always exact).
-W4A8_TL_DOT_TILES = TritonMoEConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=4)
 # The tl.dot tiles a MMA_WORDS_DECODE plan runs (its split_k kept) on weights that kept CHECKPOINT packing.
 MXFP4_DECODE_TILES = TritonMoEConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)

@@ -31,7 +31,7 @@ from moekit.kernels.triton.tuning import default_config, tuning_space
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_workspace_bytes
 from moekit.kernels.triton.wgmma_w4a8 import pack_weights, wgmma_w4a8_reason, wgmma_w4a8_workspace_bytes
 from moekit.kernels.triton.wgmma_words import wgmma_words_workspace_bytes
-from moekit.spec import ActivationQuant, MoESpec, WeightFormat
+from moekit.spec import MoESpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
 
 
@@ -41,10 +41,10 @@ def n_major(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _w4a8_engine_takes(weights: ExpertWeights, spec: MoESpec) -> bool:
-    """Whether W4A8 `spec` runs the WGMMA_W4A8 engine on these weights: on an sm_90 GPU, where the
-    engine computes the spec."""
+    """Whether `spec` runs the WGMMA_W4A8 engine on these weights: on an sm_90 GPU, where the engine
+    computes the spec (W4A8 with per-token scales)."""
     on_hopper = weights.device.type == "cuda" and torch.cuda.get_device_capability(weights.device) == (9, 0)
-    return on_hopper and spec.act_quant is not ActivationQuant.NONE and wgmma_w4a8_reason(spec) is None
+    return on_hopper and wgmma_w4a8_reason(spec) is None
 
 
 def _packed_for_w4a8(weights: ExpertWeights) -> ExpertWeights:

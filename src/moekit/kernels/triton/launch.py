@@ -30,7 +30,6 @@ from moekit.kernels.triton.align import BlockList, gemm_blocks
 from moekit.kernels.triton.config import (
     MXFP4_DECODE_TILES,
     MXFP4_PREFILL_TILES,
-    W4A8_TL_DOT_TILES,
     MatmulEngine,
     TritonMoEConfig,
     triton_supports,
@@ -38,6 +37,7 @@ from moekit.kernels.triton.config import (
 from moekit.kernels.triton.pdl import pdl_args
 from moekit.kernels.triton.quantize import quantize_rows
 from moekit.kernels.triton.sum_k import sum_shares
+from moekit.kernels.triton.tuning import default_config
 from moekit.kernels.triton.weight_args import WeightArgs, stride_or_zero
 from moekit.kernels.triton.wgmma_bf16 import (
     gemm2_blocks,
@@ -235,7 +235,7 @@ def triton_fused_moe(
         tiles = dict(num_stages=config.num_stages, group_m=config.group_m)
         return wgmma_w4a8_moe(x, weights, routing, spec=spec, **tiles, expert_map=expert_map, out=out)
     if config.engine is MatmulEngine.WGMMA_W4A8:  # weights not packed for it (`kernel.prepare_weights`)
-        config = W4A8_TL_DOT_TILES
+        config = default_config(spec, num_tokens)  # the tl.dot W4A8 tiles of the regime (not Hopper's)
     if config.engine is MatmulEngine.WGMMA_FP8:
         return wgmma_fp8_moe(
             x,

@@ -115,7 +115,7 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _fp8_rows(tensor: torch.Tensor, rows: int):
+def fp8_rows(tensor: torch.Tensor, rows: int):
     """A TMA descriptor of fp8 `tensor` [R, C] read in [rows, 128] tiles."""
     gluon = _gluon_hopper()
     block = [rows, TILE_K]
@@ -143,7 +143,7 @@ def wgmma_fp8_moe(
     aligned = align_routing(
         routing.ids, num_local_experts=spec.E_local, block_m=GEMM1_ROWS, expert_map=expert_map
     )
-    xq, xs = _sorted_fp8_rows(x if x.stride(1) == 1 else x.contiguous(), aligned, spec=spec)
+    xq, xs = sorted_fp8_rows(x if x.stride(1) == 1 else x.contiguous(), aligned, spec=spec)
     rows = xq.shape[0]
     h = torch.empty(rows, spec.I, dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty(rows, spec.I // TILE_K, dtype=torch.float32, device=x.device)
@@ -160,8 +160,8 @@ def wgmma_fp8_moe(
     # Persistent: a program an SM (at most one a tile); the tiles it walks are counted on the device.
     grid = min(blocks.max_blocks * (spec.H // TILE_N), multiprocessors(x.device))
     gluon.gemm2[(grid,)](
-        h_desc=_fp8_rows(h, blocks.block_m),  # fp8 [R, I]
-        w_desc=_fp8_rows(weights.w2.reshape(-1, spec.I), TILE_N),  # fp8 [E_local * H, I]
+        h_desc=fp8_rows(h, blocks.block_m),  # fp8 [R, I]
+        w_desc=fp8_rows(weights.w2.reshape(-1, spec.I), TILE_N),  # fp8 [E_local * H, I]
         h_scale_ptr=hs,  # fp32 [R, I/128]
         w_scale_ptr=s2,
         sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [R]
@@ -205,8 +205,8 @@ def _gemm1(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tall: 
             num_pid_m=aligned.max_blocks,
         )
     kernel[(block_args["num_pid_m"] * (spec.I // TILE_N),)](
-        x_desc=_fp8_rows(xq, rows),  # fp8 [R, H]
-        w_desc=_fp8_rows(weights.w13.reshape(-1, spec.H), w_rows),  # fp8 [E_local * 2I, H]
+        x_desc=fp8_rows(xq, rows),  # fp8 [R, H]
+        w_desc=fp8_rows(weights.w13.reshape(-1, spec.H), w_rows),  # fp8 [E_local * 2I, H]
         x_scale_ptr=xs,  # fp32 [R, H/128]
         w_scale_ptr=s13,
         h_ptr=h,  # fp8 [R, I]
@@ -232,15 +232,17 @@ def block_scale_strides(scales: torch.Tensor) -> dict:
     return dict(stride_wse=scales.stride(0), stride_wsn=scales.stride(1), stride_wsk=scales.stride(2))
 
 
-def _sorted_fp8_rows(
+def sorted_fp8_rows(
     x: torch.Tensor, aligned: AlignedRouting, *, spec: MoESpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's per-1x128 FP8 codes [R, H] and scales [R, H/128] in the alignment's sorted rows (each token
-    quantized once, stored at each of its kept pairs' rows; padding rows left unwritten)."""
+    """x's FP8 codes [R, H] and scales [R, H/128] (per 1x128 group) or [R, 1] (per token, as
+    `spec.act_quant` says) in the alignment's sorted rows (each token quantized once, stored at each of
+    its kept pairs' rows; padding rows left unwritten)."""
     rows = aligned.max_blocks * aligned.block_m
+    per_token = spec.act_quant is ActivationQuant.FP8_PER_TOKEN
+    groups = 1 if per_token else spec.H // TILE_K
     xq = torch.empty(rows, spec.H, dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty(rows, spec.H // TILE_K, dtype=torch.float32, device=x.device)
-    groups = spec.H // TILE_K
+    xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     groups_per_program = min(8, triton.next_power_of_2(groups))
     _quant_fp8_groups_sorted[(x.shape[0], triton.cdiv(groups, groups_per_program))](
         **pdl_args(x.device),
@@ -248,12 +250,13 @@ def _sorted_fp8_rows(
         pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
         pair_rows_ptr=pair_rows(aligned),  # int32 [T*K]
         dst_ptr=xq,  # fp8 [R, H]
-        scale_ptr=xs,  # fp32 [R, H/128]
+        scale_ptr=xs,  # fp32 [R, groups]
         NUM_COLS=spec.H,
         stride_src=x.stride(0),
         stride_dst=xq.stride(0),
         stride_scale=xs.stride(0),
         TOP_K=spec.K,
         GROUPS=groups_per_program,
+        GROUP_COLS=triton.next_power_of_2(spec.H) if per_token else TILE_K,
     )
     return xq, xs

@@ -3,7 +3,8 @@ layer is compute-bound and FP8 tensor cores run twice bf16's rate (`_details.wgm
 
 Data flow of `wgmma_w4a8_moe` (no host sync; graph-capturable):
   ids -> `align_routing` at BLOCK_M rows
-  x -> `_quant_fp8_rows_sorted`: each token's FP8 codes (one scale a token) into the sorted rows of its pairs
+  x -> `wgmma_fp8.sorted_fp8_rows`: each token's FP8 codes (one scale a token) into the sorted rows of its
+     pairs
   -> GEMM1 (GATED) -> h fp32 [R, I] in the sorted rows (fp32: the reference quantizes h from fp32; a bf16
      rounding first would move codes)
   -> `quantize_rows` per token -> FP8 h [R, I] + scales
@@ -19,15 +20,12 @@ from dataclasses import replace
 
 import torch
 
-import triton
 from moekit.formats import mxfp4_w4a8
 from moekit.kernels.triton._details.codes import ACTIVATION_CODE
-from moekit.kernels.triton._details.quant import _quant_fp8_rows_sorted
-from moekit.kernels.triton.align import align_routing, max_blocks_bound, pair_rows
-from moekit.kernels.triton.pdl import pdl_args
+from moekit.kernels.triton.align import align_routing, max_blocks_bound
 from moekit.kernels.triton.quantize import quantize_rows
 from moekit.kernels.triton.sum_k import sum_top_k
-from moekit.kernels.triton.wgmma_fp8 import multiprocessors
+from moekit.kernels.triton.wgmma_fp8 import fp8_rows, multiprocessors, sorted_fp8_rows
 from moekit.routing import RoutingResult
 from moekit.spec import ActivationQuant, GateLayout, MoESpec, RouterWeightPlacement, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking, gate_layout_permutation
@@ -47,14 +45,12 @@ PERSISTENT = True
 
 @functools.cache
 def _kernel():
-    """The Gluon GEMM and the TMA descriptor type, or None where this Triton has no Gluon Hopper support."""
+    """The Gluon GEMM, or None where this Triton has no Gluon Hopper support."""
     try:
         from moekit.kernels.triton._details import wgmma_w4a8
-        from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError:
         return None
-    return wgmma_w4a8._w4a8_gemm, TensorDescriptor, gl
+    return wgmma_w4a8._w4a8_gemm
 
 
 def wgmma_w4a8_reason(spec: MoESpec) -> str | None:
@@ -109,14 +105,6 @@ def wgmma_w4a8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
     return rows * (spec.H + 5 * spec.I + 12) + y + 20 * pairs + 4 * rows
 
 
-def _descriptor(tensor: torch.Tensor):
-    """TMA descriptor of fp8 rows [R, C] read in [BLOCK_M, 128] tiles (columns past C read as zeros)."""
-    _, descriptor_type, gl = _kernel()
-    block = [BLOCK_M, mxfp4_w4a8.STEP_K]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-    return descriptor_type.from_tensor(tensor, block, layout)
-
-
 def _grid(tiles: int, device: torch.device) -> tuple[int]:
     """Programs for at most `tiles` tiles (the valid ones are counted on the device)."""
     return (min(tiles, multiprocessors(device)) if PERSISTENT else tiles,)
@@ -135,27 +123,13 @@ def wgmma_w4a8_moe(
 ) -> torch.Tensor:
     """The MoE layer of `spec` into `out` [T, H] (T > 0); the caller checked the inputs, the spec
     (`wgmma_w4a8_reason`), the weights' packing (MXFP4_W4A8) and the device (sm_90)."""
-    gemm = _kernel()[0]
+    gemm = _kernel()
     aligned = align_routing(
         routing.ids, num_local_experts=spec.E_local, block_m=BLOCK_M, expert_map=expert_map
     )
-    x = x if x.stride(1) == 1 else x.contiguous()
-    rows = aligned.max_blocks * BLOCK_M
-    xq = torch.empty(rows, spec.H, dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _quant_fp8_rows_sorted[(x.shape[0],)](
-        **pdl_args(x.device),
-        src_ptr=x,  # [T, H]
-        pair_expert_ptr=aligned.pair_expert,  # int32 [T*K]
-        pair_rows_ptr=pair_rows(aligned),  # int32 [T*K]
-        dst_ptr=xq,  # fp8 [R, H]
-        scale_ptr=xs,  # fp32 [R]
-        NUM_COLS=spec.H,
-        stride_src=x.stride(0),
-        stride_dst=xq.stride(0),
-        TOP_K=spec.K,
-        BLOCK=min(1024, triton.next_power_of_2(spec.H)),
-    )
+    # TMA reads [BLOCK_M, 128] tiles of the FP8 rows: columns past H or I read as zeros
+    xq, xs = sorted_fp8_rows(x if x.stride(1) == 1 else x.contiguous(), aligned, spec=spec)
+    rows = xq.shape[0]
     act = spec.activation
     common = dict(
         route_w_ptr=routing.weights.contiguous().view(-1),  # fp32 [T*K]
@@ -178,8 +152,8 @@ def wgmma_w4a8_moe(
     )
     h = torch.empty(rows, spec.I, dtype=torch.float32, device=x.device)
     gemm[_grid(aligned.max_blocks * (2 * spec.I // 128), x.device)](
-        a_desc=_descriptor(xq),
-        a_scale_ptr=xs,
+        a_desc=fp8_rows(xq, BLOCK_M),
+        a_scale_ptr=xs,  # fp32 [R, 1]
         w_ptr=weights.w13,  # int32 [E, 2I/16, KT, 32, 8]
         d_ptr=weights.w13_scale,  # int32 [E, 2I, KT + R]
         b_ptr=weights.b13,  # [E, 2I] or None
@@ -197,7 +171,7 @@ def wgmma_w4a8_moe(
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     n_rows = mxfp4_w4a8.padded_rows(spec.H)
     gemm[_grid(aligned.max_blocks * (n_rows // 128), x.device)](
-        a_desc=_descriptor(hq),
+        a_desc=fp8_rows(hq, BLOCK_M),
         a_scale_ptr=hs,  # fp32 [R, 1]
         w_ptr=weights.w2,  # int32 [E, H'/16, KT, 32, 8]
         d_ptr=weights.w2_scale,  # int32 [E, H', KT + R]

@@ -121,14 +121,16 @@ def _quant_fp8_groups_sorted(
     TOP_K: tl.constexpr,
     GROUPS: tl.constexpr,
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
+    GROUP_COLS: tl.constexpr = 128,  # 1x128 groups; per token: one group of a power of two >= C columns
 ):
     """`_quant_fp8_groups` of token t (program (t, g)), stored into the sorted row of each of its kept
     pairs: the grouped GEMM then reads its rows whole (TMA), and each token is read and quantized once.
-    Padding rows are not written: a row's products never reach another row, and no kernel stores them."""
+    Padding rows are not written: a row's products never reach another row, and no kernel stores them.
+    With GROUP_COLS >= C and GROUPS 1, one scale a token (`_quant_fp8_rows`' codes and scale)."""
     _pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    cols = groups[:, None] * GROUP_COLS + tl.arange(0, GROUP_COLS)[None, :]
     mask = cols < NUM_COLS
     v = tl.load(src_ptr + token * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
     codes, scale = _fp8_group_codes(v)
@@ -137,55 +139,13 @@ def _quant_fp8_groups_sorted(
         kept = tl.load(pair_expert_ptr + pair) >= 0
         row = tl.load(pair_rows_ptr + pair, mask=kept, other=0).to(tl.int64)
         tl.store(dst_ptr + row * stride_dst + cols, codes, mask=mask & kept)
-        tl.store(scale_ptr + row * stride_scale + groups, scale, mask=(groups * 128 < NUM_COLS) & kept)
-
-
-@triton.jit
-def _quant_fp8_rows_sorted(
-    src_ptr,  # [T, C] float rows (tokens)
-    pair_expert_ptr,  # int32 [T*K]: local expert of each pair, -1 if dropped
-    pair_rows_ptr,  # int32 [T*K]: sorted row of each kept pair
-    dst_ptr,  # float8_e4m3fn [R, C]
-    scale_ptr,  # fp32 [R]
-    NUM_COLS: tl.constexpr,
-    stride_src,
-    stride_dst,
-    TOP_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
-):
-    """`_quant_fp8_rows` of token t (program t), stored into the sorted row of each of its kept pairs, as
-    `_quant_fp8_groups_sorted` does per 1x128 group (padding rows not written)."""
-    _pdl_prologue(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c in range(0, NUM_COLS, BLOCK):
-        cols = c + offs
-        v = tl.load(src_ptr + token * stride_src + cols, mask=cols < NUM_COLS, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = _fp8_scale(tl.max(amax, axis=0))
-    for c in range(0, NUM_COLS, BLOCK):
-        cols = c + offs
-        mask = cols < NUM_COLS
-        v = tl.load(src_ptr + token * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
-        codes = _fp8_codes(v, scale)
-        for k in tl.static_range(TOP_K):
-            pair = token * TOP_K + k
-            kept = tl.load(pair_expert_ptr + pair) >= 0
-            row = tl.load(pair_rows_ptr + pair, mask=kept, other=0).to(tl.int64)
-            tl.store(dst_ptr + row * stride_dst + cols, codes, mask=mask & kept)
-    for k in tl.static_range(TOP_K):
-        pair = token * TOP_K + k
-        kept = tl.load(pair_expert_ptr + pair) >= 0
-        row = tl.load(pair_rows_ptr + pair, mask=kept, other=0).to(tl.int64)
-        tl.store(scale_ptr + row, scale, mask=kept)
+        tl.store(scale_ptr + row * stride_scale + groups, scale, mask=(groups * GROUP_COLS < NUM_COLS) & kept)
 
 
 @triton.jit
 def _fp8_group_codes(v):
-    """fp32 [R, 128] (one 1x128 group a row; zeros where a row has no value) -> (float8_e4m3fn codes
-    [R, 128], fp32 scales [R]) exactly as moekit.formats: scale = max(amax / 448, tiny), 1 if amax == 0.
+    """fp32 [R, G] (one group a row; zeros where a row has no value) -> (float8_e4m3fn codes
+    [R, G], fp32 scales [R]) exactly as moekit.formats: scale = max(amax / 448, tiny), 1 if amax == 0.
     Shared by the quantization pass and GEMM1's epilogue (`gemm._moe_gemm1` with QUANT_H)."""
     scale = _fp8_scale(tl.max(tl.abs(v), axis=1))
     return _fp8_codes(v, scale[:, None]), scale

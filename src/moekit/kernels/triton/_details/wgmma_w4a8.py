@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from moekit.kernels.triton._details.activation import _gated_activation
 from moekit.kernels.triton._details.w4a8_decode import STEP_K, _fragment, _table_bytes
+from moekit.kernels.triton._details.wgmma_words import _tile_of
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -109,16 +110,6 @@ def _kloop(ring, weights, zero, step0, fragment: gl.constexpr, KT: gl.constexpr,
 
 
 @gluon.jit
-def _tile_of(tile, num_pid_m, NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """(M-block, 128-row N-tile) of tile index `tile`: GROUP_M M-blocks walk one N-tile (its weights stay in
-    L2), the M-blocks of one expert next to each other."""
-    width = GROUP_M * NUM_PID_N
-    first_m = (tile // width) * GROUP_M
-    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % width) % size_m, (tile % width) // size_m
-
-
-@gluon.jit
 def _math(
     ring,
     tensors,
@@ -158,46 +149,16 @@ def _math(
             pid_n * 128 + 64 * half,
             step0,
         )
-        if not NARROW:
-            _tile(
-                *args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
-            )
-        elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 4) >= num_pairs:
-            _tile(
-                *args,
-                KT,
-                BN,
-                BN // 4,
-                NS,
-                N_ROWS,
-                N_OUT,
-                GATED,
-                INTERLEAVED,
-                ACTIVATION,
-                ALPHA,
-                HAS_LIMIT,
-                LIMIT,
-            )
-        elif gl.load(sorted_pairs_ptr + pid_m * BN + BN // 2) >= num_pairs:
-            _tile(
-                *args,
-                KT,
-                BN,
-                BN // 2,
-                NS,
-                N_ROWS,
-                N_OUT,
-                GATED,
-                INTERLEAVED,
-                ACTIVATION,
-                ALPHA,
-                HAS_LIMIT,
-                LIMIT,
-            )
+        # NARROW is a constexpr: without it the first two branches are not compiled at all.
+        if NARROW and gl.load(sorted_pairs_ptr + pid_m * BN + BN // 4) >= num_pairs:
+            _tile(*args, KT, BN, BN // 4, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT,
+                  LIMIT)  # fmt: skip
+        elif NARROW and gl.load(sorted_pairs_ptr + pid_m * BN + BN // 2) >= num_pairs:
+            _tile(*args, KT, BN, BN // 2, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT,
+                  LIMIT)  # fmt: skip
         else:
-            _tile(
-                *args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT
-            )
+            _tile(*args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT,
+                  LIMIT)  # fmt: skip
         step0 += KT
 
 

@@ -25,13 +25,19 @@ from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
-def _tile(num_pid_m, NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """(M-block, 128-row N-tile) of this program: GROUP_M M-blocks walk one N-tile (its weights stay in L2)"""
-    pid = gl.program_id(0)
+def _tile_of(tile, num_pid_m, NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(M-block, 128-row N-tile) of tile index `tile`: GROUP_M M-blocks walk one N-tile (its weights stay in
+    L2), the M-blocks of one expert next to each other."""
     width = GROUP_M * NUM_PID_N
-    first_m = (pid // width) * GROUP_M
+    first_m = (tile // width) * GROUP_M
     size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % width) % size_m, (pid % width) // size_m
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+
+@gluon.jit
+def _tile(num_pid_m, NUM_PID_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """`_tile_of` this program."""
+    return _tile_of(gl.program_id(0), num_pid_m, NUM_PID_N, GROUP_M)
 
 
 @gluon.jit
