@@ -48,6 +48,7 @@ CONFIGS = {
     # GEMM1 on the 128-row blocks: two passes over K a program, an expert's odd last 64 rows on one
     # warpgroup while the other only hands the ring's stages back.
     "tall": WGMMA_FP8_TALL,
+    "tall-stages3": replace(WGMMA_FP8_TALL, num_stages=3),
     "tall-stages4-group1": replace(WGMMA_FP8_TALL, num_stages=4, group_m=1),
     # the shallowest ring either GEMM1 runs (each math warpgroup holds both of its stages at once)
     "stages2": replace(WGMMA_FP8_DEFAULT, num_stages=2),
@@ -131,6 +132,21 @@ def test_cuda_graph_capture_and_replay():
         for seed, static_out, x, routing in replays:
             expected = fused_moe_reference(x, weights, routing, spec=spec)
             _assert_close(static_out, expected, spec, f"seed {seed} {config}")
+
+
+@pytest.mark.parametrize("t", [300, 2000])
+def test_almost_zero_activation_groups(t):
+    # Groups 2^-110 below their token's other groups: every promotion stays within fp32's range.
+    spec = SPECS["deepseek-v3-e16"]
+    weights = _gpu_weights(spec, seed=6)
+    _, x, routing = _spec_inputs("deepseek-v3-e16", t, seed=t)
+    x = x.clone()
+    x[::3, 128:256] *= 2.0**-110
+    x[1::3, -128:] *= 2.0**-110
+    x[2::3, :128] *= 2.0**-110
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    for config in (WGMMA_FP8_DEFAULT, WGMMA_FP8_TALL):
+        _assert_close(_run(spec, weights, x, routing, config), expected, spec, f"tiny groups T={t} {config}")
 
 
 def test_full_deepseek_shape_matches_reference():
