@@ -151,7 +151,7 @@ def compile_for_hopper(
 
 
 def compile_wgmma_fp8_for_hopper(
-    gemm: int, *, stages: int | None = None, hidden=7168, inter=2048, gemm1_rows: int = 64, wide: bool = False
+    gemm: int, *, stages: int | None = None, hidden=7168, inter=2048, gemm1_rows: int = 64
 ):
     """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1 on 64-row blocks, or on 128 with `gemm1_rows`=128;
     2 on 128) compiled for sm_90 at a layer's H and I, with the launcher's register budgets, at ring
@@ -159,13 +159,7 @@ def compile_wgmma_fp8_for_hopper(
     from triton.experimental.gluon import language as gl
 
     from moekit.kernels.triton import wgmma_fp8 as host
-    from moekit.kernels.triton._details import (
-        codes,
-        wgmma_fp8_gemm1,
-        wgmma_fp8_gemm1_tall,
-        wgmma_fp8_gemm1_wide,
-        wgmma_fp8_gemm2,
-    )
+    from moekit.kernels.triton._details import codes, wgmma_fp8_gemm1, wgmma_fp8_gemm1_tall, wgmma_fp8_gemm2
     from moekit.kernels.triton.config import WGMMA_FP8_GEMM1_STAGES
 
     def descriptor(block: list[int]) -> str:
@@ -188,11 +182,9 @@ def compile_wgmma_fp8_for_hopper(
     if gemm == 1:
         tall = gemm1_rows == 2 * host.GEMM1_ROWS
         fn = wgmma_fp8_gemm1_tall._fp8_gemm1_tall if tall else wgmma_fp8_gemm1._fp8_gemm1
-        if tall and wide:
-            fn = wgmma_fp8_gemm1_wide._fp8_gemm1_wide
         pointers = dict(
             x_desc=descriptor([gemm1_rows, host.TILE_K]),
-            w_desc=descriptor([host.TILE_N // 2, host.TILE_K]) if tall and not wide else weight,
+            w_desc=descriptor([host.TILE_N // 2, host.TILE_K]) if tall else weight,
             x_scale_ptr="*fp32",
             w_scale_ptr="*fp32",
             h_ptr="*fp8e4nv",

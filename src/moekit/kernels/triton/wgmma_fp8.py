@@ -46,10 +46,6 @@ LOAD_REGISTERS = 40
 # shorter than 4 for DeepSeek-V3 at T = 4096 / 8192 / 16384 and E 128 / H 4096 / I 1536 at T = 4096 /
 # 16384; 6 (213 KiB) was no shorter than 5.
 GEMM2_STAGES = 5
-# The 128-row GEMM1 on 128 x (128 gate + 128 up) tiles, promoted in place (`wgmma_fp8_gemm1_wide`), at
-# most 4 stages of 48 KiB; else on 128 x (64 + 64) tiles in two passes (`wgmma_fp8_gemm1_tall`).
-GEMM1_WIDE = False
-WIDE_STAGES = 4
 
 
 @dataclass(frozen=True)
@@ -60,7 +56,6 @@ class _Gluon:
     tensor_descriptor: type  # host-side TMA descriptor
     gemm1: object  # `_details.wgmma_fp8_gemm1._fp8_gemm1`
     gemm1_tall: object  # `_details.wgmma_fp8_gemm1_tall._fp8_gemm1_tall`
-    gemm1_wide: object  # `_details.wgmma_fp8_gemm1_wide._fp8_gemm1_wide`
     gemm2: object  # `_details.wgmma_fp8_gemm2._fp8_gemm2`
 
 
@@ -68,12 +63,7 @@ class _Gluon:
 def _gluon_hopper() -> _Gluon | None:
     """The Gluon kernels and descriptor type, or None where this Triton has no Gluon Hopper support."""
     try:
-        from moekit.kernels.triton._details import (
-            wgmma_fp8_gemm1,
-            wgmma_fp8_gemm1_tall,
-            wgmma_fp8_gemm1_wide,
-            wgmma_fp8_gemm2,
-        )
+        from moekit.kernels.triton._details import wgmma_fp8_gemm1, wgmma_fp8_gemm1_tall, wgmma_fp8_gemm2
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError:
@@ -83,7 +73,6 @@ def _gluon_hopper() -> _Gluon | None:
         TensorDescriptor,
         wgmma_fp8_gemm1._fp8_gemm1,
         wgmma_fp8_gemm1_tall._fp8_gemm1_tall,
-        wgmma_fp8_gemm1_wide._fp8_gemm1_wide,
         wgmma_fp8_gemm2._fp8_gemm2,
     )
 
@@ -200,11 +189,7 @@ def _gemm1(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tall: 
     h, hs = gemm1_out
     s13 = weights.w13_scale  # fp32 [E_local, 2I/128, H/128]
     if tall:
-        if GEMM1_WIDE:
-            kernel, rows, w_rows = _gluon_hopper().gemm1_wide, 2 * GEMM1_ROWS, TILE_N
-            tuning = dict(tuning, NUM_STAGES=min(tuning["NUM_STAGES"], WIDE_STAGES))
-        else:
-            kernel, rows, w_rows = _gluon_hopper().gemm1_tall, 2 * GEMM1_ROWS, TILE_N // 2
+        kernel, rows, w_rows = _gluon_hopper().gemm1_tall, 2 * GEMM1_ROWS, TILE_N // 2
         block_args = dict(
             block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
             block_start_ptr=blocks.block_start,  # int32 [max_blocks]
