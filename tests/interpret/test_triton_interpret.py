@@ -575,6 +575,50 @@ def test_sorted_quantization_puts_each_pair_in_its_row(t, k, e, e_local):
     assert kept == int((aligned.pair_expert >= 0).sum()) and kept < t * k  # the dropped pair
 
 
+@pytest.mark.parametrize(("t", "k", "e"), [(1, 1, 4), (13, 3, 8)])
+def test_per_token_quantization_of_pair_rows_only(t, k, e):
+    # The W4A8 engine's h: per-token codes and scales of the sorted rows that hold a pair, bit-exact; the
+    # padding rows and the rows past the valid blocks are neither read (NaN there) nor written.
+    gen = torch.Generator().manual_seed(t)
+    ids = torch.randint(0, e, (t, k), generator=gen, dtype=torch.int32)
+    aligned = align_routing(ids, num_local_experts=e, block_m=16)
+    rows, cols = aligned.max_blocks * 16, 200
+    live = torch.zeros(rows, dtype=torch.bool)
+    live[: int(aligned.num_valid_blocks) * 16] = True
+    live &= aligned.sorted_pair_ids.long() < aligned.num_pairs
+    src = torch.randn(rows, cols, generator=gen) * torch.logspace(-2, 2, rows).unsqueeze(1)
+    src[~live] = math.nan
+    codes = torch.full((rows, cols), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN codes
+    scales = torch.full((rows, 1), math.nan)
+    _jit_quant._quant_fp8_rows[(rows,)](
+        src,
+        None,
+        codes,
+        scales,
+        NUM_COLS=cols,
+        stride_src=src.stride(0),
+        stride_dst=codes.stride(0),
+        stride_scale=scales.stride(0),
+        HAS_ROW_MULT=False,
+        BLOCK=256,
+        PDL=False,  # interpreted: no programmatic dependent launch
+        num_blocks_ptr=aligned.num_valid_blocks,
+        ROWS_PER_BLOCK=16,
+        sorted_pairs_ptr=aligned.sorted_pair_ids,
+        num_pairs=aligned.num_pairs,
+    )
+    expected = quantize_fp8_activation(src[live], quant=ActivationQuant.FP8_PER_TOKEN)
+    assert torch.equal(codes[live].view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(scales[live], expected.scale)
+    assert bool((codes[~live].view(torch.uint8) == 0x7F).all()) and bool(scales[~live].isnan().all())
+    assert int(live.sum()) == t * k and bool((~live).any())
+    # The host entry point takes the alignment whole, for per-token scales only.
+    data, scale = quantize_rows(src, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned)
+    assert torch.equal(data[live].view(torch.uint8), expected.data.view(torch.uint8))
+    with pytest.raises(ValueError, match="per-token"):
+        quantize_rows(src, quant=ActivationQuant.FP8_PER_GROUP_128, pair_rows_of=aligned)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------------------

@@ -167,8 +167,9 @@ def wgmma_w4a8_moe(
         GATED=True,
         **common,
     )
-    valid = (aligned.num_valid_blocks, BLOCK_M)  # the rows GEMM1 wrote; GEMM2 reads no other
-    hq, hs = quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, valid_blocks=valid)
+    # The rows of pairs only: GEMM2 computes padding rows' columns from whatever they hold and never stores
+    # them, as GEMM1 does with x's (`sorted_fp8_rows` writes no padding row either).
+    hq, hs = quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
     n_rows = mxfp4_w4a8.padded_rows(spec.H)
     gemm[_grid(aligned.max_blocks * (n_rows // 128), x.device)](
