@@ -419,10 +419,18 @@ def compile_gluon_for_hopper(
     )
 
 
-def compile_wgmma_w4a8_for_hopper(gemm: int, *, hidden: int, inter: int, stages: int = 4, bias: bool = True):
+def compile_wgmma_w4a8_for_hopper(
+    gemm: int,
+    *,
+    hidden: int,
+    inter: int,
+    stages: int = 4,
+    bias: bool = True,
+    decode_under_mma: bool = True,
+):
     """The WGMMA_W4A8 engine's GEMM (`_details.wgmma_w4a8._w4a8_gemm`) as `wgmma_w4a8_moe` launches it for
     GEMM 1 (gated, GPT-OSS's SwiGLU with its limit, gate/up interleaved) or 2 of a layer of `hidden` x
-    `inter`."""
+    `inter` (`decode_under_mma`: the host's DECODE_UNDER_MMA)."""
     from triton.experimental.gluon import language as gl
 
     from moekit.formats import mxfp4_w4a8
@@ -459,6 +467,7 @@ def compile_wgmma_w4a8_for_hopper(gemm: int, *, hidden: int, inter: int, stages:
         MATH_REGISTERS=MATH_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS,
         NARROW=True,
+        DECODE_UNDER_MMA=decode_under_mma,
     )
     if not bias:
         constants["b_ptr"] = None

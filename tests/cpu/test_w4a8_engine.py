@@ -115,6 +115,15 @@ def test_gemms_compile_for_hopper_without_spills():
         assert facts[gemm]["shared"] <= 232448, facts
 
 
+def test_decode_after_the_wait_keeps_each_pairs_wgmmas_pipelined():
+    pytest.importorskip("triton.experimental.gluon")
+    # DECODE_UNDER_MMA off: every K-loop (three widths, two math partitions) waits once a pair of steps,
+    # after its 8 wgmma instructions, with no spill. (On, Triton 3.6's ptxas waits after each of the 8,
+    # C7513.)
+    facts = compiled_json(["-c", _COMPILE_ORDER])
+    assert facts["waits"] == [[0]] * 6 and facts["local_memory_ops"] == 0, facts
+
+
 _COMPILE = """
 import json
 import hopper_compile, sass_report
@@ -123,4 +132,16 @@ for gemm in (1, 2):
     kernel = hopper_compile.compile_wgmma_w4a8_for_hopper(gemm, hidden=2880, inter=2880, stages=6)
     facts[gemm] = dict(sass_report.kernel_facts(kernel), shared=kernel.metadata.shared)
 print(json.dumps(facts))
+"""
+
+
+_COMPILE_ORDER = """
+import json
+import hopper_compile, sass_report
+kernel = hopper_compile.compile_wgmma_w4a8_for_hopper(
+    1, hidden=2880, inter=2880, stages=5, decode_under_mma=False
+)
+loops = sass_report.mma_loops(sass_report.all_instructions(kernel))
+waits = [sass_report.wgmma_waits(loop) for loop in loops]
+print(json.dumps(dict(sass_report.kernel_facts(kernel), waits=waits)))
 """

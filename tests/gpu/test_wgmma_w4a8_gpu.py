@@ -64,21 +64,25 @@ DEEPEST = max(OTHERS, key=lambda c: c.num_stages)
 CONFIGS = {"default": DEFAULT, f"stages{DEEPEST.num_stages}-group8": replace(DEEPEST, group_m=8)}
 
 
-# (NARROW_BLOCKS, PERSISTENT): the shipped setting, every block on a 128-row wgmma, a program a tile
+# (NARROW_BLOCKS, PERSISTENT, DECODE_UNDER_MMA): the shipped setting, every block on a 128-row wgmma, a
+# program a tile, the next pair's decode after the pair's wait
 KERNEL_SETS = {
-    "narrow-persistent": (True, True),
-    "full-width": (False, True),
-    "a-program-a-tile": (True, False),
+    "narrow-persistent": (True, True, True),
+    "full-width": (False, True, True),
+    "a-program-a-tile": (True, False, True),
+    "decode-after-wait": (True, True, False),
 }
 
 
 @pytest.fixture(params=list(KERNEL_SETS))
 def narrow(request, monkeypatch):
     """The kernel's paths: blocks at most a quarter or half full on a narrower wgmma or every block on 128;
-    one program an SM walking its tiles, or a program a tile."""
-    narrow_blocks, persistent = KERNEL_SETS[request.param]
+    one program an SM walking its tiles, or a program a tile; the next pair's decode under the pair's
+    wgmmas or after their wait."""
+    narrow_blocks, persistent, decode_under_mma = KERNEL_SETS[request.param]
     monkeypatch.setattr(wgmma_w4a8_host, "NARROW_BLOCKS", narrow_blocks)
     monkeypatch.setattr(wgmma_w4a8_host, "PERSISTENT", persistent)
+    monkeypatch.setattr(wgmma_w4a8_host, "DECODE_UNDER_MMA", decode_under_mma)
     return request.param
 
 

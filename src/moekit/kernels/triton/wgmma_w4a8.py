@@ -42,6 +42,10 @@ NARROW_BLOCKS = True
 # One program an SM, each walking the tiles (M-block, N-tile) its id strides over, so that a program's next
 # tile is loaded under its last one's epilogue; else a program a tile.
 PERSISTENT = True
+# The next pair of K-steps' decode under the pair's wgmmas, where ptxas serializes every wgmma instruction
+# of the kernel (C7513) - the measured engine; or after the pair's wait, the pair's wgmmas pipelined (no
+# serialization when compiled for sm_90, not yet timed on a GPU).
+DECODE_UNDER_MMA = True
 
 
 @functools.cache
@@ -149,6 +153,7 @@ def wgmma_w4a8_moe(
         MATH_REGISTERS=MATH_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS,
         NARROW=NARROW_BLOCKS,
+        DECODE_UNDER_MMA=DECODE_UNDER_MMA,
         num_warps=4,
     )
     h = torch.empty(rows, spec.I, dtype=torch.float32, device=x.device)

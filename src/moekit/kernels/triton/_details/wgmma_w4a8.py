@@ -77,8 +77,20 @@ def _factors(weights, r):
 
 
 @gluon.jit
-def _kloop(ring, weights, zero, step0, fragment: gl.constexpr, KT: gl.constexpr, NS: gl.constexpr):
-    """The tile's K-loop; its steps are the ring's steps step0 + 0 .. KT - 1."""
+def _kloop(
+    ring,
+    weights,
+    zero,
+    step0,
+    fragment: gl.constexpr,
+    KT: gl.constexpr,
+    NS: gl.constexpr,
+    DECODE_UNDER_MMA: gl.constexpr,
+):
+    """The tile's K-loop; its steps are the ring's steps step0 + 0 .. KT - 1. The next pair's decode runs
+    under the pair's two wgmmas (DECODE_UNDER_MMA; ptxas then waits for each wgmma instruction before the
+    next, C7513: registers of an open wgmma pipeline stage are redefined), or after their wait, the pair's
+    wgmma instructions issued back to back and the decode under the other math partition's."""
     shift = weights[2]
     empty = ring[3]
     WIDTH: gl.constexpr = zero.shape[1]
@@ -92,11 +104,16 @@ def _kloop(ring, weights, zero, step0, fragment: gl.constexpr, KT: gl.constexpr,
         product = _issue(ring, first, step0 + k, zero, False, fragment, NS, WIDTH)
         product = _issue(ring, second, step0 + k + 1, product, True, fragment, NS, WIDTH)
         factors = _factors(weights, i)
-        first = _decode(next0, shift)  # steps k + 2 and k + 3 (clamped), under both wgmmas
-        second = _decode(next1, shift)
+        if DECODE_UNDER_MMA:
+            first = _decode(next0, shift)  # steps k + 2 and k + 3 (clamped), under both wgmmas
+            second = _decode(next1, shift)
+            product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+        else:
+            product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
+            first = _decode(next0, shift)
+            second = _decode(next1, shift)
         next0 = _step(weights, k + 4, KT)
         next1 = _step(weights, k + 5, KT)
-        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
         mbarrier.arrive(empty.index((step0 + k) % NS), count=1)
         mbarrier.arrive(empty.index((step0 + k + 1) % NS), count=1)
         acc = acc + product * factors[:, None]
@@ -128,6 +145,7 @@ def _math(
     LIMIT: gl.constexpr,
     GROUP_M: gl.constexpr,
     NARROW: gl.constexpr,
+    DECODE_UNDER_MMA: gl.constexpr,
 ):
     """The program's tiles (every num_programs-th from its id), weight rows 64 `half` onward of each. With
     NARROW, `_tile` on as many of an M-block's rows as hold pairs, rounded up to BN / 4, BN / 2 or BN: an
@@ -152,13 +170,13 @@ def _math(
         # NARROW is a constexpr: without it the first two branches are not compiled at all.
         if NARROW and gl.load(sorted_pairs_ptr + pid_m * BN + BN // 4) >= num_pairs:
             _tile(*args, KT, BN, BN // 4, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT,
-                  LIMIT)  # fmt: skip
+                  LIMIT, DECODE_UNDER_MMA)  # fmt: skip
         elif NARROW and gl.load(sorted_pairs_ptr + pid_m * BN + BN // 2) >= num_pairs:
             _tile(*args, KT, BN, BN // 2, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT,
-                  LIMIT)  # fmt: skip
+                  LIMIT, DECODE_UNDER_MMA)  # fmt: skip
         else:
             _tile(*args, KT, BN, BN, NS, N_ROWS, N_OUT, GATED, INTERLEAVED, ACTIVATION, ALPHA, HAS_LIMIT,
-                  LIMIT)  # fmt: skip
+                  LIMIT, DECODE_UNDER_MMA)  # fmt: skip
         step0 += KT
 
 
@@ -181,6 +199,7 @@ def _tile(
     ALPHA: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     LIMIT: gl.constexpr,
+    DECODE_UNDER_MMA: gl.constexpr,
 ):
     """64 weight rows from `wrow0` (tile rows of the expert's packed weights) against the M-block's first
     WIDTH rows, then the epilogue. `tensors`: words, drops, activation scales, bias (or None), router
@@ -201,7 +220,9 @@ def _tile(
     d_steps = d_base + (wrow0 + 16 * rb + lane // 4 + 8 * (slot % 2)) * stride_d  # + t
     mma_rows = wrow0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     weights = (w_steps, d_steps, 8 * (slot // 2), d_base + mma_rows * stride_d + KT)
-    acc = _kloop(ring, weights, gl.zeros([64, WIDTH], gl.float32, mma), step0, fragment, KT, NS)
+    acc = _kloop(
+        ring, weights, gl.zeros([64, WIDTH], gl.float32, mma), step0, fragment, KT, NS, DECODE_UNDER_MMA
+    )
     slots = pid_m * BN + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, mma))
     acc = acc * gl.load(a_scale_ptr + slots)[None, :]
     if GATED:
@@ -293,6 +314,7 @@ def _w4a8_gemm(
     MATH_REGISTERS: gl.constexpr,
     LOAD_REGISTERS: gl.constexpr,
     NARROW: gl.constexpr,  # blocks at most a quarter or half full run a narrower wgmma (`_math`)
+    DECODE_UNDER_MMA: gl.constexpr,  # the next pair's decode under the pair's wgmmas (`_kloop`)
 ):
     """Persistent over the tiles (M-block, N-tile) of the valid M-blocks when launched with fewer programs."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [NS, BN, STEP_K], a_desc.layout)
@@ -326,6 +348,7 @@ def _w4a8_gemm(
                     LIMIT,
                     GROUP_M,
                     NARROW,
+                    DECODE_UNDER_MMA,
                 ),
             ),
             (
@@ -348,6 +371,7 @@ def _w4a8_gemm(
                     LIMIT,
                     GROUP_M,
                     NARROW,
+                    DECODE_UNDER_MMA,
                 ),
             ),
             (_producer, (ring, num_blocks_ptr, KT, NS, BN, N_ROWS // 128, GROUP_M)),
