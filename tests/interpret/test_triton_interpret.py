@@ -276,6 +276,8 @@ def test_one_block_per_pair_reads_the_ids_as_they_are():
 ALIGN_CASES = [
     # (T, K, E, E_local, block_m, why)
     (1, 1, 4, None, 16, "a single pair"),
+    (1, 4, 128, None, 128, "one token's pairs in 128-row blocks: 512 padding rows on the fill's lanes"),
+    (3, 3, 64, None, 512, "4608 padding rows: the fill in passes of its 1024 lanes"),
     (5, 2, 6, None, 16, "several experts, most with one block"),
     (17, 4, 8, None, 16, "an expert past one block"),
     (40, 2, 8, 5, 16, "expert map with -1 entries"),

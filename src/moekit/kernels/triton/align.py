@@ -43,6 +43,8 @@ from moekit.kernels.triton.pdl import pdl_args
 
 # One program sorts at most this many pairs (bitonic sort in registers); larger batches are chunked.
 ONE_PROGRAM_MAX_PAIRS = 1024
+# The one-program alignment's lanes for filling the padding rows, whatever the pair count (a power of two).
+FILL_LANES = 1024
 # Chunked counting sort: a chunk's one-hot [CHUNK, BLOCK_E] holds at most this many int32.
 _ONE_HOT_ELEMENTS = 8192
 # From this many experts (a power of two) a chunk step ranks its pairs by comparing them with each other
@@ -234,6 +236,7 @@ def _align_one_program(
     device, num_pairs, e_local = ids.device, ids.numel(), num_local_experts
     max_blocks = max_blocks_bound(num_pairs=num_pairs, num_local_experts=e_local, block_m=block_m)
     block_p = triton.next_power_of_2(num_pairs)  # compiles once per power of two, not per T
+    bound = max_blocks_bound(num_pairs=block_p, num_local_experts=e_local, block_m=block_m)
     out = _outputs(device, num_pairs=num_pairs, e_local=e_local, block_m=block_m, max_blocks=max_blocks)
     seg_start = torch.empty(e_local + 1, dtype=torch.int32, device=device)
     ids = ids if ids.is_contiguous() else ids.contiguous()
@@ -253,7 +256,8 @@ def _align_one_program(
         BLOCK_M=block_m,
         BLOCK_P=block_p,
         BLOCK_E=triton.next_power_of_2(e_local + 1),
-        MAX_BLOCKS=max_blocks_bound(num_pairs=block_p, num_local_experts=e_local, block_m=block_m),
+        MAX_BLOCKS=bound,
+        FILL=min(FILL_LANES, triton.next_power_of_2(bound * block_m)),
         num_warps=4 if block_p <= 1024 else 8,
     )
     return AlignedRouting(block_m=block_m, max_blocks=max_blocks, num_pairs=num_pairs, **out)
