@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -169,6 +171,21 @@ def decoded_pairs_per_thread(gemm: int, block: tuple[int, int, int], warps: int)
     loads gate and up, 2 * block_n) x block_k elements, two a pair, over 32 * warps threads."""
     rows = 2 * block[1] if gemm == 1 else block[1]
     return rows * block[2] // (2 * 32 * warps)
+
+
+def ptxas_performance_warnings(compile_kernel) -> list[str]:
+    """The codes of ptxas' "Potential Performance Loss" notes (C7513: every wgmma of the kernel serialized,
+    and the like) while `compile_kernel()` compiles a kernel. A kernel from Triton's cache prints no log:
+    compile into an empty cache (TRITON_CACHE_DIR)."""
+    log = io.StringIO()
+    dump = triton.knobs.nvidia.dump_ptxas_log
+    triton.knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            compile_kernel()
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = dump
+    return sorted(set(re.findall(r"\((C\d+)\) Potential Performance Loss", log.getvalue())))
 
 
 def kernel_facts(kernel, instructions: list[tuple[int, str]] | None = None) -> dict:
