@@ -5,7 +5,8 @@ register-A wgmma, the inner K-loop's instructions, the waits that keep wgmma in 
 Data flow: a kernel compiled for sm_90 (`hopper_compile.py`: the grouped GEMMs with the constexprs
 `launch.py` would pass, the Gluon engines' GEMMs) -> `cuobjdump -sass` -> `properties` (local memory,
 wgmma operands, K-loop size against the work of a K-step) and `loop_report` (the K-loop's opcodes: the
-instructions between the loop's backward branch and its target).
+instructions between the loop's backward branch and its target); `ptxas_performance_warnings` (the codes
+of ptxas' "Potential Performance Loss" notes, e.g. C7513: every wgmma of a kernel serialized).
 
 Usage: python tools/sass_report.py --gemm 1 --format words --block 16,64,128 --warps 4 --stages 3
        python tools/sass_report.py --gemm 2 --format w8a8 --block 16,64,128 --swap-ab
