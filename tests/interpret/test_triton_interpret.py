@@ -604,8 +604,6 @@ def test_per_token_quantization_of_pair_rows_only(t, k, e):
         HAS_ROW_MULT=False,
         BLOCK=256,
         PDL=False,  # interpreted: no programmatic dependent launch
-        num_blocks_ptr=aligned.num_valid_blocks,
-        ROWS_PER_BLOCK=16,
         sorted_pairs_ptr=aligned.sorted_pair_ids,
         num_pairs=aligned.num_pairs,
     )

@@ -28,9 +28,9 @@ def quantize_rows(
     pair_rows_of: AlignedRouting | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes [R, C] and fp32 scales [R, 1] / [R, ceil(C/128)] of `src`, exactly as moekit.formats.
-    `pair_rows_of` (per token only; `src` in its sorted rows): only the rows of its valid blocks that hold
-    a pair are read; padding rows and rows past the valid blocks keep no codes or scales (their readers
-    mask them). At decode a block is mostly padding: gpt-oss-120b's W4A8 h at T = 64 spent 95 of 902 us
+    `pair_rows_of` (per token only; `src` in its sorted rows): only the rows that hold a pair are read;
+    padding rows (those past the valid blocks included) keep no codes or scales (their readers mask
+    them). At decode a block is mostly padding: gpt-oss-120b's W4A8 h at T = 64 spent 95 of 902 us
     quantizing every row of its 128-row blocks on an H200."""
     rows, cols = src.shape
     per_group = quant is ActivationQuant.FP8_PER_GROUP_128
@@ -67,18 +67,7 @@ def quantize_rows(
         NUM_COLS=cols,
         HAS_ROW_MULT=row_mult is not None,
         BLOCK=min(1024, triton.next_power_of_2(cols)),
-        **_live_rows(pair_rows_of),
+        sorted_pairs_ptr=None if pair_rows_of is None else pair_rows_of.sorted_pair_ids,  # int32 [R]
+        num_pairs=0 if pair_rows_of is None else pair_rows_of.num_pairs,
     )
     return data, scale
-
-
-def _live_rows(aligned: AlignedRouting | None) -> dict:
-    """`_quant_fp8_rows`' arguments that skip the rows of `aligned` holding no pair (none: every row)."""
-    if aligned is None:
-        return {}
-    return dict(
-        num_blocks_ptr=aligned.num_valid_blocks,  # int32 [1]
-        ROWS_PER_BLOCK=aligned.block_m,
-        sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [max_blocks * block_m]
-        num_pairs=aligned.num_pairs,
-    )

@@ -43,17 +43,13 @@ def _quant_fp8_rows(
     HAS_ROW_MULT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
-    num_blocks_ptr=None,  # int32 [1]: rows past this many blocks of ROWS_PER_BLOCK are left alone, or None
-    ROWS_PER_BLOCK: tl.constexpr = 1,
-    sorted_pairs_ptr=None,  # int32 [R]: with num_blocks_ptr, rows holding num_pairs (padding) are left alone
+    sorted_pairs_ptr=None,  # int32 [R] or None: rows holding num_pairs (padding) are left alone
     num_pairs=0,
 ):
     """One program per row (per token): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
     _pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
-    if num_blocks_ptr is not None:
-        if row >= tl.load(num_blocks_ptr) * ROWS_PER_BLOCK:
-            return
+    if sorted_pairs_ptr is not None:
         if tl.load(sorted_pairs_ptr + row) >= num_pairs:
             return
     offs = tl.arange(0, BLOCK)
