@@ -24,6 +24,8 @@ from gpu_only import skip_unless_compiled_gpu, triton_compiles
 
 skip_unless_compiled_gpu()
 
+from test_triton_gpu import peak_bytes  # noqa: E402
+
 from moekit import fused_moe_reference, preset, route  # noqa: E402
 from moekit.checkpoint import CheckpointNaming, GptOssLayer, save_gpt_oss_layer  # noqa: E402
 from moekit.layer import FusedMoE  # noqa: E402
@@ -165,13 +167,7 @@ def test_workspace_bytes_bounds_the_measured_peak(mxfp4_layer: FusedMoE) -> None
     moe = mxfp4_layer
     x = torch.randn(512, SPEC_20B.H, device=DEVICE).to(torch.bfloat16)
     with torch.no_grad():
-        moe(x)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = moe(x)
-        torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+        out, peak = peak_bytes(lambda: moe(x))
     predicted = moe.workspace_bytes(512)
     print(f"\nworkspace at T=512: predicted {predicted / 2**20:.1f} MiB, measured {peak / 2**20:.1f} MiB")
     assert out.shape == x.shape and 0.5 * predicted <= peak <= 1.5 * predicted

@@ -210,6 +210,18 @@ def graph_replays(spec: MoESpec, weights, config, first, inputs, seeds):
         yield seed, static_out, x, routing
 
 
+def peak_bytes(call):
+    """(`call()`'s result, the device memory it allocated at its peak beyond what was held before it), of
+    its second run: the first compiles (and a layer packs its weights)."""
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    result = call()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - base
+
+
 def _run(spec, weights, x, routing, *, expert_map=None, config=None):
     out = torch.full((x.shape[0], spec.H), math.nan, dtype=spec.act_dtype, device=DEVICE)
     config = config or default_config(spec, x.shape[0])

@@ -14,6 +14,8 @@ from gpu_only import skip_unless_compiled_gpu
 
 skip_unless_compiled_gpu()
 
+from test_triton_gpu import peak_bytes  # noqa: E402
+
 from moekit import fused_moe_reference, route  # noqa: E402
 from moekit.kernels.triton.config import MatmulEngine  # noqa: E402
 from moekit.layer import FusedMoE  # noqa: E402
@@ -82,12 +84,6 @@ def test_weights_are_packed_once_for_the_engine(layer: FusedMoE) -> None:
 def test_workspace_bytes_bounds_the_measured_peak(layer: FusedMoE) -> None:
     x = torch.randn(1500, SPEC.H, device=DEVICE).to(torch.bfloat16)
     with torch.no_grad():
-        layer(x)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        layer(x)
-        torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+        _, peak = peak_bytes(lambda: layer(x))
     predicted = layer.workspace_bytes(1500)
     assert 0.5 * predicted <= peak <= 1.5 * predicted, (peak, predicted)

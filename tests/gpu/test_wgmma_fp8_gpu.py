@@ -18,7 +18,14 @@ from gpu_only import skip_unless_compiled_gpu
 
 skip_unless_compiled_gpu()
 
-from test_triton_gpu import _gpu_weights, _inputs, graph_replays, scrambled_expert_map, skewed_inputs  # noqa: E402
+from test_triton_gpu import (  # noqa: E402
+    _gpu_weights,
+    _inputs,
+    graph_replays,
+    peak_bytes,
+    scrambled_expert_map,
+    skewed_inputs,
+)
 
 from moekit import MoESpec, fused_moe_reference, preset  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
@@ -183,12 +190,8 @@ def test_workspace_prediction_holds():
     t = 3000
     _, x, routing = _spec_inputs("small-e64", t, seed=6)
     out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
-    triton_fused_moe(x, weights, routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=out)  # compile
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    triton_fused_moe(x, weights, routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=out)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    _, peak = peak_bytes(
+        lambda: triton_fused_moe(x, weights, routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=out)
+    )
     predicted = TritonFusedKernel().workspace_bytes(spec, t, WGMMA_FP8_DEFAULT)
     assert 0.5 * predicted <= peak <= 1.1 * predicted, (peak, predicted)

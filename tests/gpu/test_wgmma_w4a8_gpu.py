@@ -19,7 +19,14 @@ from gpu_only import skip_unless_compiled_gpu
 
 skip_unless_compiled_gpu()
 
-from test_triton_gpu import _gpu_weights, _inputs, graph_replays, scrambled_expert_map, skewed_inputs  # noqa: E402
+from test_triton_gpu import (  # noqa: E402
+    _gpu_weights,
+    _inputs,
+    graph_replays,
+    peak_bytes,
+    scrambled_expert_map,
+    skewed_inputs,
+)
 from test_wgmma_fp8_gpu import _assert_close, _run  # noqa: E402  (NaN-poisoned out, tolerance(spec))
 
 from moekit import Activation, ActivationSpec, GateLayout, fused_moe_reference  # noqa: E402
@@ -193,13 +200,7 @@ def test_workspace_prediction_holds():
     t = 3000
     x, routing = _inputs(spec, t, seed=6)
     out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
-    triton_fused_moe(x, weights, routing, spec=spec, config=DEFAULT, out=out)  # compile
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    triton_fused_moe(x, weights, routing, spec=spec, config=DEFAULT, out=out)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    _, peak = peak_bytes(lambda: triton_fused_moe(x, weights, routing, spec=spec, config=DEFAULT, out=out))
     predicted = TritonFusedKernel().workspace_bytes(spec, t, DEFAULT)
     assert 0.5 * predicted <= peak <= 1.1 * predicted, (peak, predicted)
     assert relative_l2_error(out, fused_moe_reference(x, weights, routing, spec=spec)) <= tolerance(spec)
