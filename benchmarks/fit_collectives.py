@@ -22,10 +22,12 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from moekit.app.bench_parallel import exit_torchrun_group
 from moekit.app.timing import median_seconds
 from moekit.ep.constants import (
     Collective,
@@ -138,7 +140,7 @@ def _source(args, world: int, device: torch.device) -> Source:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     args = _args(argv)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -174,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(collectives_as_dict(table), indent=1) + "\n")
                 print(f"wrote {args.out}")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    return 0
+        raise
+    exit_torchrun_group(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -82,6 +84,18 @@ def init_from_torchrun(device_kind: str) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
     return torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+
+
+def exit_torchrun_group(code: int) -> NoReturn:
+    """Every rank waits for the others, destroys the group and exits with `code`, skipping the
+    interpreter's finalization: gloo's worker threads freed during that teardown abort the process
+    (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291), which turned a
+    finished, correct run into a failed one on a 2-core CI machine. Output is flushed first."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _slowest(seconds: float, device: torch.device) -> float:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -146,11 +144,11 @@ def bench_parallel_flags(args: argparse.Namespace) -> bool:
 
 def run_bench_parallel(args: argparse.Namespace, console: Console) -> NoReturn:
     """Time the layer on this rank (one process of torchrun's), rank 0 prints and writes the records;
-    then the process exits with 0 if every record is within tolerance, else 1 (`_leave_group`)."""
+    then the process exits with 0 if every record is within tolerance, else 1 (`exit_torchrun_group`)."""
     import torch.distributed as dist
     from rich.table import Table
 
-    from moekit.app.bench_parallel import bench_parallel, init_from_torchrun
+    from moekit.app.bench_parallel import bench_parallel, exit_torchrun_group, init_from_torchrun
 
     device = init_from_torchrun(args.device)
     mode = ParallelMode.EXPERT if args.parallel == "ep" else ParallelMode.TENSOR
@@ -202,21 +200,7 @@ def run_bench_parallel(args: argparse.Namespace, console: Console) -> NoReturn:
             rows = [dict(asdict(r), ok=r.ok) for r in records]
             args.json.write_text(json.dumps({"spec": args.spec.describe(), "records": rows}, indent=1))
     code = 0 if all(r.ok for r in records) else 1
-    _leave_group(code)
-
-
-def _leave_group(code: int) -> NoReturn:
-    """Every rank waits for the others, destroys the group and exits with `code`, skipping the
-    interpreter's finalization: gloo's worker threads freed during that teardown abort the process
-    (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291), which turned a
-    finished, correct run into a failed one on a 2-core CI machine. Output is flushed first."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_torchrun_group(code)
 
 
 def _us(value: float | None) -> str:
