@@ -72,6 +72,19 @@ def _measure(spec, config, weights, *, layer, x, logits, routing, exact, flush) 
     }
 
 
+def _with_other_decode_order(measure_default):  # noqa: ANN001, ANN202 - a zero-argument measurement
+    """`measure_default()` with `wgmma_w4a8.DECODE_UNDER_MMA` flipped (restored after), labelled."""
+    from moekit.kernels.triton import wgmma_w4a8
+
+    shipped = wgmma_w4a8.DECODE_UNDER_MMA
+    wgmma_w4a8.DECODE_UNDER_MMA = not shipped
+    try:
+        result = measure_default()
+    finally:
+        wgmma_w4a8.DECODE_UNDER_MMA = shipped
+    return dict(result, decode_under_mma=not shipped)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="gpt-oss-120b", help='MXFP4 presets, or "name@ExKxHxI"')
@@ -82,6 +95,13 @@ def main() -> int:
         choices=[q.value for q in ActivationQuant][1:],
     )
     p.add_argument("--sweep", action="store_true", help="time every W4A8 config of the tuning space")
+    p.add_argument(
+        "--decode-order",
+        choices=["shipped", "both"],
+        default="shipped",
+        help="both: W4A8 also timed with the other decode order of wgmma_w4a8.DECODE_UNDER_MMA "
+        "(row key w4a8_other_decode_order), the A/B the knob exists for",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda")
@@ -124,6 +144,10 @@ def main() -> int:
             row["w4a8"] = min(verified, key=lambda c: c["us"]) if verified else candidates[0]
             if args.sweep:
                 row["w4a8_candidates"] = candidates
+            if args.decode_order == "both":
+                row["w4a8_other_decode_order"] = _with_other_decode_order(
+                    functools.partial(measure, w4a8, configs[0], prepared[w4a8])
+                )
             a, b = row["w4a16"], row["w4a8"]
             if "us" not in a or "us" not in b:
                 print(f"  {label} T={t}: FAILED {a.get('error') or b.get('error')}", flush=True)
@@ -137,11 +161,16 @@ def main() -> int:
                 f"{b['rel_l2_own_reference']:.1e}{'' if a['ok'] and b['ok'] else '  OVER TOLERANCE'}",
                 flush=True,
             )
+            other = row.get("w4a8_other_decode_order")
+            if other is not None:
+                timed = f"{other['us']:.1f} us" if "us" in other else f"FAILED {other.get('error')}"
+                print(f"    W4A8 with DECODE_UNDER_MMA={other['decode_under_mma']}: {timed}", flush=True)
             rows.append(row)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"ceilings": asdict(ceilings), "rows": rows}, indent=1))
-    return 0 if all(r["w4a16"]["ok"] and r["w4a8"]["ok"] for r in rows) else 1
+    others_ok = all(r["w4a8_other_decode_order"]["ok"] for r in rows if "w4a8_other_decode_order" in r)
+    return 0 if others_ok and all(r["w4a16"]["ok"] and r["w4a8"]["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
