@@ -13,6 +13,7 @@ Kernels keep asserts only for their own invariants; they rely on these checks ha
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -26,10 +27,11 @@ from moekit.errors import (
     ShapeError,
     SpecError,
     check_int,
+    check_type,
 )
 from moekit.formats import check_mxfp4_scales
 from moekit.routing import RoutingResult
-from moekit.spec import MoESpec, RoutingMethod, RoutingSpec, WeightFormat
+from moekit.spec import MoESpec, RoutingSpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
 
 
@@ -184,19 +186,66 @@ def check_scale_values(weights: ExpertWeights) -> None:
         _SCANNED[key] = (weakref.ref(t, lambda _ref, key=key: _SCANNED.pop(key, None)), t._version)
 
 
-def check_finite_logits(logits: torch.Tensor) -> None:
-    """Router logits are finite (the routing contract, `moekit.routing`). Syncs with the device."""
-    finite = torch.isfinite(logits)
-    if bool(finite.all()):
+def finite_as_routed(t: torch.Tensor) -> torch.Tensor:
+    """Which entries of router logits (or a correction bias) are finite in float32, what routing computes
+    in: a float64 value beyond the float32 range becomes +-inf there. Other dtypes convert exactly, so
+    only float64 pays a cast (the size of the bool mask `isfinite` writes anyway)."""
+    return torch.isfinite(t.float() if t.dtype == torch.float64 else t)
+
+
+def check_finite_logits(logits: torch.Tensor, *, correction_bias: torch.Tensor | None = None) -> None:
+    """Router logits (and the correction bias, if given) are finite in float32 (the routing contract,
+    `moekit.routing`). One sync with the device, for both."""
+    finite = finite_as_routed(logits)
+    ok = finite.all()
+    if correction_bias is not None:
+        ok = ok & finite_as_routed(correction_bias).all()
+    if bool(ok):
         return
+    if correction_bias is not None:
+        check_correction_bias_values(correction_bias)
     bad = (~finite).nonzero()
     token, expert = (int(i) for i in bad[0])
+    first = logits[token, expert].item()
+    if math.isfinite(first):
+        raise NonFiniteError(
+            f"router logits hold {bad.shape[0]} of {logits.numel()} values that are not finite in float32, "
+            f"first {first} (beyond the float32 range) at [token {token}, expert {expert}]; moekit routes "
+            "in float32: scale the logits into its range (|x| <= 3.4e38), or cast them yourself"
+        )
     raise NonFiniteError(
         f"router logits hold {bad.shape[0]} non-finite values (NaN or +-inf) of {logits.numel()}, first "
-        f"{logits[token, expert].item()} at [token {token}, expert {expert}]; moekit routes finite logits "
+        f"{first} at [token {token}, expert {expert}]; moekit routes finite logits "
         "only: find where the NaN/inf comes from (the hidden states feeding the router), and mask an "
         "expert with a large finite negative logit (torch.finfo(torch.float32).min), not -inf"
     )
+
+
+def check_correction_bias_values(correction_bias: torch.Tensor) -> None:
+    """The correction bias `[E]` is finite in float32: a NaN would send every token to the same experts
+    with finite weights. Syncs with the device (`FusedMoE`: once, when it is built)."""
+    finite = finite_as_routed(correction_bias)
+    if bool(finite.all()):
+        return
+    bad = (~finite).nonzero().flatten()
+    expert = int(bad[0])
+    raise NonFiniteError(
+        f"correction_bias holds {bad.numel()} of {correction_bias.numel()} values that are not finite in "
+        f"float32 (first {correction_bias[expert].item()} at expert {expert}); the bias must be finite: "
+        "check the checkpoint's e_score_correction_bias"
+    )
+
+
+# The float dtypes routing reads (it computes in float32); FP8 has no isfinite, softmax or sort in torch.
+ROUTING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_routing_dtype(t: torch.Tensor, *, name: str) -> None:
+    """Router logits or a correction bias in one of `ROUTING_DTYPES`."""
+    if t.dtype not in ROUTING_DTYPES:
+        raise DTypeError(
+            f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}; cast it with .float()"
+        )
 
 
 # ----- moekit.route -------------------------------------------------------------------------------------
@@ -207,20 +256,22 @@ def check_route(
     check_tensor_arg(logits, name="router logits", need="(float, [T, E])")
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ShapeError(f"router logits must be a float [T, E] tensor, got {described(logits)}")
+    check_routing_dtype(logits, name="router logits")
     num_experts = logits.shape[1]
     check_int("route(top_k=...)", top_k, minimum=1)
     if not 1 <= top_k <= num_experts:
         raise SpecError(f"top_k must be in [1, E={num_experts}], got {top_k}")
+    fix = "pass spec.routing" if isinstance(spec, MoESpec) else "pass a moekit.RoutingSpec(...)"
+    check_type("route(spec=...)", spec, RoutingSpec, fix=fix)
     check_correction_bias_given(spec, correction_bias)
     if correction_bias is not None:
         check_tensor_arg(correction_bias, name="correction_bias", need=f"[E={num_experts}]")
         if correction_bias.shape != (num_experts,):
             raise ShapeError(f"correction_bias must be [E={num_experts}], got {tuple(correction_bias.shape)}")
+        check_routing_dtype(correction_bias, name="correction_bias")
         if correction_bias.device != logits.device:
             raise DeviceError(f"correction_bias on {correction_bias.device} but logits on {logits.device}")
-    grouped = spec.method is RoutingMethod.SIGMOID_GROUPED
-    if grouped and spec.n_group is not None and num_experts % spec.n_group:
-        raise SpecError(f"E={num_experts} is not divisible by n_group={spec.n_group}")
+    spec.check_experts(num_experts, top_k)
 
 
 def check_correction_bias_given(spec: RoutingSpec, correction_bias: torch.Tensor | None) -> None:
@@ -270,6 +321,7 @@ def check_router_logits(
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         got = getattr(logits, "dtype", type(logits).__name__)
         raise DTypeError(f"router_logits must be a float tensor, got {got}")
+    check_routing_dtype(logits, name="router_logits")
     lead = tuple(hidden_states.shape[:-1])
     if tuple(logits.shape) not in ((*lead, e), (hidden_states.numel() // spec.H, e)):
         raise ShapeError(

@@ -53,12 +53,14 @@ import torch
 from moekit.checks import (
     capturing,
     check_correction_bias_given,
+    check_correction_bias_values,
     check_expert_map,
     check_expert_map_given,
     check_finite_logits,
     check_hidden_states,
     check_router_logits,
     check_router_tensor,
+    check_routing_dtype,
 )
 from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
 from moekit.errors import (
@@ -166,6 +168,9 @@ class FusedMoE(torch.nn.Module):
             self._router_tensor(correction_bias, "correction_bias", (spec.E,)),
             persistent=False,
         )
+        if self.correction_bias is not None:  # this layer's from now on: its values are read once, here
+            check_routing_dtype(self.correction_bias, name="correction_bias")
+            check_correction_bias_values(self.correction_bias)
         check_expert_map_given(spec, expert_map)
         if expert_map is not None:
             expert_map = expert_map.to(dev)
@@ -343,8 +348,9 @@ class FusedMoE(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states `[..., H]` (act dtype, this layer's device) -> the MoE output, same shape and dtype.
 
-        `router_logits` `[..., E]` (or flat `[T, E]`), any float dtype, replaces this layer's router. Router
-        logits (given or computed) with a NaN or +-inf raise `NonFiniteError` (module docstring)."""
+        `router_logits` `[..., E]` (or flat `[T, E]`; float32, bfloat16, float16 or float64) replaces this
+        layer's router. Router logits (given or computed) with a NaN or +-inf in float32 raise
+        `NonFiniteError` (module docstring)."""
         spec = self.spec
         x = hidden_states
         check_hidden_states(x, spec=spec, device=self._device)

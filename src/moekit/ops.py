@@ -26,7 +26,7 @@ from moekit.checks import (
     check_route,
     check_scale_values,
 )
-from moekit.errors import UnsupportedSpecError
+from moekit.errors import ArgumentError, UnsupportedSpecError, check_bool
 from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Launch, Problem
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.planning.plan import Plan
@@ -115,6 +115,7 @@ def fused_moe(
     bytes not scanned before by `prepare_weights` or an earlier call) and so synchronize: for callers
     whose routing is produced by `moekit.route` (ids valid by construction). They are skipped anyway
     while a CUDA graph is being captured."""
+    check_bool("fused_moe(check_values=...)", check_values, error=ArgumentError)
     kernel = kernel_of(plan, registry)
     spec = plan.spec
     check_forward(
@@ -163,12 +164,14 @@ def route(
     gpt-oss-120b's softmax 2.0 and 11.7 us against 29.5 and 154 us). Same ids as the torch twin, weights
     within a few fp32 ulps. Anything else: the torch twin.
 
-    Non-finite logits (NaN, +-inf) raise `NonFiniteError`; the check syncs with the device, so it is
-    skipped with `check_values=False` and while a CUDA graph is being captured, where such a token gets
-    NaN weights instead (the contract in `moekit.routing`)."""
+    Non-finite logits (NaN, +-inf, or float64 values beyond the float32 range routing computes in) and a
+    non-finite correction bias raise `NonFiniteError`; the check (one for both) syncs with the device, so
+    it is skipped with `check_values=False` and while a CUDA graph is being captured, where a token with
+    such a logit gets NaN weights instead (the contract in `moekit.routing`)."""
+    check_bool("route(check_values=...)", check_values, error=ArgumentError)
     check_route(logits, top_k=top_k, spec=spec, correction_bias=correction_bias)
     if check_values and not capturing(logits):
-        check_finite_logits(logits)
+        check_finite_logits(logits, correction_bias=correction_bias)
     return route_checked(logits, top_k=top_k, spec=spec, correction_bias=correction_bias)
 
 

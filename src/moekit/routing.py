@@ -1,18 +1,21 @@
 """Routing in torch ops, the twin of every fast route: router logits `[T, E]` -> `RoutingResult` (fp32
 weights `[T, K]`, int32 ids `[T, K]`).
 
-Data flow: logits (any float dtype) are upcast to fp32, scored per `RoutingSpec.method`, the top K
-experts are selected with ties going to the lower expert index, weights are normalized per method and
-multiplied by `routed_scaling_factor` (the only place it is applied). `moekit.route` (in `moekit.ops`)
-checks the arguments and picks this or a fast route: on CUDA every method runs as one Triton launch for
-E <= 1024 (`moekit.kernels.triton.route`) with the same ids and weights within a few fp32 ulps.
+Data flow: logits (float32, bfloat16, float16 or float64) are cast to fp32, scored per
+`RoutingSpec.method`, the top K experts are selected with ties going to the lower expert index, weights
+are normalized per method and multiplied by `routed_scaling_factor` (the only place it is applied).
+`moekit.route` (in `moekit.ops`) checks the arguments and picks this or a fast route: on CUDA every
+method runs as one Triton launch for E <= 1024 (`moekit.kernels.triton.route`) with the same ids and
+weights within a few fp32 ulps.
 
 Ties: `torch.topk` does not promise an order among equal values, so selection is done on a key that
 breaks ties by index: a stable descending sort keeps the lower index first among equal scores.
 
 Non-finite logits, the contract of every method (TOPK_SOFTMAX, SOFTMAX_TOPK with or without
 renormalize, SIGMOID_GROUPED) and of every route (this twin, the Triton route, `FusedMoE`):
-- Router logits must be finite. NaN, +inf and -inf are all refused: `moekit.route` and `FusedMoE`
+- Router logits must be finite, in float32 (a float64 value beyond its range counts as +-inf), and
+  so must a correction bias (checked once when `FusedMoE` is built, and by `moekit.route` with the
+  logits). NaN, +inf and -inf are all refused: `moekit.route` and `FusedMoE`
   raise `NonFiniteError` (naming the count, the first [token, expert] and its value) before anything
   runs, wherever they may read values: not while a CUDA graph is being captured (a captured forward
   never synchronizes with the host), and not when the caller turned value checks off
@@ -41,6 +44,14 @@ class RoutingResult:
     ids: torch.Tensor  # int32 [T, K], global expert ids in [0, E)
 
     def __post_init__(self) -> None:
+        for name, need in (("weights", "float32 [T, K]"), ("ids", "int32 [T, K]")):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                shown = "None" if value is None else f"a {type(value).__name__}"
+                raise ShapeError(
+                    f"RoutingResult.{name} must be a torch.Tensor {need}, got {shown}; convert it first "
+                    "(or get the RoutingResult from moekit.route)"
+                )
         if self.weights.dim() != 2 or self.ids.shape != self.weights.shape:
             raise ShapeError(
                 f"routing weights and ids must both be [T, K], got {tuple(self.weights.shape)} and "

@@ -184,6 +184,20 @@ class RoutingSpec:
             if self.n_group is not None and not (1 <= self.topk_group <= self.n_group):
                 raise SpecError(f"need 1 <= topk_group <= n_group, got {self.topk_group} and {self.n_group}")
 
+    def check_experts(self, num_experts: int, top_k: int) -> None:
+        """The grouping fits E experts and K picks: E divisible by n_group, and K no more than the experts of
+        the topk_group groups kept (one rule for `MoESpec` and `moekit.route`)."""
+        if self.method is not RoutingMethod.SIGMOID_GROUPED or self.n_group is None:
+            return
+        if num_experts % self.n_group:
+            raise SpecError(f"E={num_experts} is not divisible by n_group={self.n_group}")
+        kept = self.topk_group * (num_experts // self.n_group)
+        if top_k > kept:
+            raise SpecError(
+                f"K={top_k} exceeds the experts in the {self.topk_group} groups kept "
+                f"({self.topk_group} x {num_experts // self.n_group})"
+            )
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -258,15 +272,7 @@ class MoESpec:
             raise SpecError(
                 f"num_local_experts must be None or in [1, E={self.num_experts}], got {e_local!r}"
             )
-        if self.routing.method is RoutingMethod.SIGMOID_GROUPED and self.routing.n_group is not None:
-            n_group = self.routing.n_group
-            if self.num_experts % n_group:
-                raise SpecError(f"E={self.num_experts} is not divisible by n_group={n_group}")
-            if self.top_k > self.routing.topk_group * (self.num_experts // n_group):
-                raise SpecError(
-                    f"K={self.top_k} exceeds the experts in the {self.routing.topk_group} groups kept "
-                    f"({self.routing.topk_group} x {self.num_experts // n_group})"
-                )
+        self.routing.check_experts(self.num_experts, self.top_k)
 
     # Short names used throughout the code base.
     @property

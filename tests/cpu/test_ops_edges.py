@@ -23,6 +23,7 @@ from moekit import (
     FormatError,
     GateLayout,
     MoESpec,
+    RoutingResult,
     ShapeError,
     UnsupportedSpecError,
     WeightFormat,
@@ -32,6 +33,7 @@ from moekit import (
     prepare_weights,
     route,
 )
+from moekit.errors import ArgumentError
 from moekit.kernels.base import DeviceInfo, DeviceKind
 from moekit.kernels.reference import ReferenceKernel
 from moekit.kernels.registry import KernelRegistry, default_registry
@@ -163,6 +165,19 @@ def test_containers_that_are_not_moekit_types_are_named() -> None:
         fused_moe(x, weights, (routing.weights, routing.ids), plan=cpu_plan)
     with pytest.raises(DTypeError, match="weights must be"):
         prepare_weights({"w13": weights.w13}, cpu_plan)
+
+
+@pytest.mark.parametrize("flag", [0, 1, "no", None], ids=["zero", "one", "no", "none"])
+def test_check_values_that_is_not_a_bool_is_refused_before_any_launch(flag, monkeypatch) -> None:
+    # 0 would turn the checks off and let id 8 (E=8) into the kernel; "no" would read as True.
+    layer, x, _ = _inputs()
+    cpu_plan = plan(SPEC, num_tokens=4, device="cpu")
+    weights = prepare_weights(layer.weights, cpu_plan)
+    ids = torch.tensor([[8, 0]] * 4, dtype=torch.int32)
+    bad = RoutingResult(weights=torch.full((4, 2), 0.5), ids=ids)
+    monkeypatch.setattr("moekit.ops.run_checked", lambda *a, **k: pytest.fail("ran despite a bad flag"))
+    with pytest.raises(ArgumentError, match=r"fused_moe\(check_values=\.\.\.\) must be True or False"):
+        fused_moe(x, weights, bad, plan=cpu_plan, check_values=flag)
 
 
 # ----- tensors on another device than the plan -------------------------------------------------------------

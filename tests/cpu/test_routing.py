@@ -8,15 +8,20 @@ from hypothesis import strategies as st
 from moekit import (
     DTypeError,
     ExpertIdError,
+    FusedMoE,
+    MoESpec,
     NonFiniteError,
     RoutingMethod,
     RoutingResult,
     RoutingSpec,
     ShapeError,
     SpecError,
+    WeightFormat,
     route,
 )
 from moekit.checks import check_expert_map
+from moekit.errors import ArgumentError
+from moekit.synthetic import random_layer
 
 TOPK_SOFTMAX = RoutingSpec(RoutingMethod.TOPK_SOFTMAX)
 
@@ -191,3 +196,120 @@ def test_non_finite_logits_are_refused_or_poison_exactly_their_token(name, bad):
 def test_route_refuses_a_top_k_that_is_not_a_positive_int(top_k):
     with pytest.raises(SpecError, match=r"route\(top_k=\.\.\.\)|top_k must be in"):
         route(torch.randn(3, 8), top_k=top_k, spec=RoutingSpec(RoutingMethod.TOPK_SOFTMAX))
+
+
+# ----- the correction bias, the grouping, dtypes and argument types (route and FusedMoE alike) ---------
+GROUPED_BIAS = RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=4, topk_group=2, has_correction_bias=True)
+GROUPED_LAYER = MoESpec(
+    16, 2, 64, 64, weight_format=WeightFormat.FP32, act_dtype=torch.float32, routing=GROUPED_BIAS
+)
+FP32_LAYER = MoESpec(4, 2, 64, 64, weight_format=WeightFormat.FP32, act_dtype=torch.float32)
+
+
+def _bias_with(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    bias = 0.1 * torch.arange(16.0, dtype=dtype)
+    bias[5] = value
+    return bias
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [*(_bias_with(float(v)) for v in ("nan", "inf", "-inf")), _bias_with(1e300, torch.float64)],
+    ids=["nan", "+inf", "-inf", "float64-beyond-float32"],
+)
+def test_a_non_finite_correction_bias_is_refused_by_route_and_by_the_layer(bias):
+    # A NaN bias would send every token to the same experts, with finite weights.
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    match = r"correction_bias holds 1 of 16 values that are not finite in float32 \(first .* at expert 5\)"
+    with pytest.raises(NonFiniteError, match=match):
+        route(logits, top_k=2, spec=GROUPED_BIAS, correction_bias=bias)
+    route(logits, top_k=2, spec=GROUPED_BIAS, correction_bias=bias, check_values=False)  # values unread
+    layer = random_layer(GROUPED_LAYER)
+    with pytest.raises(NonFiniteError, match=match):
+        FusedMoE(
+            spec=GROUPED_LAYER, weights=layer.weights, router_weight=layer.router_weight, correction_bias=bias
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float8_e4m3fn], ids=["int64", "fp8"])
+def test_a_correction_bias_of_another_dtype_is_refused_by_route_and_by_the_layer(dtype):
+    bias = torch.zeros(16).to(dtype)
+    with pytest.raises(DTypeError, match=rf"correction_bias must be float32, .*float64, got {dtype}"):
+        route(torch.randn(4, 16), top_k=2, spec=GROUPED_BIAS, correction_bias=bias, check_values=False)
+    layer = random_layer(GROUPED_LAYER)
+    with pytest.raises(DTypeError, match="correction_bias must be"):
+        FusedMoE(
+            spec=GROUPED_LAYER, weights=layer.weights, router_weight=layer.router_weight, correction_bias=bias
+        )
+
+
+def test_route_refuses_a_top_k_beyond_the_kept_groups_as_moespec_does():
+    grouped = RoutingSpec(RoutingMethod.SIGMOID_GROUPED, n_group=4, topk_group=2)
+    logits = torch.tensor([[0.0, 0.0, 5.0, 5.0, 4.0, 4.0, -9.0, -9.0]])
+    rule = r"K=5 exceeds the experts in the 2 groups kept \(2 x 2\)"
+    with pytest.raises(SpecError, match=rule):
+        route(logits, top_k=5, spec=grouped)
+    with pytest.raises(SpecError, match=rule):
+        MoESpec(8, 5, 64, 64, routing=grouped)
+    assert sorted(route(logits, top_k=4, spec=grouped).ids[0].tolist()) == [2, 3, 4, 5]  # the kept groups
+
+
+def test_float64_logits_beyond_the_float32_range_are_refused_not_nan():
+    logits = torch.tensor([[0.5, 0.0, 1.0, 2.0], [1e300, 0.0, 1.0, 2.0]], dtype=torch.float64)
+    beyond = r"1 of 8 values that are not finite in float32, first 1e\+300 .*at \[token 1, expert 0\]"
+    with pytest.raises(NonFiniteError, match=beyond):
+        route(logits, top_k=2, spec=TOPK_SOFTMAX)
+    # Unchecked: a non-finite logit's contract (routing computes in float32): NaN weights, that token only.
+    got = route(logits, top_k=2, spec=TOPK_SOFTMAX, check_values=False)
+    assert got.weights[1].isnan().all() and not got.weights[0].isnan().any()
+    in_range = route(logits[:1], top_k=2, spec=TOPK_SOFTMAX)
+    assert torch.equal(in_range.ids, route(logits[:1].float(), top_k=2, spec=TOPK_SOFTMAX).ids)
+    layer = random_layer(FP32_LAYER)
+    moe = FusedMoE(spec=FP32_LAYER, weights=layer.weights, router_weight=layer.router_weight)
+    with pytest.raises(NonFiniteError, match=r"beyond the float32 range\) at \[token 1, expert 0\]"):
+        moe(torch.randn(2, 64), router_logits=-logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_router_logits_are_a_dtype_error_naming_the_accepted_dtypes(dtype):
+    accepted = rf"must be float32, bfloat16, float16 or float64, got {dtype}"
+    with pytest.raises(DTypeError, match=rf"router logits {accepted}"):
+        route(torch.zeros(2, 4).to(dtype), top_k=2, spec=TOPK_SOFTMAX)
+    layer = random_layer(FP32_LAYER)
+    moe = FusedMoE(spec=FP32_LAYER, weights=layer.weights, router_weight=layer.router_weight)
+    with pytest.raises(DTypeError, match=rf"router_logits {accepted}"):
+        moe(torch.randn(2, 64), router_logits=torch.zeros(2, 4).to(dtype))
+
+
+@pytest.mark.parametrize("flag", [0, 1, "no", None], ids=["zero", "one", "no", "none"])
+def test_route_refuses_check_values_that_is_not_a_bool(flag):
+    # 0 would skip the check (NaN weights); "no" would run it, the opposite of what was asked.
+    nan_logits = torch.tensor([[float("nan"), 0.0, 1.0, 2.0]])
+    with pytest.raises(ArgumentError, match=r"route\(check_values=\.\.\.\) must be True or False"):
+        route(nan_logits, top_k=2, spec=TOPK_SOFTMAX, check_values=flag)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fix"),
+    [(None, r"got None .*pass a moekit\.RoutingSpec"), (FP32_LAYER, r"got MoESpec.*; pass spec\.routing")],
+    ids=["none", "moespec"],
+)
+def test_route_refuses_a_spec_that_is_not_a_routing_spec(spec, fix):
+    with pytest.raises(ArgumentError, match=r"route\(spec=\.\.\.\) must be a RoutingSpec, " + fix):
+        route(torch.randn(2, 4), top_k=2, spec=spec)
+
+
+@pytest.mark.parametrize(
+    ("weights", "ids", "field", "got"),
+    [
+        ([[0.5, 0.5]], torch.zeros(1, 2, dtype=torch.int32), "weights", "a list"),
+        (None, torch.zeros(1, 2, dtype=torch.int32), "weights", "None"),
+        (torch.full((1, 2), 0.5), [[0, 1]], "ids", "a list"),
+        (torch.full((1, 2), 0.5), None, "ids", "None"),
+    ],
+    ids=["weights-list", "weights-none", "ids-list", "ids-none"],
+)
+def test_routing_result_refuses_fields_that_are_not_tensors(weights, ids, field, got):
+    shown = rf"RoutingResult\.{field} must be a torch\.Tensor .*got {got}; convert"
+    with pytest.raises(ShapeError, match=shown):
+        RoutingResult(weights=weights, ids=ids)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.checks import capturing, check_finite_logits
+from moekit.checks import capturing, check_finite_logits, finite_as_routed
 from moekit.ep.constants import shipped_collectives
 from moekit.ep.cost import predict_us
 from moekit.ep.engines import ENGINES, EpEngine, LocalExperts, engine_for
@@ -128,7 +128,7 @@ class ExpertParallel:
         else:
             max_tokens, any_bad = agree(x.shape[0], logits, group=group, device=x.device)
             if any_bad:
-                if logits is not None and not bool(torch.isfinite(logits).all()):
+                if logits is not None and not bool(finite_as_routed(logits).all()):
                     check_finite_logits(logits)  # this rank's own: say where
                 raise NonFiniteError(
                     "router logits on another rank of this expert-parallel group hold NaN or +-inf (every "
@@ -168,7 +168,7 @@ def agree(
     one all-reduce, read on the host. Without `logits` this rank counts as finite."""
     state = torch.tensor([rows, 0], dtype=torch.int64, device=device)
     if logits is not None:
-        state[1] = (~torch.isfinite(logits)).any().to(torch.int64)
+        state[1] = (~finite_as_routed(logits)).any().to(torch.int64)
     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
     largest, any_bad = state.tolist()
     return largest, bool(any_bad)
