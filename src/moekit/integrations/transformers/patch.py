@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moekit.errors import SpecError
+from moekit.errors import SpecError, check_type
 from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, unguard_casts
 from moekit.integrations.transformers.convert import (
     HfMoeLayer,
@@ -162,6 +162,9 @@ class PatchReport:
         return "\n".join(lines)
 
 
+_MODEL_FIX = "pass the loaded model (a torch.nn.Module, e.g. from AutoModelForCausalLM.from_pretrained)"
+
+
 def _set_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -187,6 +190,7 @@ def patch_model(
     tokens, every rank calling every block each forward). The original experts are kept (a share cannot
     rebuild them), so `state_dict` and `unpatch` give the whole model back.
     """
+    check_type("patch_model(model=...)", model, torch.nn.Module, fix=_MODEL_FIX)
     if any(isinstance(m, MoekitMoEBlock) for m in model.modules()):
         raise SpecError(f"{type(model).__name__} is already patched by moekit; call unpatch(model) first")
     targets = [(name, m, family_of(m)) for name, m in model.named_modules()]
@@ -235,6 +239,7 @@ def patch_model(
 
 def unpatch(model: torch.nn.Module) -> int:
     """Put every original HF block back (experts rebuilt if released); returns how many were restored."""
+    check_type("unpatch(model=...)", model, torch.nn.Module, fix=_MODEL_FIX)
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoekitMoEBlock)]
     for name, wrapper in found:
         _set_submodule(model, name, wrapper.restore_original())
