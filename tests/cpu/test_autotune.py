@@ -167,3 +167,49 @@ def test_fake_kernel_is_really_wrong():
     ref = fused_moe_reference(x, layer.weights, routing, spec=SPEC)
     assert moekit.reference.relative_l2_error(FastButWrongKernel().run(launch), ref) > 1e-2
     assert isinstance(FastButWrongKernel(), Kernel)
+
+
+def test_a_table_that_cannot_take_the_rows_is_refused_before_any_tuning(tmp_path):
+    from moekit.errors import TunedTableError
+
+    (tmp_path / "rows5.json").write_text(json.dumps({"schema_version": 1, "rows": [5]}))
+    (tmp_path / "file").write_text("")
+
+    def timer(fn, device):
+        pytest.fail("a candidate was timed")
+
+    registry = KernelRegistry([ReferenceKernel()])
+    for table, message in (
+        (tmp_path, "it is a directory"),
+        (tmp_path / "rows5.json", r"not a moekit tuned table .*rows5.json#row 0: a row must be an object"),
+        (tmp_path / "file" / "t.json", "cannot be written: creating it under"),
+    ):
+        with pytest.raises(TunedTableError, match=rf"tuned table .*: {message}"):
+            tune(SPEC, tokens=(1,), device="cpu", table=table, registry=registry, timer=timer)
+    assert json.loads((tmp_path / "rows5.json").read_text())["rows"] == [5]  # left as it was
+
+
+def test_a_row_the_planner_rejects_is_tuned_again_not_resumed(tmp_path):
+    table = tmp_path / "t.json"
+    registry = KernelRegistry([ReferenceKernel()])
+    tune(
+        SPEC,
+        tokens=(1,),
+        device="cpu",
+        table=table,
+        registry=registry,
+        timer=_timer_by_kernel({"reference": 1}),
+    )
+    data = json.loads(table.read_text())
+    data["rows"][0]["config"] = {"no_such_field": 1}  # keyed, but its config is refused by the loader
+    table.write_text(json.dumps(data))
+    (outcome,) = tune(
+        SPEC,
+        tokens=(1,),
+        device="cpu",
+        table=table,
+        registry=registry,
+        timer=_timer_by_kernel({"reference": 1}),
+    )
+    assert not outcome.resumed and outcome.winner is not None
+    assert json.loads(table.read_text())["rows"][0]["config"] != {"no_such_field": 1}

@@ -70,3 +70,11 @@ def test_bench_parallel_flag_refusals(capsys, monkeypatch, argv, needle):
     assert main(["bench", *argv]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert needle in line
+
+
+def test_bench_parallel_refuses_plot_which_it_would_ignore(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["bench", "--parallel", "ep", "--plot", "p.png"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--plot p.png draws the single-GPU sweep and would be ignored with --parallel" in line

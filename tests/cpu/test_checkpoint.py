@@ -7,6 +7,7 @@ and w2 (I=48=1.5x32) have a ragged last MXFP4 block.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import moekit.checkpoint.loader as ckpt_loader
-from moekit import CheckpointError, ExpertWeights, GateLayout, LayoutMismatchError, WeightFormat
+from moekit import ExpertWeights, FusedMoE, GateLayout, WeightFormat
 from moekit.checkpoint import (
     ROLES,
     CheckpointNaming,
@@ -26,6 +27,7 @@ from moekit.checkpoint import (
     load_gpt_oss_layer,
     save_gpt_oss_layer,
 )
+from moekit.errors import ArgumentError, CheckpointError, DeviceError, DTypeError, LayoutMismatchError
 
 E, H, I = 4, 80, 48
 
@@ -338,6 +340,45 @@ def test_bad_paths(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text("{")
     with pytest.raises(CheckpointError, match="weight_map"):
         load_gpt_oss_layer(tmp_path, layer=0)
+
+
+def test_a_layer_of_zero_experts_is_named_as_such(tmp_path: Path, hf_tensors) -> None:
+    path = write(tmp_path / "m.safetensors", {k: v[:0] for k, v in hf_tensors.items()})
+    with pytest.raises(CheckpointError, match="have E=0 experts.*needs at least one expert"):
+        load_gpt_oss_layer(path, layer=3)
+
+
+def test_arguments_of_the_wrong_type_are_refused_at_the_entry(tmp_path: Path) -> None:
+    layer, out = make_layer(seed=8), tmp_path / "m.safetensors"
+    with pytest.raises(ArgumentError, match=r"path must be a str or PathLike, got 5 \(int\)"):
+        load_gpt_oss_layer(5, layer=0)
+    with pytest.raises(ArgumentError, match="allow_extra_tensors must be True or False"):
+        load_gpt_oss_layer(tmp_path, layer=0, allow_extra_tensors="no")
+    with pytest.raises(ArgumentError, match="path must be a str or PathLike"):
+        save_gpt_oss_layer(None, layer, layer=0, naming=CheckpointNaming.HF)
+    with pytest.raises(DTypeError, match=r"layer_obj_or_tensors\['w13'\] must be a torch.Tensor, got a int"):
+        save_gpt_oss_layer(out, dict.fromkeys(ROLES, 0), layer=0, naming=CheckpointNaming.HF)
+    assert not out.exists()
+    for router_weight in (layer.router_weight.tolist(), layer.router_weight.long()):
+        with pytest.raises(
+            DTypeError, match="GptOssLayer.router_weight must be a float32, bfloat16 or float16"
+        ):
+            dataclasses.replace(layer, router_weight=router_weight)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_loading_onto_a_missing_device_is_refused_before_reading(tmp_path: Path) -> None:
+    path = save_gpt_oss_layer(
+        tmp_path / "m.safetensors", make_layer(seed=9), layer=3, naming=CheckpointNaming.HF
+    )
+    for load in (
+        lambda device: load_gpt_oss_layer(path, layer=3, device=device),
+        lambda device: FusedMoE.from_gpt_oss_checkpoint(path, 3, device=device),
+    ):
+        with pytest.raises(DeviceError, match="no CUDA device on this machine"):
+            load("cuda")
+        with pytest.raises(DeviceError, match="'gpu0' is not a device string"):
+            load("gpu0")
 
 
 def test_save_refuses_incomplete_concat_or_dequantized_layers(tmp_path: Path) -> None:

@@ -101,6 +101,12 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine
         pytest.param(["run", "--device", "cuda"], "no CUDA device here", marks=NO_CUDA),
         (["run", "--layer", "3"], "--layer 3 picks a layer of --checkpoint and would be ignored"),
         (["run", "--bogus"], "unrecognized arguments: --bogus"),
+        (
+            ["run", "--checkpoint", "ckpt", "--preset", "mixtral-8x7b"],
+            "--preset mixtral-8x7b picks random-weight shapes and would be ignored with --checkpoint",
+        ),
+        (["explain", "--limit", "3", "--no-limit"], "--limit 3 and --no-limit contradict each other"),
+        (["check", "--all", "--preset", "mixtral-8x7b"], "--preset mixtral-8x7b checks one preset and would"),
         (["explain", "--tokens", "-2"], "--tokens must be >= 0, got -2"),
         (["explain", "--device", "tpu"], "or a simulated GPU"),
         pytest.param(["explain", "--device", "cuda:0"], "plan for a simulated GPU", marks=NO_CUDA),
@@ -197,6 +203,28 @@ def test_check_runs_every_capable_kernel_and_lists_refusals(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA prints")
+@pytest.mark.parametrize(
+    ("table", "fragment"),
+    [
+        ("folder", "it is a directory; give a file path"),
+        ("rows5.json", "not a moekit tuned table tune can merge into: "),
+        ("not_a_folder/x.json", "cannot be written: creating it under"),
+    ],
+)
+def test_tune_refuses_a_table_it_cannot_write_before_tuning(tmp_path, capsys, monkeypatch, table, fragment):
+    import moekit.app.autotune
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "rows5.json").write_text(json.dumps({"schema_version": 1, "rows": [5]}))
+    (tmp_path / "not_a_folder").write_text("a file where a folder would have to be")
+    monkeypatch.setattr(moekit.app.autotune, "_tune_one", lambda *a: pytest.fail("tuning ran"))
+    argv = ["tune", "--preset", "mixtral-8x7b", "--max-experts", "4", "--tokens", "1", "--device", "cpu"]
+    assert main([*argv, "--table", str(tmp_path / table)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"UsageError: --table {tmp_path / table}: {fragment}" in _one_error_line(err)
+    assert "row 0: a row must be an object, got int" in err or table != "rows5.json"
+
+
 def test_bench_needs_a_gpu_and_says_so(capsys):
     assert main(["bench", "--preset", "gpt-oss-20b", "--tokens", "1"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err

@@ -100,6 +100,10 @@ def test_tp_text(capsys):
         (["--ep", "2", "--constants", "/no/such.json"], "cannot read"),
         # gpt-oss-120b: I=2880, I/8 = 360 is not a multiple of MXFP4's 32-element blocks.
         (["--tp", "8"], "I/N = 2880/8 must be a multiple of 32"),
+        # Flags of a plan for one device would be silently dropped by a plan for N ranks.
+        (["--ep", "2", "--tokens", "8"], "--tokens would be ignored with --ep 2: they plan one device"),
+        (["--tp", "2", "--device", "h200", "--strict"], "--device, --strict would be ignored with --tp 2"),
+        (["--ep", "2", "--table", "t.json"], "--table would be ignored with --ep 2"),
     ],
 )
 @pytest.mark.parametrize("as_json", [False, True])

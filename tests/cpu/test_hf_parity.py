@@ -41,6 +41,7 @@ from moekit.integrations.transformers.convert import (  # noqa: E402
     from_hf_moe_block,
     spec_from_hf_config,
 )
+from moekit.integrations.transformers.patch import hf_layer_of  # noqa: E402
 from moekit.reference import fused_moe_reference, relative_l2_error  # noqa: E402
 from moekit.spec import Activation, Fp8Scale  # noqa: E402
 from oracle_loop import fused_moe_per_token_loop  # noqa: E402
@@ -299,3 +300,44 @@ def test_reference_matches_per_token_loop(fmt, fp8_scale, bias, layout, activati
     got = fused_moe_reference(x, weights, routing, spec=spec)
     expected = fused_moe_per_token_loop(x, weights, routing, spec=spec)
     assert relative_l2_error(got, expected) < RTOL_FP32
+
+
+# A config of another model, passed with a block, must not silently change the function: each field the
+# block holds itself (router top-k and renormalize flag, SwiGLU alpha and clamp, the activation, the
+# experts' sizes) is checked against the config.
+MISMATCHES = [
+    ("gpt_oss", "num_experts_per_tok", 3, "num_experts_per_tok=3 but the block's router selects top_k=4"),
+    ("gpt_oss", "swiglu_limit", 1.0, "swiglu_limit=1.0 but the block's experts clamp at limit=7.0"),
+    ("gpt_oss", "swiglu_alpha", 1.0, "swiglu_alpha=1.0 but the block's experts use alpha=1.702"),
+    ("gpt_oss", "num_local_experts", 4, "num_local_experts=4 but the block's experts hold E=8"),
+    ("gpt_oss", "intermediate_size", 32, "intermediate_size=32 but the block's experts have I=48"),
+    ("mixtral", "num_experts_per_tok", 3, "num_experts_per_tok=3 but the block's router selects top_k=2"),
+    ("mixtral", "hidden_act", "gelu", "hidden_act='gelu' but the block's experts compute 'silu'"),
+    ("mixtral", "hidden_size", 32, "hidden_size=32 but the block's experts have H=64"),
+    ("qwen3_moe", "num_experts_per_tok", 2, "num_experts_per_tok=2 but the block's router selects top_k=4"),
+    (
+        "qwen3_moe",
+        "norm_topk_prob",
+        False,
+        "norm_topk_prob=False but the block's router has norm_topk_prob=True",
+    ),
+    ("qwen3_moe", "moe_intermediate_size", 32, "moe_intermediate_size=32 but the block's experts have I=48"),
+    (
+        "qwen3_moe",
+        "hidden_act",
+        "gelu_pytorch_tanh",
+        "hidden_act='gelu_pytorch_tanh' but the block's experts",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "field", "value", "message"), MISMATCHES, ids=lambda v: str(v))
+def test_config_that_disagrees_with_the_block_is_refused(kind: str, field: str, value, message: str) -> None:
+    config = make_config(kind)
+    block = make_block(config, impl="eager", seed=0)
+    other = make_config(kind)
+    setattr(other, field, value)
+    with pytest.raises(SpecError, match=rf"config\.{message}.*pass the config of the model"):
+        from_hf_moe_block(block, config=other)
+    # The block's own config is accepted, and `hf_layer_of` reads the block whatever config it is given.
+    assert from_hf_moe_block(block, config=config).spec == hf_layer_of(block, config=other).spec

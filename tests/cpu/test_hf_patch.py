@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
 from moekit import MoekitError, SpecError, UnsupportedSpecError  # noqa: E402
+from moekit.errors import ArgumentError  # noqa: E402
 from moekit.integrations.transformers.patch import (  # noqa: E402
     Family,
     MoekitMoEBlock,
@@ -140,6 +141,15 @@ def test_keeping_originals_and_patch_errors() -> None:
         patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(SpecError, match="itself an MoE block"):
         patch_model(model.model.layers[0].mlp)
+
+
+def test_a_model_that_is_not_a_module_is_refused_by_name() -> None:
+    with pytest.raises(
+        ArgumentError, match=r"patch_model\(model=...\) must be a Module, got 'model' \(str\)"
+    ):
+        patch_model("model")
+    with pytest.raises(ArgumentError, match=r"unpatch\(model=...\) must be a Module, got None"):
+        unpatch(None)
 
 
 def test_a_block_that_cannot_be_planned_leaves_the_model_unpatched() -> None:

@@ -7,13 +7,18 @@ fastest whose output matches the reference within the tolerance table (output al
 NaN first) -> one row written to the table at once (`tuned.write_rows`: atomic, locked), so an
 interrupted run keeps what it finished and a re-run resumes after it.
 
+The table is checked before any tuning (`check_table`): an existing file must be a table the writer can
+merge into, read with the planner's own parser (`tuned.load_tables`), and a new file's folder must be
+creatable, so a bad --table fails at once rather than after the first winner.
+
 Isolation: one candidate never ends the run. Any exception from a candidate (compile error, out of
 memory, a launch failure) is recorded with its message and that candidate is skipped.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,11 +27,19 @@ import torch
 
 from moekit.app.check import poison_allocator
 from moekit.app.timing import median_seconds
+from moekit.errors import TunedTableError
 from moekit.kernels.base import DeviceInfo, Kernel, KernelConfig, Problem
 from moekit.kernels.registry import KernelRegistry, default_registry
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
-from moekit.planning.tuned import row_to_json, spec_fields, token_bucket, triton_version, write_rows
+from moekit.planning.tuned import (
+    TableKey,
+    load_tables,
+    row_to_json,
+    token_bucket,
+    triton_version,
+    write_rows,
+)
 from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
 from moekit.spec import MoESpec
 from moekit.synthetic import random_batch, random_layer
@@ -56,24 +69,42 @@ def _default_timer(fn: Callable[[], object], device: torch.device) -> float:
     return median_seconds(fn, device, repeats=5, batches=5, warmup=1)
 
 
-def _tuned_buckets(path: Path, spec: MoESpec, device: DeviceInfo) -> set[int]:
-    """Token buckets already tuned in `path` for this spec, shape, device and Triton version."""
-    if not path.exists():
+def check_table(path: Path, *, registry: KernelRegistry) -> None:
+    """`path` can take tuned rows: an existing regular file holds a table the writer can merge into, with
+    every row at least a row (read with the loader's parser: `tuned.load_tables`); the folder it goes in
+    exists or can be created. Otherwise TunedTableError, "tuned table PATH: why; what to do"."""
+    path = Path(path)
+    where = f"tuned table {path}"
+    if path.exists() and not path.is_file():
+        what = "a directory" if path.is_dir() else "not a regular file"
+        raise TunedTableError(f"{where}: it is {what}; give a file path, e.g. {path / 'moekit-tuned.json'}")
+    if path.is_file():
+        # Rows without a key are not rows at all (not an object, fields missing or ill-typed); rows with
+        # one (another registry's kernel or config) are kept by the writer and reported by the loader.
+        broken = [r for r in load_tables([path], registry=registry).rejected if r.key is None]
+        if broken:
+            more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
+            raise TunedTableError(
+                f"{where}: not a moekit tuned table tune can merge into: {broken[0].origin}: "
+                f"{broken[0].reason}{more}; move the file aside, or tune into another path"
+            )
+    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())  # "." or "/" exists
+    try:  # the writer's own first steps: create the missing folders, then a temporary file in them
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".probe", dir=folder))
+    except OSError as err:
+        raise TunedTableError(
+            f"{where}: cannot be written: creating it under {folder} fails ({err.strerror or err}); "
+            "give a path in a folder you can write"
+        ) from err
+
+
+def _tuned_buckets(path: Path, spec: MoESpec, device: DeviceInfo, registry: KernelRegistry) -> set[int]:
+    """Token buckets already tuned in `path` for this spec, shape, device and Triton version: the rows the
+    planner would use (`tuned.load_tables`), so a row it rejects is tuned again and replaced."""
+    if not path.is_file():
         return set()
-    try:
-        rows = json.loads(path.read_text())["rows"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return set()
-    want = {
-        "device": device.name,
-        "triton": triton_version(),
-        "spec": spec_fields(spec),
-        "E": spec.E,
-        "K": spec.K,
-        "H": spec.H,
-        "I": spec.I,
-    }
-    return {token_bucket(r["tokens"]) for r in rows if all(r.get(k) == v for k, v in want.items())}
+    want = TableKey.for_spec(spec, device=device.name, triton=triton_version(), bucket=1).without_bucket()
+    return {key.bucket for key in load_tables([path], registry=registry).rows if key.without_bucket() == want}
 
 
 def tune(
@@ -88,14 +119,17 @@ def tune(
     seed: int = 0,
     progress: Callable[[TuneOutcome], None] | None = None,
 ) -> list[TuneOutcome]:
-    """Tune `spec` at each T in `tokens` on `device`; append the verified winners to `table`."""
+    """Tune `spec` at each T in `tokens` on `device`; append the verified winners to `table`.
+
+    A table that cannot take the rows (`check_table`) is refused before any tuning."""
     device = torch.device(device)
     registry = registry or default_registry()
     info = DeviceInfo.of(device)
     table = Path(table)
+    check_table(table, registry=registry)
     layer = random_layer(spec, seed=seed, device=device)
     prepared: dict[str, object] = {}
-    done = _tuned_buckets(table, spec, info) if resume else set()
+    done = _tuned_buckets(table, spec, info, registry) if resume else set()
     outcomes: list[TuneOutcome] = []
     for t in tokens:
         if token_bucket(t) in done:

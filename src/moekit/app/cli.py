@@ -23,6 +23,7 @@ from moekit.app.cli_parallel import (
     bench_parallel_flags,
     parallel_flags,
     print_parallel_explanation,
+    refuse_single_device_flags,
     run_bench_parallel,
 )
 from moekit.app.cli_spec import (
@@ -35,7 +36,7 @@ from moekit.app.cli_spec import (
     spec_from_flags,
     token_counts,
 )
-from moekit.errors import DeviceError, MoekitError
+from moekit.errors import DeviceError, MoekitError, TunedTableError
 from moekit.planning.tuned import ENV_VAR as TUNED_ENV_VAR
 from moekit.presets import DEFAULT_PRESET, PRESETS
 
@@ -77,9 +78,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--preset",
-        default=DEFAULT_PRESET,
+        default=None,  # None: not given, so that --checkpoint can refuse it (default: DEFAULT_PRESET)
         choices=sorted(PRESETS),
-        help=f"model shapes to build with random weights (default: {DEFAULT_PRESET})",
+        help=f"model shapes to build with random weights (default: {DEFAULT_PRESET}); not with --checkpoint",
     )
     run.add_argument(
         "--checkpoint",
@@ -109,7 +110,9 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=sorted(PRESETS),
         help=f"model spec to start from (default: {DEFAULT_PRESET})",
     )
-    explain.add_argument("--tokens", type=int, default=1, help="tokens per forward, T (default: 1)")
+    explain.add_argument(
+        "--tokens", type=int, default=None, help="tokens per forward, T (default: 1); not with --ep/--tp"
+    )
     explain.add_argument(
         "--device",
         default=None,
@@ -132,7 +135,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "compute the spec on this device, at several token counts, and compare "
         "with the fp32 reference. Kernels that refuse are listed with the reason.",
     )
-    check.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    check.add_argument(
+        "--preset",
+        default=None,  # None: not given, so that --all can refuse it
+        choices=sorted(PRESETS),
+        help=f"the preset to check (default: {DEFAULT_PRESET}); not with --all",
+    )
     check.add_argument("--all", action="store_true", help="check every preset")
     check.add_argument("--tokens", default="1,7,64", help="comma-separated token counts (default: 1,7,64)")
     check.add_argument(
@@ -352,12 +360,19 @@ def _run_flags(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--layer {args.layer} picks a layer of --checkpoint and would be ignored; add --checkpoint PATH"
         )
+    if args.preset is not None and args.checkpoint is not None:
+        raise UsageError(
+            f"--preset {args.preset} picks random-weight shapes and would be ignored with --checkpoint "
+            "(the layer's shapes are the checkpoint's); drop one"
+        )
+    args.preset = DEFAULT_PRESET if args.preset is None else args.preset
     args.layer = at_least("--layer", 0 if args.layer is None else args.layer, 0)
     args.device = real_device(args.device)
 
 
 def _explain_flags(args: argparse.Namespace) -> None:
-    at_least("--tokens", args.tokens, 0)
+    refuse_single_device_flags(args)
+    args.tokens = at_least("--tokens", 1 if args.tokens is None else args.tokens, 0)
     if args.table is not None and not args.table.is_file():
         raise UsageError(f"--table {args.table}: no such file; give a tuned table written by moekit tune")
     args.spec = spec_from_flags(args)
@@ -366,6 +381,11 @@ def _explain_flags(args: argparse.Namespace) -> None:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if args.all and args.preset is not None:
+        raise UsageError(
+            f"--preset {args.preset} checks one preset and would be ignored with --all; drop one"
+        )
+    args.preset = DEFAULT_PRESET if args.preset is None else args.preset
     args.device = real_device(args.device)
     args.tokens = token_counts(args.tokens, minimum=0)
     if args.max_experts is not None:
@@ -387,6 +407,8 @@ def _bench_flags(args: argparse.Namespace) -> None:
 
 
 def _tune_flags(args: argparse.Namespace) -> None:
+    from moekit.app.autotune import check_table
+    from moekit.kernels.registry import default_registry
     from moekit.presets import cap_experts, preset
 
     args.device = real_device(args.device)
@@ -394,6 +416,10 @@ def _tune_flags(args: argparse.Namespace) -> None:
     if args.max_experts is not None:
         at_least("--max-experts", args.max_experts, 1)
     args.spec = cap_experts(preset(args.preset), args.max_experts)
+    try:  # the table tune would write, checked now: a bad one must not cost a tuning run first
+        check_table(args.table, registry=default_registry())
+    except TunedTableError as err:
+        raise UsageError(str(err).replace(f"tuned table {args.table}", f"--table {args.table}", 1)) from err
 
 
 _FLAG_CHECKS = {

@@ -57,6 +57,29 @@ def _rank_tokens(text: str | None) -> tuple[int, ...]:
         raise UsageError(str(err).replace("--tokens", "--rank-tokens")) from err
 
 
+def refuse_single_device_flags(args: argparse.Namespace) -> None:
+    """`explain --ep/--tp` plans N ranks on paper, with --rank-tokens and --constants: the flags of a plan
+    for one device (--tokens, --device, --table, --strict) would be ignored, so they are refused."""
+    if args.ep is None and args.tp is None:
+        return
+    mode = f"--ep {args.ep}" if args.ep is not None else f"--tp {args.tp}"
+    given = [
+        flag
+        for flag, value in (
+            ("--tokens", args.tokens),
+            ("--device", args.device),
+            ("--table", args.table),
+            ("--strict", args.strict or None),
+        )
+        if value is not None
+    ]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} would be ignored with {mode}: they plan one device, {mode} plans N ranks "
+            "on paper; drop them (--rank-tokens sets the tokens per rank)"
+        )
+
+
 def parallel_flags(args: argparse.Namespace) -> None:
     """Check the parallel flags of `explain` and plan for N ranks (`args.parallel_report`)."""
     args.parallel_mode = None
@@ -130,6 +153,10 @@ def bench_parallel_flags(args: argparse.Namespace) -> bool:
         raise UsageError(TORCHRUN_NEEDED)
     if "," in args.preset:
         raise UsageError(f"--preset {args.preset}: --parallel times one preset; give one name")
+    if args.plot is not None:
+        raise UsageError(
+            f"--plot {args.plot} draws the single-GPU sweep and would be ignored with --parallel; drop one"
+        )
     if args.engine is not None and args.parallel == "tp":
         raise UsageError(f"--engine {args.engine}: tensor parallelism moves no tokens; drop --engine")
     if args.max_experts is not None:

@@ -59,6 +59,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_flags(args: argparse.Namespace):
+    if args.limit is not None and args.no_limit:
+        raise UsageError(f"--limit {args.limit:g} and --no-limit contradict each other; give one")
     spec = preset(args.preset)
     fields: dict = {}
     for flag, name in (

@@ -34,6 +34,7 @@ accumulates in fp32).
 from __future__ import annotations
 
 import enum
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moekit.errors import CheckpointError, DTypeError, LayoutMismatchError, ShapeError
+from moekit.checks import described
+from moekit.errors import CheckpointError, DTypeError, LayoutMismatchError, ShapeError, check_type
 from moekit.parallel import ParallelMode, RankShare, plan_shard
 from moekit.spec import (
     ActivationSpec,
@@ -56,6 +58,8 @@ from moekit.weights import ExpertWeights, WeightPacking
 
 # The eight tensors of one layer, by role. The roles match `ExpertWeights` field names.
 ROLES = ("w13", "w13_scale", "b13", "w2", "w2_scale", "b2", "router_weight", "router_bias")
+# The dtypes a checkpoint stores the router (and the biases) in; the loader reads exactly these.
+ROUTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CheckpointNaming(enum.Enum):
@@ -163,6 +167,13 @@ class GptOssLayer:
             )
         if not w.has_bias:
             raise ShapeError("GPT-OSS experts carry biases b13 [E, 2I] and b2 [E, H]; the weights have none")
+        for name in ("router_weight", "router_bias"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype not in ROUTER_DTYPES:
+                raise DTypeError(
+                    f"GptOssLayer.{name} must be a float32, bfloat16 or float16 torch.Tensor, got "
+                    f"{described(t)}; convert it, e.g. torch.as_tensor(value, dtype=torch.bfloat16)"
+                )
         e, h = self.num_experts, w.H
         if tuple(self.router_weight.shape) != (e, h) or tuple(self.router_bias.shape) != (e,):
             raise ShapeError(
@@ -236,7 +247,7 @@ def gpt_oss_layer_tensors(
     """Checkpoint key -> contiguous tensor for one layer; merge several layers' dicts to build a model file.
 
     A mapping must hold exactly the roles in `ROLES` (the `ExpertWeights` field names plus
-    `router_weight` and `router_bias`); it is written as given, unchecked beyond that.
+    `router_weight` and `router_bias`), each a tensor; it is written as given, unchecked beyond that.
     """
     if isinstance(layer_obj_or_tensors, GptOssLayer):
         by_role = layer_obj_or_tensors.tensors()
@@ -250,6 +261,12 @@ def gpt_oss_layer_tensors(
             f"a GPT-OSS layer has exactly the tensors {list(ROLES)}; missing "
             f"{sorted(set(ROLES) - set(by_role))}, unexpected {sorted(set(by_role) - set(ROLES))}"
         )
+    for role in ROLES:
+        if not isinstance(by_role[role], torch.Tensor):
+            raise DTypeError(
+                f"layer_obj_or_tensors[{role!r}] must be a torch.Tensor, got {described(by_role[role])}; "
+                "pass the layer's tensors (GptOssLayer.tensors()) or the GptOssLayer itself"
+            )
     keys = gpt_oss_layer_keys(naming=naming, layer=layer)
     return {keys[role]: by_role[role].detach().to("cpu").contiguous() for role in ROLES}
 
@@ -262,6 +279,7 @@ def save_gpt_oss_layer(
     naming: CheckpointNaming,
 ) -> Path:
     """Write one layer's tensors to a .safetensors file named as `naming` does; returns the path."""
+    check_type("path", path, (str, os.PathLike), fix="pass the file to write as a str or Path")
     tensors = gpt_oss_layer_tensors(layer_obj_or_tensors, layer=layer, naming=naming)
     path = Path(path)
     save_file(tensors, str(path), metadata={"format": "pt"})

@@ -29,6 +29,7 @@ The names, the layouts and the facts they rest on are in `layer.py`.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,9 @@ from moekit.checkpoint.layer import (
     gpt_oss_layer_keys,
     gpt_oss_spec,
 )
-from moekit.errors import CheckpointError, FormatError, check_type
+from moekit.errors import ArgumentError, CheckpointError, FormatError, check_bool, check_type
 from moekit.formats import check_mxfp4_scales, mxfp4_groups
+from moekit.kernels.base import DeviceInfo
 from moekit.parallel import Cut, RankShare, ShardPlan, plan_shard
 from moekit.spec import GateLayout, WeightFormat
 from moekit.weights import ExpertWeights
@@ -205,8 +207,17 @@ def _expected_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int,
     e = _majority([dim(r, 0) for r in ROLES])
     two_i = _majority([dim("w13", 1), dim("w13_scale", 1), dim("b13", 1)])
     h = _majority([dim("w2", 1), dim("w2_scale", 1), dim("b2", 1), dim("router_weight", 1)])
-    if e is None or two_i is None or h is None or two_i % 2 or min(e, two_i, h) < 1:
-        raise CheckpointError(f"cannot infer E, 2I, H from the tensor shapes {shapes}; 2I must be even")
+    if e is None or two_i is None or h is None:
+        raise CheckpointError(f"cannot infer E, 2I, H from the tensor shapes {shapes}")
+    if e < 1:
+        raise CheckpointError(
+            f"the layer's tensors have E={e} experts (shapes {shapes}); a layer needs at least one expert"
+        )
+    if two_i % 2 or two_i < 1 or h < 1:
+        raise CheckpointError(
+            f"the layer's tensors have 2I={two_i}, H={h} (shapes {shapes}); 2I must be even and both "
+            "at least 1"
+        )
     g_h, g_i = mxfp4_groups(h), mxfp4_groups(two_i // 2)
     return {
         "w13": (e, two_i, g_h, 16),
@@ -321,7 +332,10 @@ def load_gpt_oss_layer(
     read (another copy or format of the experts, or the layer under the other naming).
     `share`: read only that rank's share of the experts (`moekit.parallel.RankShare`; the bytes
     `shard_for` would keep of the whole layer, bit for bit) and the whole router."""
+    check_type("path", path, (str, os.PathLike), fix="pass the checkpoint's file or folder as a str or Path")
     check_type("share", share, RankShare, optional=True, fix="pass moekit.parallel.RankShare(mode, rank, N)")
+    check_bool("allow_extra_tensors", allow_extra_tensors, error=ArgumentError)
+    DeviceInfo.of(device)  # a device moekit cannot load onto is refused before any file is opened
     files = _resolve(Path(path))
     if naming is None:
         naming = _detect_naming(files)

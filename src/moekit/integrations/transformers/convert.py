@@ -7,8 +7,9 @@ Data flow (every family-specific fact comes from the family's `HfFamily` row, `f
     rows reordered if a target layout other than the source's is asked for (on the floats, so any
     format works), then `ExpertWeights.from_float` casts or quantizes -> `ExpertWeights`;
     `hf_expert_tensors` is the exact inverse (moekit weights -> the HF experts' parameters).
-  HF MoE block (router + experts) + config -> `from_hf_moe_block` -> `HfMoeLayer`, whose
-    `router_logits` -> `moekit.route` -> `fused_moe_reference` reproduces the block's output.
+  HF MoE block (router + experts) + config -> `from_hf_moe_block` (the config checked against every
+    field the block holds itself, `held_config_fields`) -> `HfMoeLayer`, whose `router_logits` ->
+    `moekit.route` -> `fused_moe_reference` reproduces the block's output.
 """
 
 from __future__ import annotations
@@ -39,6 +40,58 @@ _FLOAT_FORMATS = {
     torch.bfloat16: WeightFormat.BF16,
     torch.float16: WeightFormat.FP16,
 }
+
+
+# HF activations by the moekit activation they compute, to recognize an experts module's `act_fn`.
+_TORCH_ACTIVATIONS = {
+    Activation.SILU: torch.nn.functional.silu,
+    Activation.GELU: lambda z: torch.nn.functional.gelu(z, approximate="none"),
+    Activation.GELU_TANH: lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+}
+
+
+def hidden_act_of(act_fn: object) -> str:
+    """The `hidden_act` name of an experts module's activation, found by evaluating it: class names of
+    HF activations change between versions, the function they compute does not."""
+    z = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
+    with torch.no_grad():
+        got = act_fn(z)
+    for name, activation in HF_ACTIVATIONS.items():
+        if torch.allclose(got, _TORCH_ACTIVATIONS[activation](z), rtol=1e-9, atol=1e-12):
+            return name
+    raise SpecError(
+        f"the experts' activation {type(act_fn).__name__} is none of {list(HF_ACTIVATIONS)}; "
+        "pass the model's config"
+    )
+
+
+def held_config_fields(block: torch.nn.Module, family: Family) -> dict[str, object]:
+    """The config fields (under the config's names) whose values `block` holds itself: the router's top-k
+    (and Qwen3-MoE's renormalize flag), the experts' SwiGLU alpha and clamp, the activation the experts
+    compute (by evaluation). A field the block does not hold is left out: the config is its only source.
+    Sizes are not here: they are the experts' parameter shapes."""
+    hf = family.hf
+    router, experts = getattr(block, hf.router_name), block.experts
+    fields: dict[str, object] = {}
+    top_k = getattr(router, "top_k", getattr(block, "top_k", None))  # 4.x blocks held it, not the gate
+    if top_k is not None:
+        fields["num_experts_per_tok"] = int(top_k)
+    if hf.swiglu is not None:
+        if getattr(experts, hf.swiglu.experts_alpha, None) is not None:
+            fields[hf.swiglu.config_alpha] = float(getattr(experts, hf.swiglu.experts_alpha))
+        if hasattr(experts, hf.swiglu.experts_limit):  # None: no clamp
+            limit = getattr(experts, hf.swiglu.experts_limit)
+            fields[hf.swiglu.config_limit] = None if limit is None else float(limit)
+    elif getattr(experts, "act_fn", None) is not None:
+        try:
+            fields["hidden_act"] = hidden_act_of(experts.act_fn)
+        except SpecError:
+            pass  # an activation the probe does not know: the config names it
+    if hf.renormalize_field is not None:
+        flag = getattr(router, hf.renormalize_field, getattr(block, hf.renormalize_field, None))
+        if flag is not None:
+            fields[hf.renormalize_field] = bool(flag)
+    return fields
 
 
 def _activation(config: object, hf: HfFamily) -> ActivationSpec:
@@ -287,6 +340,46 @@ class HfMoeLayer:
         return fused_moe_reference(x, self.weights, self.route(x), spec=self.spec)
 
 
+def _check_config_matches_block(
+    config: object, spec: MoESpec, block: torch.nn.Module, family: Family, weights: ExpertWeights
+) -> None:
+    """Each field the block holds (`held_config_fields`, and E, H, I from its experts' shapes) is the
+    value `spec` (built from `config`) uses: a config of another model would compute another function."""
+    hf = family.hf
+    held = held_config_fields(block, family)
+    # config field -> (the spec's value, the block's value, what the block holds, in words)
+    pairs: dict[str, tuple[object, object, str]] = {
+        hf.num_experts_field: (spec.E, weights.num_experts, f"experts hold E={weights.num_experts}"),
+        "hidden_size": (spec.H, weights.H, f"experts have H={weights.H}"),
+        hf.intermediate_field: (spec.I, weights.I, f"experts have I={weights.I}"),
+    }
+    if "num_experts_per_tok" in held:
+        k = held["num_experts_per_tok"]
+        pairs["num_experts_per_tok"] = (spec.K, k, f"router selects top_k={k}")
+    if hf.swiglu is not None:
+        alpha, limit = hf.swiglu.config_alpha, hf.swiglu.config_limit
+        if alpha in held:
+            pairs[alpha] = (spec.activation.alpha, held[alpha], f"experts use alpha={held[alpha]}")
+        if limit in held:
+            pairs[limit] = (spec.activation.limit, held[limit], f"experts clamp at limit={held[limit]}")
+    elif "hidden_act" in held:
+        act = held["hidden_act"]
+        pairs["hidden_act"] = (spec.activation.kind, HF_ACTIVATIONS[act], f"experts compute {act!r}")
+    flag = hf.renormalize_field
+    if flag is not None and flag in held:
+        pairs[flag] = (spec.routing.renormalize, held[flag], f"router has {flag}={held[flag]}")
+    for field, (ours, theirs, holds) in pairs.items():
+        if ours != theirs:
+            given = (
+                f"={getattr(config, field)!r}" if hasattr(config, field) else f" is absent (read as {ours})"
+            )
+            raise SpecError(
+                f"config.{field}{given} but the block's {holds}; pass the config of the model this "
+                "block belongs to, or none (hf_layer_of(block) and fused_moe_from_hf(block) read every "
+                "field off the block)"
+            )
+
+
 def from_hf_moe_block(
     block: torch.nn.Module,
     *,
@@ -320,6 +413,7 @@ def from_hf_moe_block(
         gate_layout=weights.gate_layout,
         act_dtype=router_weight.dtype if act_dtype is None else act_dtype,
     )
+    _check_config_matches_block(config, spec, block, family, weights)
     return HfMoeLayer(
         spec=spec,
         weights=weights,

@@ -33,35 +33,18 @@ from types import SimpleNamespace
 
 import torch
 
-from moekit.errors import SpecError
+from moekit.errors import SpecError, check_type
 from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, unguard_casts
-from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
-from moekit.integrations.transformers.families import HF_ACTIVATIONS, Family, block_class_names, family_of
+from moekit.integrations.transformers.convert import (
+    HfMoeLayer,
+    from_hf_moe_block,
+    held_config_fields,
+    hidden_act_of,
+)
+from moekit.integrations.transformers.families import Family, block_class_names, family_of
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.parallel import Parallel
-from moekit.spec import Activation, MoESpec
-
-# HF activations by the moekit activation they compute, to recognize an experts module's `act_fn`.
-_TORCH_ACTIVATIONS = {
-    Activation.SILU: torch.nn.functional.silu,
-    Activation.GELU: lambda z: torch.nn.functional.gelu(z, approximate="none"),
-    Activation.GELU_TANH: lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-}
-
-
-def _hidden_act_of(act_fn: object) -> str:
-    """The `hidden_act` name of an experts module's activation, found by evaluating it: class names of
-    HF activations change between versions, the function they compute does not."""
-    z = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
-    with torch.no_grad():
-        got = act_fn(z)
-    for name, activation in HF_ACTIVATIONS.items():
-        if torch.allclose(got, _TORCH_ACTIVATIONS[activation](z), rtol=1e-9, atol=1e-12):
-            return name
-    raise SpecError(
-        f"the experts' activation {type(act_fn).__name__} is none of {list(HF_ACTIVATIONS)}; "
-        "pass the model's config"
-    )
+from moekit.spec import MoESpec
 
 
 def _config_of_module(module: torch.nn.Module, family: Family, *, config: object | None) -> SimpleNamespace:
@@ -73,28 +56,35 @@ def _config_of_module(module: torch.nn.Module, family: Family, *, config: object
     hf = family.hf
     experts, router = module.experts, getattr(module, hf.router_name)
     gate_up = experts.gate_up_proj  # [E, H, 2I] if transposed, else [E, 2I, H]
+    held = held_config_fields(module, family)
+    if "num_experts_per_tok" not in held:
+        raise SpecError(f"{type(router).__name__} has no `top_k` attribute: the block's top-k is unknown")
     fields = {
         "model_type": family.value,
-        "num_experts_per_tok": int(router.top_k),
+        "num_experts_per_tok": held["num_experts_per_tok"],
         "hidden_size": router.weight.shape[1],
         hf.num_experts_field: gate_up.shape[0],
         hf.intermediate_field: gate_up.shape[2 if hf.gate_up_transposed else 1] // 2,
     }
     if hf.swiglu is not None:
-        if not hasattr(experts, hf.swiglu.experts_limit):
+        if hf.swiglu.config_limit not in held:
             raise SpecError(f"{type(experts).__name__} has no `limit` attribute: its SwiGLU clamp is unknown")
         # A missing alpha stays None: convert then applies the alpha of versions that hard-code it.
-        fields[hf.swiglu.config_alpha] = getattr(experts, hf.swiglu.experts_alpha, None)
-        fields[hf.swiglu.config_limit] = getattr(experts, hf.swiglu.experts_limit)
+        fields[hf.swiglu.config_alpha] = held.get(hf.swiglu.config_alpha)
+        fields[hf.swiglu.config_limit] = held[hf.swiglu.config_limit]
+    elif "hidden_act" in held:
+        fields["hidden_act"] = held["hidden_act"]
     else:
-        try:
-            fields["hidden_act"] = _hidden_act_of(experts.act_fn)
-        except SpecError:
-            if getattr(config, "hidden_act", None) is None:
-                raise
-            fields["hidden_act"] = config.hidden_act  # convert refuses names without a moekit activation
+        if getattr(config, "hidden_act", None) is None:
+            hidden_act_of(experts.act_fn)  # raises the probe's SpecError, which names the activation
+        fields["hidden_act"] = config.hidden_act  # convert refuses names without a moekit activation
     if hf.renormalize_field is not None:  # the router holds the flag under the config's name
-        fields[hf.renormalize_field] = bool(getattr(router, hf.renormalize_field))
+        if hf.renormalize_field not in held:
+            raise SpecError(
+                f"{type(router).__name__} has no `{hf.renormalize_field}` attribute: whether the block "
+                "renormalizes its top-k weights is unknown"
+            )
+        fields[hf.renormalize_field] = held[hf.renormalize_field]
     return SimpleNamespace(**fields)
 
 
@@ -172,6 +162,9 @@ class PatchReport:
         return "\n".join(lines)
 
 
+_MODEL_FIX = "pass the loaded model (a torch.nn.Module, e.g. from AutoModelForCausalLM.from_pretrained)"
+
+
 def _set_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -197,6 +190,7 @@ def patch_model(
     tokens, every rank calling every block each forward). The original experts are kept (a share cannot
     rebuild them), so `state_dict` and `unpatch` give the whole model back.
     """
+    check_type("patch_model(model=...)", model, torch.nn.Module, fix=_MODEL_FIX)
     if any(isinstance(m, MoekitMoEBlock) for m in model.modules()):
         raise SpecError(f"{type(model).__name__} is already patched by moekit; call unpatch(model) first")
     targets = [(name, m, family_of(m)) for name, m in model.named_modules()]
@@ -245,6 +239,7 @@ def patch_model(
 
 def unpatch(model: torch.nn.Module) -> int:
     """Put every original HF block back (experts rebuilt if released); returns how many were restored."""
+    check_type("unpatch(model=...)", model, torch.nn.Module, fix=_MODEL_FIX)
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoekitMoEBlock)]
     for name, wrapper in found:
         _set_submodule(model, name, wrapper.restore_original())
