@@ -27,7 +27,7 @@ from moekit.errors import (
     SpecError,
     check_int,
 )
-from moekit.formats import check_mxfp4_scales
+from moekit.formats import check_fp8_scales, check_mxfp4_scales
 from moekit.routing import RoutingResult
 from moekit.spec import MoESpec, RoutingMethod, RoutingSpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
@@ -168,18 +168,20 @@ _SCANNED: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def check_scale_values(weights: ExpertWeights) -> None:
-    """No MXFP4 scale byte is 0xFF (E8M0 NaN). Each scale tensor is scanned once (a sync) and again only
-    after an in-place change (its version counter moves); later calls cost a dictionary lookup."""
-    if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
+    """No MXFP4 scale byte is 0xFF (E8M0 NaN), no FP8 scale is non-finite or <= 0. Each scale tensor is
+    scanned once (a sync) and again only after an in-place change (its version counter moves); later
+    calls cost a dictionary lookup."""
+    if not weights.format.is_quantized or weights.stores_floats:
         return
     if weights.packing is WeightPacking.MXFP4_W4A8:  # no E8M0 bytes left: checked when packed
         return
+    check = check_mxfp4_scales if weights.format is WeightFormat.MXFP4 else check_fp8_scales
     for name in ("w13_scale", "w2_scale"):
         t = getattr(weights, name)
         seen = _SCANNED.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version:
             continue
-        check_mxfp4_scales(t, name=name)
+        check(t, name=name)
         key = id(t)
         _SCANNED[key] = (weakref.ref(t, lambda _ref, key=key: _SCANNED.pop(key, None)), t._version)
 
