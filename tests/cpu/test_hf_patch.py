@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
 from moekit import MoekitError, SpecError, UnsupportedSpecError  # noqa: E402
+from moekit.errors import ArgumentError  # noqa: E402
 from moekit.integrations.transformers.patch import (  # noqa: E402
     Family,
     MoekitMoEBlock,
@@ -140,6 +141,10 @@ def test_keeping_originals_and_patch_errors() -> None:
         patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(SpecError, match="itself an MoE block"):
         patch_model(model.model.layers[0].mlp)
+    for flag in ("no", 0):  # "no" would read as True and release the originals
+        with pytest.raises(ArgumentError, match=r"release_originals=...\) must be True or False"):
+            patch_model(model, release_originals=flag)
+    assert not any(isinstance(m, MoekitMoEBlock) for m in model.modules())
 
 
 def test_a_block_that_cannot_be_planned_leaves_the_model_unpatched() -> None:

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moekit.errors import SpecError
+from moekit.errors import ArgumentError, SpecError, check_bool
 from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, unguard_casts
 from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
 from moekit.integrations.transformers.families import HF_ACTIVATIONS, Family, block_class_names, family_of
@@ -197,6 +197,7 @@ def patch_model(
     tokens, every rank calling every block each forward). The original experts are kept (a share cannot
     rebuild them), so `state_dict` and `unpatch` give the whole model back.
     """
+    check_bool("patch_model(release_originals=...)", release_originals, error=ArgumentError)
     if any(isinstance(m, MoekitMoEBlock) for m in model.modules()):
         raise SpecError(f"{type(model).__name__} is already patched by moekit; call unpatch(model) first")
     targets = [(name, m, family_of(m)) for name, m in model.named_modules()]
