@@ -45,7 +45,6 @@ forwards either), where a token with a NaN or +-inf logit gets a NaN output row 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -73,7 +72,7 @@ from moekit.errors import (
     check_bool,
     check_type,
 )
-from moekit.kernels.base import DeviceInfo, Kernel, _torch_device
+from moekit.kernels.base import DeviceInfo, Kernel, parse_device
 from moekit.kernels.registry import default_registry
 from moekit.ops import route_checked, run_checked
 from moekit.parallel import Parallel, ParallelMode, RankShare, check_same_layer, shard_for
@@ -103,17 +102,9 @@ class WarmupReport:
 def _indexed(device: torch.device | str) -> torch.device:
     """`device` parsed as `moekit.plan` parses it (a malformed one is a DeviceError); cuda -> cuda:<current>
     where CUDA exists, so comparisons with tensors' devices (always indexed) work."""
-    device = _torch_device(device)
+    device = parse_device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _conversion_device(fn) -> object:  # noqa: ANN001 - an nn.Module._apply function
-    """The device a `.to(device)` / `.cuda(index)` conversion names (its closure's `device`), else None."""
-    device = inspect.getclosurevars(fn).nonlocals.get("device") if inspect.isfunction(fn) else None
-    if getattr(fn, "__qualname__", "").startswith("Module.cuda."):  # .cuda() / .cuda(1)
-        return torch.device("cuda", device) if isinstance(device, int) else device or "cuda"
     return device
 
 
@@ -438,9 +429,10 @@ class FusedMoE(torch.nn.Module):
         try:
             probe = fn(torch.empty(0, dtype=self.spec.act_dtype, device=self._device))
         except (AssertionError, RuntimeError) as err:  # not even an empty tensor: no such device here
-            if (target := _conversion_device(fn)) is not None:
-                DeviceInfo.of(target)  # plan's DeviceError, naming that device
-            raise DeviceError(f"FusedMoE cannot move there, torch refused the device: {err}") from err
+            raise DeviceError(
+                f"FusedMoE cannot move there: torch refused the device ({err}); moekit runs on the CPU and "
+                f"on the CUDA devices this machine has ({torch.cuda.device_count()})"
+            ) from err
         if probe.dtype != self.spec.act_dtype:
             raise DTypeError(
                 f"FusedMoE runs in act_dtype {self.spec.act_dtype} and cannot be cast to "
