@@ -29,7 +29,7 @@ from moekit.errors import (
     check_int,
     check_type,
 )
-from moekit.formats import check_mxfp4_scales
+from moekit.formats import check_fp8_scales, check_mxfp4_scales
 from moekit.routing import RoutingResult
 from moekit.spec import MoESpec, RoutingSpec, WeightFormat
 from moekit.weights import ExpertWeights, WeightPacking
@@ -129,10 +129,17 @@ def check_expert_map_given(spec: MoESpec, expert_map: torch.Tensor | None) -> No
             f"spec.num_local_experts={spec.num_local_experts} "
             f"{'needs' if spec.uses_expert_map else 'forbids'} an expert_map"
         )
+    if expert_map is not None:
+        check_expert_map_structure(expert_map, num_experts=spec.E)
 
 
 def check_expert_map_structure(expert_map: torch.Tensor, *, num_experts: int) -> None:
-    """An expert map is int32 `[E]` (read from its metadata alone: no sync)."""
+    """An expert map is an int32 tensor `[E]` (read from its metadata alone: no sync)."""
+    if not isinstance(expert_map, torch.Tensor):
+        raise ExpertIdError(
+            f"expert_map must be an int32 torch.Tensor [E={num_experts}], got {described(expert_map)}; "
+            "build it with torch.tensor(..., dtype=torch.int32)"
+        )
     if expert_map.shape != (num_experts,) or expert_map.dtype != torch.int32:
         raise ExpertIdError(
             f"expert_map must be int32 [E={num_experts}], got {expert_map.dtype} {tuple(expert_map.shape)}"
@@ -148,15 +155,28 @@ def check_expert_map(expert_map: torch.Tensor, *, num_experts: int, num_local_ex
 
 
 def check_expert_map_entries(expert_map: torch.Tensor, *, num_local_experts: int) -> None:
-    """Each entry is -1 or a local id in `[0, E_local)`, no local id twice. Syncs with the device."""
+    """Each entry is -1 or a local id in `[0, E_local)`, each local id exactly once (a local expert no
+    global id reaches would hold weights that never run). Syncs with the device."""
     local = expert_map[expert_map >= 0]
     if bool((expert_map < -1).any()) or (local.numel() and int(local.max()) >= num_local_experts):
         raise ExpertIdError(
             f"expert_map entries must be -1 or in [0, E_local={num_local_experts}); got min "
             f"{int(expert_map.min())}, max {int(expert_map.max())}"
         )
-    if local.unique().numel() != local.numel():
-        raise ExpertIdError("expert_map maps two global experts to the same local expert")
+    counts = torch.bincount(local.long(), minlength=num_local_experts)
+    if bool((counts != 1).any()):
+        per_id = counts.tolist()
+        repeated = [i for i, c in enumerate(per_id) if c > 1]
+        missing = [i for i, c in enumerate(per_id) if c == 0]
+        faults = []
+        if repeated:
+            faults.append(f"maps two global experts to the same local expert (local ids {repeated})")
+        if missing:
+            faults.append(f"leaves local experts {missing} unmapped, so they would never run")
+        raise ExpertIdError(
+            f"expert_map {' and '.join(faults)} (num_local_experts={num_local_experts}); map each local id "
+            f"0..{num_local_experts - 1} from exactly one global expert"
+        )
 
 
 def capturing(t: object) -> bool:
@@ -170,18 +190,20 @@ _SCANNED: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def check_scale_values(weights: ExpertWeights) -> None:
-    """No MXFP4 scale byte is 0xFF (E8M0 NaN). Each scale tensor is scanned once (a sync) and again only
-    after an in-place change (its version counter moves); later calls cost a dictionary lookup."""
-    if weights.format is not WeightFormat.MXFP4 or weights.stores_floats:
+    """No MXFP4 scale byte is 0xFF (E8M0 NaN), no FP8 scale is non-finite or <= 0. Each scale tensor is
+    scanned once (a sync) and again only after an in-place change (its version counter moves); later
+    calls cost a dictionary lookup."""
+    if not weights.format.is_quantized or weights.stores_floats:
         return
     if weights.packing is WeightPacking.MXFP4_W4A8:  # no E8M0 bytes left: checked when packed
         return
+    check = check_mxfp4_scales if weights.format is WeightFormat.MXFP4 else check_fp8_scales
     for name in ("w13_scale", "w2_scale"):
         t = getattr(weights, name)
         seen = _SCANNED.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version:
             continue
-        check_mxfp4_scales(t, name=name)
+        check(t, name=name)
         key = id(t)
         _SCANNED[key] = (weakref.ref(t, lambda _ref, key=key: _SCANNED.pop(key, None)), t._version)
 

@@ -14,8 +14,9 @@ choice must stay out of the graph (they are host-side state). vLLM solves this w
 here an int from a counter names each live layer. The registry holds weak references, so a layer that is
 no longer used is freed and its handle disappears; a handle is never reused.
 
-No autograd formula is registered: the op serves inference. Backward through it raises PyTorch's
-"no autograd formula" error.
+The op serves inference: its autograd formula saves nothing and raises `ArgumentError` on backward, so a
+training loop learns that from moekit rather than from PyTorch's "no autograd formula" error. A forward
+under grad mode still runs (a Hugging Face model evaluated without `torch.no_grad()` works).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from moekit.errors import MoekitError
+from moekit.errors import ArgumentError, MoekitError
 
 OP_NAME = "moekit::fused_moe_layer"
 
@@ -92,3 +93,18 @@ def _fused_moe_layer_fake(x: torch.Tensor, router_logits: torch.Tensor, handle: 
     torch._check(x.dim() == 2 and router_logits.dim() == 2, lambda: "x and router_logits must be 2-D")
     torch._check(router_logits.shape[0] == x.shape[0], lambda: "router_logits must have one row per token")
     return x.new_empty(x.shape[0], x.shape[1])
+
+
+def _no_saved_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    """Nothing to save: backward only refuses."""
+
+
+def _refuse_backward(ctx: object, grad_output: torch.Tensor) -> tuple[None, None, None]:
+    raise ArgumentError(
+        "FusedMoE is inference-only (moekit has no backward for its kernels): run the layer under "
+        "torch.no_grad() or torch.inference_mode(), or detach its input; to train, use the unpatched "
+        "model (moekit.integrations.transformers.unpatch)"
+    )
+
+
+fused_moe_layer.register_autograd(_refuse_backward, setup_context=_no_saved_context)

@@ -35,12 +35,12 @@ can refuse first (the Hugging Face patch does, for the whole model). Expert weig
 and the router tensors non-persistent buffers, so `state_dict()` is empty: rebuild the layer from its
 checkpoint rather than loading a state dict into it (a patched HF block saves and loads its own).
 
-Inference only: the custom op has no autograd formula. Value checks that would sync (expert-id ranges)
-are unnecessary here: `route` only produces ids in [0, E). One value check stays: router logits must be
-finite (the contract in `moekit.routing`). It runs inside the op, in eager and compiled forwards, and
-reads one bool from the device (a sync); it is skipped while a CUDA graph is being captured, and when
-`layer.check_values = False` (a server that wants no sync in eager forwards either), where a token with
-a NaN or +-inf logit gets a NaN output row instead of an error.
+Inference only: a backward through the custom op raises `ArgumentError` (`moekit.custom_op`). Value
+checks that would sync (expert-id ranges) are unnecessary here: `route` only produces ids in [0, E). One
+value check stays: router logits must be finite (the contract in `moekit.routing`). It runs inside the op,
+in eager and compiled forwards, and reads one bool from the device (a sync); it is skipped while a CUDA
+graph is being captured, and when `layer.check_values = False` (a server that wants no sync in eager
+forwards either), where a token with a NaN or +-inf logit gets a NaN output row instead of an error.
 """
 
 from __future__ import annotations
@@ -65,14 +65,16 @@ from moekit.checks import (
 from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
 from moekit.errors import (
     ArgumentError,
+    DeviceError,
     DTypeError,
     LayoutMismatchError,
     ShapeError,
     SpecError,
     UnsupportedSpecError,
+    check_bool,
     check_type,
 )
-from moekit.kernels.base import DeviceInfo, Kernel
+from moekit.kernels.base import DeviceInfo, Kernel, parse_device
 from moekit.kernels.registry import default_registry
 from moekit.ops import route_checked, run_checked
 from moekit.parallel import Parallel, ParallelMode, RankShare, check_same_layer, shard_for
@@ -99,22 +101,32 @@ class WarmupReport:
         return tuple(p.bucket for p in self.plans)
 
 
-def _normalize_device(device: torch.device | str) -> torch.device:
-    """cuda -> cuda:<current>, so comparisons with tensors' devices (always indexed) work."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+def _indexed(device: torch.device | str) -> torch.device:
+    """`device` parsed as `moekit.plan` parses it (a malformed one is a DeviceError); cuda -> cuda:<current>
+    where CUDA exists, so comparisons with tensors' devices (always indexed) work."""
+    device = parse_device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+# A layer switch takes only a bool: "no" would read as True, and 0 hides a typo.
+def _bool_setting(name: str, default: bool) -> property:
+    def setter(layer: FusedMoE, value: bool) -> None:
+        check_bool(f"FusedMoE.{name}", value, error=ArgumentError)
+        layer.__dict__[f"_{name}"] = value
+
+    return property(lambda layer: layer.__dict__.get(f"_{name}", default), setter)
 
 
 class FusedMoE(torch.nn.Module):
     """One MoE layer: router + experts of `spec`, planned at construction. See the module docstring."""
 
-    # Refuse non-finite router logits with NonFiniteError (one sync per forward, never during capture).
-    check_values: bool = True
+    # Refuse non-finite router logits with NonFiniteError (a sync per forward, none while capturing).
+    check_values = _bool_setting("check_values", True)
     # Count each forward's (token, k) pairs per global expert into `tokens_per_expert` (two small kernels,
     # no sync: graphs captured with it on keep counting); off by default.
-    count_tokens_per_expert: bool = False
+    count_tokens_per_expert = _bool_setting("count_tokens_per_expert", False)
 
     def __init__(
         self,
@@ -142,13 +154,14 @@ class FusedMoE(torch.nn.Module):
         if presharded and parallel is None:
             raise ArgumentError("presharded=True: the weights are a share of which group? pass parallel= too")
         self._ep: ExpertParallel | None = None
-        dev = _normalize_device(weights.device if device is None else device)
+        dev = _indexed(weights.device if device is None else device)
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
-            check_same_layer(parallel, spec, dev)  # a collective: every rank builds its layer together
+            check_same_layer(parallel, spec, dev)  # a collective: the ranks refuse a bad device together
             spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map, presharded=presharded)
             if parallel.mode is ParallelMode.EXPERT:
                 self._ep = ExpertParallel(parallel, spec)
         self.parallel = parallel
+        self._device_info = DeviceInfo.of(dev)  # plan's DeviceError, before any tensor moves or is read
         # One-time load step: move, and make every tensor contiguous (the fused kernels read rows).
         weights = weights.to(dev) if weights.device != dev else weights
         weights = replace(weights, **{n: t.contiguous() for n, t in weights.tensors().items()})
@@ -181,7 +194,6 @@ class FusedMoE(torch.nn.Module):
 
         self._registry = options.registry or default_registry()
         self._tables = resolve_tables(options.tuned, self._registry)  # read once, not per bucket
-        self._device_info = DeviceInfo.of(dev)
         self._plans: dict[int, Plan] = {}
         self._prepared: dict[str, ExpertWeights] = {}
         self._kernels: dict[str, Kernel] = {}
@@ -420,14 +432,20 @@ class FusedMoE(torch.nn.Module):
         to; `DTypeError` if it would change the act dtype, `DeviceError` for a device moekit does not run
         on. Changes nothing, so a parent can ask every moekit layer first and refuse a cast before any of
         its own tensors changes."""
-        probe = fn(torch.empty(0, dtype=self.spec.act_dtype, device=self._device))
+        try:
+            probe = fn(torch.empty(0, dtype=self.spec.act_dtype, device=self._device))
+        except (AssertionError, RuntimeError) as err:  # not even an empty tensor: no such device here
+            raise DeviceError(
+                f"FusedMoE cannot move there: torch refused the device ({err}); moekit runs on the CPU and "
+                f"on the CUDA devices this machine has ({torch.cuda.device_count()})"
+            ) from err
         if probe.dtype != self.spec.act_dtype:
             raise DTypeError(
                 f"FusedMoE runs in act_dtype {self.spec.act_dtype} and cannot be cast to "
                 f"{probe.dtype}: build it with a spec of that act_dtype (for a patched Hugging Face "
                 "model: unpatch, cast, patch again)"
             )
-        device = _normalize_device(probe.device)
+        device = _indexed(probe.device)
         DeviceInfo.of(device)  # refuses a device type moekit does not run on
         return device
 

@@ -88,8 +88,9 @@ def prepare_weights(
 ) -> ExpertWeights:
     """Repack `weights` once, at load time, into the packing the plan's kernel reads.
 
-    Load time is where values are checked: every MXFP4 scale byte is scanned (0xFF, E8M0 NaN, is a
-    `FormatError`), and so are the prepared ones, which `fused_moe` then finds scanned. Syncs."""
+    Load time is where values are checked: every MXFP4 scale byte (0xFF, E8M0 NaN) and FP8 scale (not finite
+    or <= 0) is scanned, a bad one is a `FormatError`, and so are the prepared ones, which `fused_moe` then
+    finds scanned. Syncs."""
     kernel = kernel_of(plan, registry)
     check_arg_type(weights, ExpertWeights, name="weights", fix="build them with moekit.ExpertWeights")
     weights.validate(plan.spec)

@@ -20,9 +20,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moekit.errors import DeviceError, DTypeError, FormatError, LayoutMismatchError, ShapeError
+from moekit.errors import (
+    DeviceError,
+    DTypeError,
+    FormatError,
+    LayoutMismatchError,
+    ShapeError,
+    check_enum,
+    check_int,
+)
 from moekit.formats import (
     MXFP4_BLOCK,
+    check_fp8_scales,
     check_mxfp4_scales,
     dequantize_fp8_weight,
     dequantize_mxfp4,
@@ -53,6 +62,19 @@ class WeightPacking(enum.Enum):
     # `gate_layout` says), w13_scale / w2_scale int32 drops and reference factors [E, N', S + R]. Made by
     # the Triton kernel's `prepare_weights` for W4A8 specs on sm_90; `unpacked()` returns CHECKPOINT packing.
     MXFP4_W4A8 = "mxfp4_w4a8"
+
+
+# The float dtypes weights may be stored (or dequantized) in; fp32 accumulation covers each.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_fp8_scale_given(fmt: WeightFormat, fp8_scale: object) -> None:
+    """FP8_E4M3 weights need an `Fp8Scale`; any other format takes none."""
+    if fmt is WeightFormat.FP8_E4M3:
+        if not isinstance(fp8_scale, Fp8Scale):
+            raise DTypeError(f"FP8 weights need fp8_scale (an Fp8Scale), got {fp8_scale!r}")
+    elif fp8_scale is not None:
+        raise DTypeError(f"fp8_scale={fp8_scale} given for {fmt.name} weights; it is only for FP8_E4M3")
 
 
 def gate_layout_permutation(
@@ -86,12 +108,9 @@ class ExpertWeights:
     hidden_size: int | None = None  # H; only MXFP4 needs it (blocks hide ragged tails), else derived
 
     def __post_init__(self) -> None:
-        if not isinstance(self.format, WeightFormat):
-            raise DTypeError(f"ExpertWeights.format must be a WeightFormat, got {self.format!r}")
-        if not isinstance(self.gate_layout, GateLayout):
-            raise LayoutMismatchError(
-                f"ExpertWeights.gate_layout must be a GateLayout, got {self.gate_layout!r}"
-            )
+        check_enum("ExpertWeights.format", self.format, WeightFormat, error=DTypeError)
+        check_enum("ExpertWeights.gate_layout", self.gate_layout, GateLayout, error=LayoutMismatchError)
+        check_int("ExpertWeights.hidden_size", self.hidden_size, minimum=1, optional=True, error=ShapeError)
         self._check_structure()
 
     # ----- derived sizes -------------------------------------------------------------------------
@@ -139,6 +158,13 @@ class ExpertWeights:
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
                 raise DTypeError(f"ExpertWeights.{name} must be a torch.Tensor, got {type(t).__name__}")
+        for name in ("w13_scale", "w2_scale", "b13", "b2"):
+            t = getattr(self, name)
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise DTypeError(
+                    f"ExpertWeights.{name} must be None or a torch.Tensor, got {type(t).__name__}; "
+                    "convert it with torch.as_tensor"
+                )
         words = self.packing is WeightPacking.MXFP4_MMA_WORDS
         w4a8 = self.packing is WeightPacking.MXFP4_W4A8
         if (words or w4a8) and fmt is not WeightFormat.MXFP4:
@@ -157,13 +183,7 @@ class ExpertWeights:
             raise ShapeError(f"w13 must have 2I rows (gate and up), got {self.w13.shape[1]} rows")
         if self.w13.shape[0] != self.w2.shape[0]:
             raise ShapeError(f"w13 has {self.w13.shape[0]} experts but w2 has {self.w2.shape[0]}")
-        if fmt is WeightFormat.FP8_E4M3:
-            if not isinstance(self.fp8_scale, Fp8Scale):
-                raise DTypeError(f"FP8 weights need fp8_scale (an Fp8Scale), got {self.fp8_scale!r}")
-        elif self.fp8_scale is not None:
-            raise DTypeError(
-                f"fp8_scale={self.fp8_scale} given for {fmt.name} weights; it is only for FP8_E4M3"
-            )
+        _check_fp8_scale_given(fmt, self.fp8_scale)
         if fmt is WeightFormat.MXFP4 and not self.stores_floats:
             if self.hidden_size is None:
                 raise ShapeError("MXFP4 weights need hidden_size (H): blocks of 32 cannot tell a ragged tail")
@@ -239,9 +259,17 @@ class ExpertWeights:
                 raise DeviceError(
                     f"{name} is on {t.device} but w13 is on {self.device}; move all weights together"
                 )
-        if check_nan_scales and self.format is WeightFormat.MXFP4 and not self.stores_floats:
-            check_mxfp4_scales(self.w13_scale, name="w13_scale")
-            check_mxfp4_scales(self.w2_scale, name="w2_scale")
+        if check_nan_scales and not self.stores_floats:
+            self.check_scales()
+
+    def check_scales(self) -> None:
+        """Raise FormatError for a scale no checkpoint may hold: an MXFP4 0xFF byte (E8M0 NaN), an FP8
+        scale that is not finite or not > 0. Reads every scale (a sync): a load-time step."""
+        if self.stores_floats or self.packing is WeightPacking.MXFP4_W4A8:  # W4A8: checked when packed
+            return
+        check = check_mxfp4_scales if self.format is WeightFormat.MXFP4 else check_fp8_scales
+        check(self.w13_scale, name="w13_scale")
+        check(self.w2_scale, name="w2_scale")
 
     def expected_shapes(
         self, *, num_experts: int, hidden: int, intermediate: int
@@ -280,9 +308,8 @@ class ExpertWeights:
         return shapes
 
     def _expected_dtype(self, name: str) -> tuple[torch.dtype, ...] | None:
-        floats = (torch.float32, torch.bfloat16, torch.float16)
         if name in ("b13", "b2") or (self.packing is WeightPacking.DEQUANTIZED):
-            return floats
+            return FLOAT_DTYPES
         if self.packing is WeightPacking.MXFP4_W4A8:
             return (torch.int32,)
         if self.format is WeightFormat.MXFP4:
@@ -336,6 +363,12 @@ class ExpertWeights:
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
         """All experts as float `dtype` in DEQUANTIZED packing (a load-time step; memory E*3*H*I*2 bytes)."""
+        if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+            # An integer dtype would truncate every weight (most are below 1) to zero without a word.
+            raise DTypeError(
+                f"dequantized(dtype) must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r} "
+                f"({type(dtype).__name__})"
+            )
         if not self.format.is_quantized:
             return self  # already floats of the declared format
         if self.packing in (WeightPacking.MXFP4_MMA_WORDS, WeightPacking.MXFP4_W4A8):
@@ -409,6 +442,9 @@ class ExpertWeights:
         mxfp4_rule: Mxfp4ScaleRule = DEFAULT_SCALE_RULE,
     ) -> ExpertWeights:
         """Quantize (or cast) float `w13 [E, 2I, H]` and `w2 [E, H, I]` into `format`."""
+        check_enum("ExpertWeights.from_float(format=...)", format, WeightFormat, error=DTypeError)
+        if format is not WeightFormat.FP8_E4M3:  # refused before quantizing, as the constructor would
+            _check_fp8_scale_given(format, fp8_scale)
         for name, t in (("w13", w13), ("w2", w2)):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:
                 raise ShapeError(f"from_float needs a float 3-D {name}, got {getattr(t, 'shape', t)!r}")

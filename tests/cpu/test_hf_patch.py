@@ -141,6 +141,10 @@ def test_keeping_originals_and_patch_errors() -> None:
         patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(SpecError, match="itself an MoE block"):
         patch_model(model.model.layers[0].mlp)
+    for flag in ("no", 0):  # "no" would read as True and release the originals
+        with pytest.raises(ArgumentError, match=r"release_originals=...\) must be True or False"):
+            patch_model(model, release_originals=flag)
+    assert not any(isinstance(m, MoekitMoEBlock) for m in model.modules())
 
 
 def test_a_model_that_is_not_a_module_is_refused_by_name() -> None:

@@ -21,6 +21,7 @@ from moekit import (
     ActivationSpec,
     DeviceError,
     DTypeError,
+    ExpertIdError,
     GateLayout,
     MoekitError,
     MoESpec,
@@ -31,11 +32,13 @@ from moekit import (
     SpecError,
     UnsupportedSpecError,
     WeightFormat,
+    fused_moe,
     fused_moe_reference,
     route,
 )
 from moekit.checkpoint import CheckpointNaming, GptOssLayer, save_gpt_oss_layer
 from moekit.custom_op import live_handles, lookup_layer
+from moekit.errors import ArgumentError
 from moekit.integrations.transformers import fused_moe_from_hf
 from moekit.kernels.base import DeviceInfo
 from moekit.kernels.registry import KernelRegistry, default_registry
@@ -43,6 +46,7 @@ from moekit.layer import FusedMoE, PlanOptions
 from moekit.planning.plan import plan
 from moekit.planning.tuned import token_bucket
 from moekit.reference import relative_l2_error
+from moekit.routing import RoutingResult
 from moekit.synthetic import random_layer, random_tokens
 
 FP32 = MoESpec(
@@ -319,6 +323,54 @@ def test_non_finite_router_logits_raise_or_poison_only_their_row(name: str, bad:
     torch.testing.assert_close(got[keep], clean[keep], rtol=1e-5, atol=1e-6)
 
 
+def _map(*ids: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor(ids, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("expert_map", "fragment"),
+    [
+        ([-1, 0, -1, 1, 2, -1, 3, -1], r"must be an int32 torch.Tensor \[E=8\], got a list"),
+        (_map(-1, 0, -1, 1, 2, -1, 3, -1, dtype=torch.int64), r"must be int32 \[E=8\], got torch.int64"),
+        (_map(0, 1, 2, -1, -1, -1, -1, -1), r"leaves local experts \[3\] unmapped"),
+        (_map(0, 1, 2, 2, -1, -1, -1, -1), r"same local expert \(local ids \[2\]\) and leaves .*\[3\]"),
+    ],
+    ids=["list", "int64", "fewer_local_ids", "duplicate"],
+)
+def test_a_malformed_expert_map_is_refused_by_the_layer_and_by_fused_moe(expert_map, fragment) -> None:
+    spec = SPECS["expert-parallel"][0]
+    layer = random_layer(spec)
+    with pytest.raises(ExpertIdError, match=fragment):
+        FusedMoE(spec=spec, weights=layer.weights, router_weight=layer.router_weight, expert_map=expert_map)
+    routing = RoutingResult(weights=torch.full((1, 2), 0.5), ids=torch.tensor([[1, 3]], dtype=torch.int32))
+    x, pl = random_tokens(spec, 1), plan(spec, num_tokens=1, device="cpu")
+    with pytest.raises(ExpertIdError, match=fragment):
+        fused_moe(x, layer.weights, routing, plan=pl, expert_map=expert_map)
+
+
+def test_backward_says_the_layer_is_inference_only() -> None:
+    moe, _ = _layer(FP32)
+    x = random_tokens(FP32, 3).requires_grad_()
+    y = moe(x)  # a forward under grad mode runs (an HF model evaluated without no_grad)
+    with pytest.raises(ArgumentError, match="inference-only.*torch.no_grad"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert not moe(x).requires_grad
+
+
+@pytest.mark.parametrize("switch", ["check_values", "count_tokens_per_expert"])
+def test_layer_switches_take_only_a_bool(switch: str) -> None:
+    moe, _ = _layer(FP32)
+    with pytest.raises(ArgumentError, match=rf"FusedMoE.{switch} must be True or False.*reads 'no' as True"):
+        setattr(moe, switch, "no")
+    with pytest.raises(ArgumentError, match=rf"FusedMoE.{switch} must be True or False, got 0 \(int\)"):
+        setattr(moe, switch, 0)
+    default = getattr(moe, switch)
+    setattr(moe, switch, not default)
+    assert getattr(moe, switch) is (not default) and getattr(copy.deepcopy(moe), switch) is (not default)
+    assert getattr(_layer(FP32)[0], switch) is default  # the setting belongs to one layer
+
+
 # ----- module plumbing -------------------------------------------------------------------------------------
 def test_casts_are_refused_and_same_device_moves_are_no_ops() -> None:
     moe, _ = _layer(GPT_OSS_SMALL)
@@ -352,6 +404,30 @@ def test_a_refused_move_leaves_the_layer_as_it_was() -> None:
     assert moe.device == torch.device("cpu") and moe.plans == plans
     after = dict(moe.weights.tensors()) | dict(moe.named_buffers())
     assert after.keys() == tensors.keys() and all(after[n] is t for n, t in tensors.items())
+    torch.testing.assert_close(moe(x), before, rtol=0, atol=0)
+
+
+def test_a_device_this_machine_lacks_is_plans_device_error_before_any_tensor_moves() -> None:
+    missing = f"cuda:{torch.cuda.device_count()}"  # past the last GPU, or any GPU on a CPU-only machine
+    with pytest.raises(DeviceError) as from_planner:
+        plan(FP32, num_tokens=1, device=missing)
+    with pytest.raises(DeviceError) as from_layer:
+        _layer(FP32, device=missing)
+    assert str(from_layer.value) == str(from_planner.value) and missing in str(from_layer.value)
+    with pytest.raises(DeviceError, match="'gpu0' is not a device string"):
+        _layer(FP32, device="gpu0")
+    with pytest.raises(DeviceError, match="cpu or cuda devices, got meta"):  # before the MXFP4 scale scan
+        _layer(GPT_OSS_SMALL, device="meta")
+    moe, _ = _layer(FP32)
+    x = random_tokens(FP32, 4)
+    before = moe(x)
+    for move in (lambda: moe.to(missing), lambda: torch.nn.Sequential(moe).to(torch.device(missing))):
+        with pytest.raises(DeviceError) as from_move:
+            move()
+        assert "FusedMoE cannot move there: torch refused the device" in str(from_move.value)
+    with pytest.raises(DeviceError, match="torch refused the device"):
+        moe.cuda(torch.cuda.device_count())
+    assert moe.device == torch.device("cpu")
     torch.testing.assert_close(moe(x), before, rtol=0, atol=0)
 
 

@@ -1,5 +1,6 @@
 """The reference: invariants that any correct MoE must satisfy, and early, specific errors."""
 
+import re
 import time
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from moekit import (
     ExpertIdError,
     ExpertWeights,
     FormatError,
+    FusedMoE,
     GateLayout,
     LayoutMismatchError,
     MoESpec,
@@ -23,6 +25,8 @@ from moekit import (
     SpecError,
     WeightFormat,
     fused_moe_reference,
+    plan,
+    prepare_weights,
     preset,
     route,
 )
@@ -250,6 +254,62 @@ def test_weight_container_refuses_inconsistent_parts():
             w13=torch.randn(2, 7, 16),
             w2=torch.randn(2, 16, 4),
         )
+
+
+def test_weight_container_type_checks_every_field_when_built():
+    parts = dict(format=WeightFormat.FP32, gate_layout=GateLayout.CONCAT, w13=torch.randn(2, 8, 16))
+    w2 = torch.randn(2, 16, 4)
+    with pytest.raises(ShapeError, match="hidden_size must be None or a positive int, got '16' .*number 16"):
+        ExpertWeights(**parts, w2=w2, hidden_size="16")
+    with pytest.raises(DTypeError, match="ExpertWeights.b13 must be None or a torch.Tensor, got list"):
+        ExpertWeights(**parts, w2=w2, b13=[0.0], b2=torch.zeros(2, 16))
+    with pytest.raises(DTypeError, match="ExpertWeights.w2_scale must be None or a torch.Tensor, got float"):
+        ExpertWeights(**parts, w2=w2, w2_scale=1.0)
+    with pytest.raises(
+        DTypeError, match="ExpertWeights.format must be a WeightFormat.*pass WeightFormat.FP32"
+    ):
+        ExpertWeights(**{**parts, "format": "fp32"}, w2=w2)
+
+
+def test_from_float_refuses_what_the_constructor_refuses():
+    w13, w2 = torch.randn(4, 128, 64), torch.randn(4, 64, 64)
+    with pytest.raises(
+        DTypeError, match="from_float\\(format=...\\) must be a WeightFormat.*WeightFormat.BF16"
+    ):
+        ExpertWeights.from_float(w13=w13, w2=w2, format="bf16", gate_layout=GateLayout.CONCAT)
+    for fmt in (WeightFormat.BF16, WeightFormat.MXFP4):
+        with pytest.raises(DTypeError, match=f"fp8_scale=Fp8Scale.PER_TENSOR given for {fmt.name} weights"):
+            ExpertWeights.from_float(
+                w13=w13, w2=w2, format=fmt, fp8_scale=Fp8Scale.PER_TENSOR, gate_layout=GateLayout.CONCAT
+            )
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "bf16", None])
+def test_dequantized_takes_only_a_float_dtype_weights_are_stored_in(dtype):
+    weights, _, _ = _setup(SMALL_OSS)
+    with pytest.raises(DTypeError, match="dequantized\\(dtype\\) must be torch.float32, torch.bfloat16 or"):
+        weights.dequantized(dtype)
+    assert weights.dequantized(torch.bfloat16).w13.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("fp8_scale", [Fp8Scale.PER_TENSOR, Fp8Scale.BLOCK_128])
+def test_fp8_scales_no_checkpoint_may_hold_are_refused_at_load(bad, fp8_scale):
+    spec = replace(SMALL_OSS, weight_format=WeightFormat.FP8_E4M3, fp8_scale=fp8_scale)
+    weights = random_layer(spec).weights
+    scale = weights.w2_scale.clone()
+    scale.view(-1)[-1] = bad
+    poisoned = replace(weights, w2_scale=scale)
+    poisoned.validate(spec)  # opt-in, as for MXFP4 scale bytes
+    last = tuple(d - 1 for d in scale.shape)
+    fragment = f"1 of {scale.numel()} FP8 weight scales are not finite and > 0, first {bad!r} at index {last}"
+    fragment = "w2_scale: " + fragment
+    with pytest.raises(FormatError, match=re.escape(fragment)):
+        poisoned.validate(spec, check_nan_scales=True)
+    with pytest.raises(FormatError, match=re.escape(fragment)):
+        prepare_weights(poisoned, plan(spec, num_tokens=1, device="cpu"))
+    with pytest.raises(FormatError, match=re.escape(fragment)):
+        FusedMoE(spec=spec, weights=poisoned, router_weight=None)
 
 
 def test_reference_is_fast_enough_at_gpt_oss_20b_size():

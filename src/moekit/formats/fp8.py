@@ -10,6 +10,7 @@ Data flow (activations, dynamic, before a W8A8 GEMM):
 Scales multiply to dequantize (DeepSeek-V3's `weight_scale_inv` convention): value = data * scale,
 scale = amax / 448 per group. Every dimension of a weight before the last two is a leading dim
 (experts, usually [E]); blocks of 128x128 and 1x128 groups may be ragged at the edges.
+`dequantize_fp8_weight` does not look at scale values (a host sync); loaders call `check_fp8_scales` once.
 """
 
 from __future__ import annotations
@@ -177,6 +178,24 @@ def dequantize_fp8_weight(
     n, k = weight.data.shape[-2:]
     full = _expand_weight_scale(weight.scale, n=n, k=k, granularity=granularity)
     return (weight.data.to(torch.float32) * full).to(dtype)
+
+
+def check_fp8_scales(scales: Tensor, *, name: str) -> None:
+    """Raise FormatError if any FP8 weight scale is not finite or not > 0 (the quantizer makes amax / 448,
+    floored at a positive tiny), naming `name`, the count and the first index. Call once at load time;
+    it synchronizes with the device."""
+    if not isinstance(scales, Tensor) or scales.dtype != torch.float32:
+        got = scales.dtype if isinstance(scales, Tensor) else type(scales).__name__
+        raise DTypeError(f"{name}: FP8 weight scales must be a float32 tensor, got {got}")
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    count = int(bad.sum())
+    if count:
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise FormatError(
+            f"{name}: {count} of {scales.numel()} FP8 weight scales are not finite and > 0, first "
+            f"{scales[first].item()!r} at index {first} of shape {list(scales.shape)}; the checkpoint is "
+            "corrupt (every weight it scales would be NaN, inf or zero). Re-export the weight."
+        )
 
 
 def _activation_scale_shape(t: int, h: int, quant: ActivationQuant) -> tuple[int, int]:

@@ -67,7 +67,7 @@ class DeviceInfo:
     @classmethod
     def of(cls, device: torch.device | str) -> DeviceInfo:
         """The device `device` names on this machine; anything else is a `DeviceError` that says why."""
-        device = _torch_device(device)
+        device = parse_device(device)
         if device.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:
@@ -102,7 +102,7 @@ class DeviceInfo:
         return f"{self.name}{cc}"
 
 
-def _torch_device(device: object) -> torch.device:
+def parse_device(device: object) -> torch.device:
     """`device` (a torch.device or a device string) as a torch.device; anything else is a DeviceError."""
     if isinstance(device, torch.device):
         return device

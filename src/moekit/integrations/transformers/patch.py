@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moekit.errors import SpecError, check_type
+from moekit.errors import ArgumentError, SpecError, check_bool, check_type
 from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, unguard_casts
 from moekit.integrations.transformers.convert import (
     HfMoeLayer,
@@ -191,6 +191,7 @@ def patch_model(
     rebuild them), so `state_dict` and `unpatch` give the whole model back.
     """
     check_type("patch_model(model=...)", model, torch.nn.Module, fix=_MODEL_FIX)
+    check_bool("patch_model(release_originals=...)", release_originals, error=ArgumentError)
     if any(isinstance(m, MoekitMoEBlock) for m in model.modules()):
         raise SpecError(f"{type(model).__name__} is already patched by moekit; call unpatch(model) first")
     targets = [(name, m, family_of(m)) for name, m in model.named_modules()]
