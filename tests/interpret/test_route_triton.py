@@ -139,7 +139,6 @@ GROUPED = {
     "no-groups": (_grouped(bias=True), 33, 64, 6, "n_group None: top K over every expert"),
     "one-a-group": (_grouped(16, 5, False), 20, 16, 3, "groups of one expert: the group score is that one"),
     "ragged": (_grouped(4, 2, True), 41, 60, 4, "E = 60, not a power of two; groups of 15"),
-    "too-few-kept": (_grouped(8, 1, True), 17, 16, 4, "2 experts kept, K = 4: masked ones fill in at -inf"),
 }
 
 
