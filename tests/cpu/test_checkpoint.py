@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import moekit.checkpoint.loader as ckpt_loader
+import moekit.checkpoint.files as ckpt_files
 from moekit import ExpertWeights, FusedMoE, GateLayout, WeightFormat
 from moekit.checkpoint import (
     ROLES,
@@ -191,8 +191,8 @@ def test_reads_only_the_requested_layer(tmp_path: Path, naming: CheckpointNaming
         tensors |= gpt_oss_layer_tensors(make_layer(seed=20 + n, layer=n), layer=n, naming=naming)
     path = write(tmp_path / "model.safetensors", tensors)
     log: list[str] = []
-    real_open = ckpt_loader.safe_open
-    monkeypatch.setattr(ckpt_loader, "safe_open", lambda *a, **kw: _SpyFile(real_open(*a, **kw), log))
+    real_open = ckpt_files.safe_open
+    monkeypatch.setattr(ckpt_files, "safe_open", lambda *a, **kw: _SpyFile(real_open(*a, **kw), log))
     got = load_gpt_oss_layer(path, layer=2, naming=naming)
     assert sorted(log) == sorted(gpt_oss_layer_keys(naming=naming, layer=2).values())
     assert torch.equal(got.weights.w13, tensors[gpt_oss_layer_keys(naming=naming, layer=2)["w13"]])

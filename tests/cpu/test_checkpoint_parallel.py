@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import moekit.checkpoint.loader as ckpt_loader
+import moekit.checkpoint.files as ckpt_files
 from moekit import CheckpointError, FusedMoE, Parallel, SpecError, UnsupportedSpecError
 from moekit.checkpoint import (
     CheckpointNaming,
@@ -104,8 +104,8 @@ class _SpyFile:
 @pytest.fixture
 def reads(monkeypatch) -> list[tuple[str, int]]:
     log: list[tuple[str, int]] = []
-    real_open = ckpt_loader.safe_open
-    monkeypatch.setattr(ckpt_loader, "safe_open", lambda *a, **kw: _SpyFile(real_open(*a, **kw), log))
+    real_open = ckpt_files.safe_open
+    monkeypatch.setattr(ckpt_files, "safe_open", lambda *a, **kw: _SpyFile(real_open(*a, **kw), log))
     return log
 
 

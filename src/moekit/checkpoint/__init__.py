@@ -5,6 +5,7 @@ Data flow: a .safetensors file, a folder of them, or a folder with an index -> `
 `layer.save_gpt_oss_layer`.
 """
 
+from moekit.checkpoint.files import INDEX_FILE
 from moekit.checkpoint.layer import (
     ROLES,
     CheckpointNaming,
@@ -14,7 +15,7 @@ from moekit.checkpoint.layer import (
     gpt_oss_spec,
     save_gpt_oss_layer,
 )
-from moekit.checkpoint.loader import INDEX_FILE, load_gpt_oss_layer
+from moekit.checkpoint.loader import load_gpt_oss_layer
 
 __all__ = [
     "INDEX_FILE",

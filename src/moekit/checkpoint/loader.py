@@ -10,7 +10,7 @@ Data flow:
      sizes E, H, I taken by majority over the eight tensors so the one wrong tensor is the one named
   -> [share (`moekit.parallel.RankShare`): `plan_shard` cuts the global spec (refusals here, before any
      data is read)]
-  -> data pass: `safe_open(...).get_tensor` for exactly these eight keys, nothing else; with a share,
+  -> data pass: `safeopen_file(...).get_tensor` for exactly these eight keys, nothing else; with a share,
      `get_slice(key)[cut]` for the expert tensors, so only this rank's bytes are read and held (1/N:
      its experts, or its I/N rows and columns), a zero b2 off rank 0 made without reading, the router
      whole. From a memory-mapped file the OS reads whole pages: an expert cut and w13's row cut are
@@ -28,15 +28,13 @@ The names, the layouts and the facts they rest on are in `layer.py`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from moekit.checkpoint.files import Files, check_sources, open_file, read_cut, resolve
 from moekit.checkpoint.layer import (
     LAYER_PATTERNS,
     ROLES,
@@ -48,109 +46,15 @@ from moekit.checkpoint.layer import (
 from moekit.errors import ArgumentError, CheckpointError, FormatError, check_bool, check_type
 from moekit.formats import check_mxfp4_scales, mxfp4_groups
 from moekit.kernels.base import DeviceInfo
-from moekit.parallel import Cut, RankShare, ShardPlan, plan_shard
+from moekit.parallel import RankShare, ShardPlan, plan_shard
 from moekit.spec import GateLayout, WeightFormat
 from moekit.weights import ExpertWeights
 
-INDEX_FILE = "model.safetensors.index.json"
 _UINT8_ROLES = frozenset({"w13", "w13_scale", "w2", "w2_scale"})
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-# ----- locating tensors ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Files:
-    """Where each key of a checkpoint lives; built from headers or the index only."""
-
-    key_to_file: dict[str, Path]  # the file a key is read from: the index's entry, else the file holding it
-    searched: str  # for error messages: which file(s) or index were searched
-    holders: dict[str, list[Path]]  # every file whose header lists the key (index-listed files only)
-    index: Path | None = None
-
-
-def _open(file: Path, *, device: str | torch.device = "cpu"):  # returns a safetensors handle
-    """`safe_open` (reads the header only) with unreadable files reported as CheckpointError."""
-    try:
-        return safe_open(str(file), framework="pt", device=str(device))
-    except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise CheckpointError(f"cannot read {file} as a safetensors file: {exc}") from exc
-
-
-def _read_keys(file: Path) -> list[str]:
-    with _open(file) as f:
-        return list(f.keys())
-
-
-def _holders(files: list[Path]) -> dict[str, list[Path]]:
-    holders: dict[str, list[Path]] = {}
-    for file in files:
-        for key in _read_keys(file):
-            holders.setdefault(key, []).append(file)
-    return holders
-
-
-def _resolve(path: Path) -> _Files:
-    if path.is_file():
-        return _Files({k: path for k in _read_keys(path)}, searched=str(path), holders={})
-    if not path.is_dir():
-        raise CheckpointError(
-            f"checkpoint path {path} does not exist; give a .safetensors file or a directory of them"
-        )
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, RecursionError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a safetensors index with a 'weight_map': {exc!r}") from exc
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if Path(n).is_absolute() or ".." in Path(n).parts]
-        if outside:
-            raise CheckpointError(
-                f"{index} names shards outside {path}: {outside}; list files of that folder"
-            )
-        listed = [path / n for n in names]
-        return _Files(
-            {k: path / v for k, v in weight_map.items()},
-            searched=f"index {index} ({len(names)} files: {', '.join(names)})",
-            holders=_holders([f for f in listed if f.is_file()]),
-            index=index,
-        )
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} holds no *.safetensors file and no {INDEX_FILE}")
-    holders = _holders(files)
-    return _Files(
-        {k: where[0] for k, where in holders.items()},
-        searched=f"{len(files)} files in {path}: {', '.join(f.name for f in files)}",
-        holders=holders,
-    )
-
-
-def _check_sources(files: _Files, keys: list[str]) -> None:
-    """Each key of the layer is in exactly one file, and it is the file the index names (if any)."""
-    for key in keys:
-        where = files.holders.get(key, [])
-        if len(where) > 1:
-            said = f" (the index {files.index} names {files.key_to_file.get(key)})" if files.index else ""
-            raise CheckpointError(
-                f"tensor {key!r} is stored in {len(where)} files: {', '.join(map(str, where))}{said}; "
-                "which copy is the model's is ambiguous. Remove the stale copy, or keep the checkpoint's "
-                "shards in a folder of their own"
-            )
-        if files.index is None or not where:
-            continue  # a single file, or a key no shard holds (reported as missing)
-        named = files.key_to_file.get(key)
-        if named != where[0]:
-            listed = f"maps it to {named}" if named else "does not list it"
-            raise CheckpointError(
-                f"the index {files.index} {listed}, but tensor {key!r} is in {where[0]}; the index and the "
-                "shards disagree. Regenerate the index from the shards"
-            )
-
-
-def _unexpected(files: _Files, keys: dict[str, str], naming: CheckpointNaming, layer: int) -> list[str]:
+def _unexpected(files: Files, keys: dict[str, str], naming: CheckpointNaming, layer: int) -> list[str]:
     """Tensors of this layer's MoE block that the loader would not read: another copy or format of
     the experts (e.g. dequantized `gate_up_proj` beside `gate_up_proj_blocks`), or the same layer under
     the other naming. Only the OpenAI block's own norm (`block.{l}.mlp.norm.scale`) is expected."""
@@ -168,7 +72,7 @@ def _layers_of(keys: object, naming: CheckpointNaming) -> list[int]:
     return sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
 
 
-def _detect_naming(files: _Files) -> CheckpointNaming:
+def _detect_naming(files: Files) -> CheckpointNaming:
     present = [n for n in CheckpointNaming if _layers_of(files.key_to_file, n)]
     if len(present) == 1:
         return present[0]
@@ -232,7 +136,7 @@ def _expected_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int,
 
 
 def _check_headers(
-    files: _Files, keys: dict[str, str]
+    files: Files, keys: dict[str, str]
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
     """Check presence, dtype and shape of every key from the file headers; return shapes and dtypes."""
     missing = [k for k in keys.values() if k not in files.key_to_file]
@@ -253,7 +157,7 @@ def _check_headers(
         if not file.is_file():
             listed = [keys[r] for r in roles]
             raise CheckpointError(f"{file} (listed for {listed} in {files.searched}) does not exist")
-        with _open(file) as f:
+        with open_file(file) as f:
             present = set(f.keys())
             for role in roles:
                 key = keys[role]
@@ -297,24 +201,6 @@ def _share_plan(share: RankShare, shapes: dict[str, tuple[int, ...]]) -> ShardPl
     return plan_shard(share, spec, stores_floats=False)
 
 
-def _read(  # noqa: ANN001 - a safetensors handle and a device
-    f, key: str, cut: Cut | None, shape: tuple[int, ...], dtype: torch.dtype, device
-) -> torch.Tensor:
-    """The tensor `key`, or only its `cut` (`get_slice`: the other bytes are not read)."""
-    if cut is None:
-        return f.get_tensor(key)
-    if cut.zeros:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    view = f.get_slice(key)
-    parts = [view[index] for index in cut.indices()]
-    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim)
-    # On the CPU a slice may be a view into the whole tensor's memory map (safetensors 0.8 does this):
-    # a compact copy, so that the rank holds only its share and the map can be dropped.
-    if t.untyped_storage().nbytes() != t.nbytes:
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
 # ----- public entry points ------------------------------------------------------------------------------
 def load_gpt_oss_layer(
     path: str | Path,
@@ -336,7 +222,7 @@ def load_gpt_oss_layer(
     check_type("share", share, RankShare, optional=True, fix="pass moekit.parallel.RankShare(mode, rank, N)")
     check_bool("allow_extra_tensors", allow_extra_tensors, error=ArgumentError)
     DeviceInfo.of(device)  # a device moekit cannot load onto is refused before any file is opened
-    files = _resolve(Path(path))
+    files = resolve(Path(path))
     if naming is None:
         naming = _detect_naming(files)
     keys = gpt_oss_layer_keys(naming=naming, layer=layer)
@@ -347,7 +233,7 @@ def load_gpt_oss_layer(
             f"{_describe_layers(layers)}"
         )
     extra = _unexpected(files, keys, naming, layer)
-    _check_sources(files, [*keys.values(), *extra])
+    check_sources(files, [*keys.values(), *extra])
     shapes, dtypes = _check_headers(files, keys)  # missing tensors first: their message carries the hint
     if extra and not allow_extra_tensors:
         raise CheckpointError(
@@ -361,9 +247,9 @@ def load_gpt_oss_layer(
     for role, key in keys.items():
         by_file.setdefault(files.key_to_file[key], []).append(role)
     for file, roles in by_file.items():
-        with _open(file, device=device) as f:
+        with open_file(file, device=device) as f:
             for role in roles:
-                tensors[role] = _read(f, keys[role], cuts.get(role), shapes[role], dtypes[role], device)
+                tensors[role] = read_cut(f, keys[role], cuts.get(role), shapes[role], dtypes[role], device)
     for role in ("w13_scale", "w2_scale"):
         try:
             check_mxfp4_scales(tensors[role], name=keys[role])
