@@ -45,7 +45,7 @@ forwards either), where a token with a NaN or +-inf logit gets a NaN output row 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -71,13 +71,13 @@ from moekit.errors import (
     ShapeError,
     SpecError,
     UnsupportedSpecError,
-    check_bool,
     check_type,
 )
-from moekit.kernels.base import DeviceInfo, Kernel, parse_device
+from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import default_registry
+from moekit.layer_support import WarmupReport, bool_setting, indexed_device
 from moekit.ops import route_checked, run_checked
-from moekit.parallel import Parallel, ParallelMode, RankShare, check_same_layer, shard_for
+from moekit.parallel import Parallel, ParallelMode, check_same_layer, shard_for
 from moekit.parallel.expert import EpChoice, ExpertParallel
 from moekit.planning.options import PlanOptions
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
@@ -89,44 +89,14 @@ from moekit.spec import MoESpec
 from moekit.weights import ExpertWeights
 
 
-@dataclass(frozen=True)
-class WarmupReport:
-    """What `FusedMoE.warmup` prepared: one plan per bucket, and the token counts it ran."""
-
-    plans: tuple[Plan, ...]  # bucket order
-    token_counts: tuple[int, ...]  # forwards run (empty when execute=False)
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        return tuple(p.bucket for p in self.plans)
-
-
-def _indexed(device: torch.device | str) -> torch.device:
-    """`device` parsed as `moekit.plan` parses it (a malformed one is a DeviceError); cuda -> cuda:<current>
-    where CUDA exists, so comparisons with tensors' devices (always indexed) work."""
-    device = parse_device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-# A layer switch takes only a bool: "no" would read as True, and 0 hides a typo.
-def _bool_setting(name: str, default: bool) -> property:
-    def setter(layer: FusedMoE, value: bool) -> None:
-        check_bool(f"FusedMoE.{name}", value, error=ArgumentError)
-        layer.__dict__[f"_{name}"] = value
-
-    return property(lambda layer: layer.__dict__.get(f"_{name}", default), setter)
-
-
 class FusedMoE(torch.nn.Module):
     """One MoE layer: router + experts of `spec`, planned at construction. See the module docstring."""
 
     # Refuse non-finite router logits with NonFiniteError (a sync per forward, none while capturing).
-    check_values = _bool_setting("check_values", True)
+    check_values = bool_setting("check_values", True)
     # Count each forward's (token, k) pairs per global expert into `tokens_per_expert` (two small kernels,
     # no sync: graphs captured with it on keep counting); off by default.
-    count_tokens_per_expert = _bool_setting("count_tokens_per_expert", False)
+    count_tokens_per_expert = bool_setting("count_tokens_per_expert", False)
 
     def __init__(
         self,
@@ -154,7 +124,7 @@ class FusedMoE(torch.nn.Module):
         if presharded and parallel is None:
             raise ArgumentError("presharded=True: the weights are a share of which group? pass parallel= too")
         self._ep: ExpertParallel | None = None
-        dev = _indexed(weights.device if device is None else device)
+        dev = indexed_device(weights.device if device is None else device)
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
             check_same_layer(parallel, spec, dev)  # a collective: the ranks refuse a bad device together
             spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map, presharded=presharded)
@@ -226,20 +196,34 @@ class FusedMoE(torch.nn.Module):
     ) -> FusedMoE:
         """Layer `layer` of a GPT-OSS MXFP4 checkpoint (OpenAI or Hugging Face naming), read onto `device`
         (with `parallel`: only this rank's share of the experts is read, `moekit.parallel.RankShare`)."""
-        from moekit.checkpoint import load_gpt_oss_layer
+        from moekit.checkpoint.fused import gpt_oss_checkpoint_layer
 
-        share = None if parallel is None else RankShare.of(parallel)
-        loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device, share=share)
-        return cls(
-            spec=loaded.spec_for(top_k=top_k, act_dtype=act_dtype),
-            weights=loaded.weights,
-            router_weight=loaded.router_weight,
-            router_bias=loaded.router_bias,
-            device=device,
-            options=options,
+        return gpt_oss_checkpoint_layer(
+            cls, path, layer, device=device, act_dtype=act_dtype, top_k=top_k, naming=naming,
+            options=options, parallel=parallel,
+        )  # fmt: skip
+
+    @classmethod
+    def from_hf_checkpoint(
+        cls,
+        path: str | Path,
+        layer: int,
+        *,
+        config=None,  # config.json as a path or a dict; None: the folder's
+        device: torch.device | str = "cpu",
+        act_dtype: torch.dtype = torch.bfloat16,
+        options: PlanOptions | None = None,
+        parallel: Parallel | None = None,
+    ) -> FusedMoE:
+        """Layer `layer` of a per-expert Hugging Face checkpoint (Mixtral, Qwen2/3-MoE, DeepSeek-V3; float
+        or FP8 block-128: `moekit.checkpoint.load_hf_moe_layer`), the routed experts only, with `parallel`
+        reading only this rank's share."""
+        from moekit.checkpoint.fused import hf_checkpoint_layer
+
+        return hf_checkpoint_layer(
+            cls, path, layer, config=config, device=device, act_dtype=act_dtype, options=options,
             parallel=parallel,
-            presharded=parallel is not None,
-        )
+        )  # fmt: skip
 
     # ----- planning ----------------------------------------------------------------------------------
     @property
@@ -445,7 +429,7 @@ class FusedMoE(torch.nn.Module):
                 f"{probe.dtype}: build it with a spec of that act_dtype (for a patched Hugging Face "
                 "model: unpatch, cast, patch again)"
             )
-        device = _indexed(probe.device)
+        device = indexed_device(probe.device)
         DeviceInfo.of(device)  # refuses a device type moekit does not run on
         return device
 

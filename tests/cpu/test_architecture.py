@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     # the layer and what builds one
     "moekit.custom_op": 5,
     "moekit.layer": 5,
+    "moekit.layer_support": 5,
     "moekit.checkpoint": 5,
     "moekit.synthetic": 5,
     # frameworks

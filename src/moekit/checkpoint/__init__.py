@@ -1,11 +1,15 @@
-"""GPT-OSS MXFP4 checkpoints, one MoE layer at a time.
+"""Checkpoints, one MoE layer at a time: GPT-OSS MXFP4 (fused experts) and per-expert Hugging Face ones.
 
 Data flow: a .safetensors file, a folder of them, or a folder with an index -> `loader.load_gpt_oss_layer`
 (locate, check headers, read eight tensors, or a rank's share of them) -> `layer.GptOssLayer`; and back:
 `layer.save_gpt_oss_layer`.
+A folder with config.json whose experts are stored one per tensor (Mixtral, Qwen2/3-MoE, DeepSeek-V3)
+-> `hf_loader.load_hf_moe_layer` -> `hf_loader.HfMoeLayer` (spec from `hf_config`).
 """
 
 from moekit.checkpoint.files import INDEX_FILE
+from moekit.checkpoint.hf_config import HfCheckpointFamily, spec_from_checkpoint_config
+from moekit.checkpoint.hf_loader import HfMoeLayer, load_hf_moe_layer
 from moekit.checkpoint.layer import (
     ROLES,
     CheckpointNaming,
@@ -22,9 +26,13 @@ __all__ = [
     "ROLES",
     "CheckpointNaming",
     "GptOssLayer",
+    "HfCheckpointFamily",
+    "HfMoeLayer",
     "gpt_oss_layer_keys",
     "gpt_oss_layer_tensors",
     "gpt_oss_spec",
+    "spec_from_checkpoint_config",
     "load_gpt_oss_layer",
+    "load_hf_moe_layer",
     "save_gpt_oss_layer",
 ]

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.checkpoint.hf_config import HF_ACTIVATIONS
 from moekit.errors import DTypeError, FormatError, ShapeError, SpecError
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
-from moekit.integrations.transformers.families import HF_ACTIVATIONS, Family, HfFamily
+from moekit.integrations.transformers.families import Family, HfFamily
 from moekit.ops import route
 from moekit.reference import fused_moe_reference
 from moekit.routing import RoutingResult

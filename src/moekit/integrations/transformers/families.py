@@ -30,16 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.checkpoint.hf_config import LAYOUTS, HfCheckpointFamily
 from moekit.errors import SpecError
-from moekit.spec import Activation, GateLayout, RoutingMethod
-
-# HF `hidden_act` names (transformers.activations.ACT2FN) -> moekit activations with the same math.
-HF_ACTIVATIONS: dict[str, Activation] = {
-    "silu": Activation.SILU,
-    "swish": Activation.SILU,
-    "gelu": Activation.GELU,  # exact erf GELU
-    "gelu_pytorch_tanh": Activation.GELU_TANH,
-}
+from moekit.spec import GateLayout, RoutingMethod
 
 
 @dataclass(frozen=True)
@@ -99,6 +92,8 @@ class Family(enum.Enum):
         raise SpecError(f"unsupported HF model_type {model_type!r}; supported: {[f.value for f in cls]}")
 
 
+# The per-expert names, size fields and renormalize flag of Mixtral and Qwen3-MoE are the checkpoint
+# layouts' (`moekit.checkpoint.hf_config.LAYOUTS`): one statement of those facts for both readers.
 FAMILIES: dict[Family, HfFamily] = {
     Family.GPT_OSS: HfFamily(
         block_module="transformers.models.gpt_oss.modeling_gpt_oss",
@@ -127,30 +122,30 @@ FAMILIES: dict[Family, HfFamily] = {
         block_class="MixtralSparseMoeBlock",
         router_name="gate",
         returns_router_scores=False,
-        num_experts_field="num_local_experts",
-        intermediate_field="intermediate_size",
+        num_experts_field=LAYOUTS[HfCheckpointFamily.MIXTRAL].num_experts_fields[0],
+        intermediate_field=LAYOUTS[HfCheckpointFamily.MIXTRAL].intermediate_field,
         swiglu=None,
         routing_method=RoutingMethod.SOFTMAX_TOPK,
-        renormalize_field=None,
+        renormalize_field=LAYOUTS[HfCheckpointFamily.MIXTRAL].renormalize_field,
         gate_up_transposed=False,
         gate_layout=GateLayout.CONCAT,
         has_bias=False,
-        legacy_expert_names=("w1", "w3", "w2"),
+        legacy_expert_names=LAYOUTS[HfCheckpointFamily.MIXTRAL].projections,
     ),
     Family.QWEN3_MOE: HfFamily(
         block_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
         block_class="Qwen3MoeSparseMoeBlock",
         router_name="gate",
         returns_router_scores=False,
-        num_experts_field="num_experts",
-        intermediate_field="moe_intermediate_size",
+        num_experts_field=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].num_experts_fields[0],
+        intermediate_field=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].intermediate_field,
         swiglu=None,
         routing_method=RoutingMethod.SOFTMAX_TOPK,
-        renormalize_field="norm_topk_prob",
+        renormalize_field=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].renormalize_field,
         gate_up_transposed=False,
         gate_layout=GateLayout.CONCAT,
         has_bias=False,
-        legacy_expert_names=("gate_proj", "up_proj", "down_proj"),
+        legacy_expert_names=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].projections,
     ),
 }
 

@@ -1,0 +1,275 @@
+"""Hugging Face MoE checkpoints stored one expert at a time: where each family keeps its routed experts,
+and the `MoESpec` its `config.json` describes.
+
+Data flow: `config.json` (a dict) -> `HfCheckpointFamily.of_config` (by `model_type`) -> `.layout` (the
+family's key names) and `spec_from_checkpoint_config` (E, K, H, I, activation, routing, the weight
+format from `quantization_config`) -> `hf_loader.load_hf_moe_layer` reads one layer's tensors by these
+names.
+
+Facts, read from transformers 5.24's `models/*/modeling_*.py` and configuration classes and from what
+its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny models of each family):
+- On disk every family keeps one tensor per expert and projection, `[out, in]` as `nn.Linear` does:
+  `{block}.experts.{e}.{gate,up,down}.weight`, with the block `model.layers.{l}.block_sparse_moe`
+  (Mixtral; projections `w1` gate, `w3` up, `w2` down) or `model.layers.{l}.mlp` (Qwen2-MoE, Qwen3-MoE,
+  DeepSeek-V3; `gate_proj`, `up_proj`, `down_proj`). The router is `{block}.gate.weight [E, H]`, no bias.
+- DeepSeek-V3 adds `{block}.gate.e_score_correction_bias [E]` (fp32), and shared experts
+  `{block}.shared_experts.*` that the model adds to the routed output; Qwen2-MoE has
+  `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`. A moekit layer computes the routed
+  experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not read.
+- DeepSeek-V3 routing: sigmoid scores, top `topk_group` of `n_group` groups by the sum of each group's
+  best two biased scores, top-K within them, weights the unbiased scores renormalized over the K, times
+  `routed_scaling_factor` (moekit's SIGMOID_GROUPED); `scoring_func` "sigmoid" and `topk_method`
+  "noaux_tc" in DeepSeek's own config (absent from configs transformers writes, which assume them).
+  Its first `first_k_dense_replace` layers are dense MLPs without experts.
+- FP8 releases (DeepSeek-V3, Qwen3 "-FP8") carry `quantization_config` {quant_method "fp8", fmt "e4m3",
+  activation_scheme "dynamic", weight_block_size [128, 128]}: each projection is float8_e4m3fn with a
+  `.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] that multiplies the codes (the name
+  notwithstanding), and activations are quantized per token and 128-column group at run time.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moekit.errors import CheckpointError, SpecError
+from moekit.spec import (
+    Activation,
+    ActivationQuant,
+    ActivationSpec,
+    Fp8Scale,
+    GateLayout,
+    MoESpec,
+    RoutingMethod,
+    RoutingSpec,
+    WeightFormat,
+)
+
+# HF `hidden_act` names (transformers.activations.ACT2FN) -> moekit activations with the same math.
+HF_ACTIVATIONS: dict[str, Activation] = {
+    "silu": Activation.SILU,
+    "swish": Activation.SILU,
+    "gelu": Activation.GELU,  # exact erf GELU
+    "gelu_pytorch_tanh": Activation.GELU_TANH,
+}
+FP8_BLOCK = (128, 128)  # the only `weight_block_size` moekit's FP8 format stores
+_FLOAT_FORMATS = {
+    torch.float32: WeightFormat.FP32,
+    torch.bfloat16: WeightFormat.BF16,
+    torch.float16: WeightFormat.FP16,
+}
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where one family keeps a MoE layer's tensors, and which config fields give its sizes."""
+
+    block: str  # the MoE block's key prefix, with `{l}` for the layer
+    projections: tuple[str, str, str]  # per-expert (gate, up, down) module names
+    num_experts_fields: tuple[str, ...]  # config fields that may hold E (HF writes its alias)
+    intermediate_field: str
+    renormalize_field: str | None  # None: SOFTMAX_TOPK always renormalizes (Mixtral) or N/A
+    routing_method: RoutingMethod
+    correction_bias: bool  # `{block}.gate.e_score_correction_bias [E]`
+    shared_prefixes: tuple[str, ...]  # block-relative prefixes of tensors the model adds beside the experts
+
+    def prefix(self, layer: int) -> str:
+        return self.block.format(l=layer)
+
+
+class HfCheckpointFamily(enum.Enum):
+    """The model families whose per-expert checkpoints moekit reads (values are HF `model_type`s)."""
+
+    MIXTRAL = "mixtral"
+    QWEN2_MOE = "qwen2_moe"
+    QWEN3_MOE = "qwen3_moe"
+    DEEPSEEK_V3 = "deepseek_v3"
+
+    @property
+    def layout(self) -> CheckpointLayout:
+        return LAYOUTS[self]
+
+    @classmethod
+    def of_config(cls, config: Mapping[str, object]) -> HfCheckpointFamily:
+        model_type = config.get("model_type")
+        for family in cls:
+            if family.value == model_type:
+                return family
+        hint = (
+            " GPT-OSS checkpoints store fused MXFP4 experts: read them with moekit.checkpoint."
+            "load_gpt_oss_layer or FusedMoE.from_gpt_oss_checkpoint."
+            if model_type == "gpt_oss"
+            else ""
+        )
+        raise CheckpointError(
+            f"config.json model_type={model_type!r} is not a per-expert MoE family moekit reads; "
+            f"supported: {[f.value for f in cls]}.{hint}"
+        )
+
+
+_MLP_BLOCK = "model.layers.{l}.mlp"
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
+    HfCheckpointFamily.MIXTRAL: CheckpointLayout(
+        block="model.layers.{l}.block_sparse_moe",
+        projections=("w1", "w3", "w2"),
+        num_experts_fields=("num_local_experts",),
+        intermediate_field="intermediate_size",
+        renormalize_field=None,
+        routing_method=RoutingMethod.SOFTMAX_TOPK,
+        correction_bias=False,
+        shared_prefixes=(),
+    ),
+    HfCheckpointFamily.QWEN3_MOE: CheckpointLayout(
+        block=_MLP_BLOCK,
+        projections=_PROJ,
+        num_experts_fields=("num_experts", "num_local_experts"),
+        intermediate_field="moe_intermediate_size",
+        renormalize_field="norm_topk_prob",
+        routing_method=RoutingMethod.SOFTMAX_TOPK,
+        correction_bias=False,
+        shared_prefixes=(),
+    ),
+    HfCheckpointFamily.QWEN2_MOE: CheckpointLayout(
+        block=_MLP_BLOCK,
+        projections=_PROJ,
+        num_experts_fields=("num_experts", "num_local_experts"),
+        intermediate_field="moe_intermediate_size",
+        renormalize_field="norm_topk_prob",
+        routing_method=RoutingMethod.SOFTMAX_TOPK,
+        correction_bias=False,
+        shared_prefixes=("shared_expert.", "shared_expert_gate."),
+    ),
+    HfCheckpointFamily.DEEPSEEK_V3: CheckpointLayout(
+        block=_MLP_BLOCK,
+        projections=_PROJ,
+        num_experts_fields=("n_routed_experts", "num_local_experts"),
+        intermediate_field="moe_intermediate_size",
+        renormalize_field=None,
+        routing_method=RoutingMethod.SIGMOID_GROUPED,
+        correction_bias=True,
+        shared_prefixes=("shared_experts.",),
+    ),
+}
+
+
+_KINDS: dict[type, tuple[str, tuple[type, ...]]] = {
+    int: ("an int", (int,)),
+    float: ("a number", (int, float)),
+    bool: ("true or false", (bool,)),
+}
+
+
+def _field(config: Mapping[str, object], name: str, *, kind: type = int) -> object:
+    """`config[name]`, refused unless it is of `kind` (a bool is not taken for a number)."""
+    value = config.get(name)
+    what, types = _KINDS[kind]
+    if not isinstance(value, types) or (kind is not bool and isinstance(value, bool)):
+        raise CheckpointError(f"config.json field {name!r} must be {what}, got {value!r}")
+    return value
+
+
+def num_experts_of(family: HfCheckpointFamily, config: Mapping[str, object]) -> int:
+    """E from whichever of the family's fields config.json holds (transformers writes its own alias,
+    e.g. `num_local_experts` for Qwen3-MoE, whose released configs say `num_experts`)."""
+    names = family.layout.num_experts_fields
+    present = {name: config[name] for name in names if config.get(name) is not None}
+    if not present:
+        raise CheckpointError(f"config.json holds none of {list(names)}, so E is unknown")
+    values = {_field(config, name) for name in present}
+    if len(values) > 1:
+        raise CheckpointError(f"config.json fields {present} disagree on E; keep one")
+    return values.pop()
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """How the checkpoint stores expert weights: the spec's format fields and the scale tensors' suffix."""
+
+    weight_format: WeightFormat
+    fp8_scale: Fp8Scale | None
+    act_quant: ActivationQuant
+    scale_suffix: str | None  # ".weight_scale_inv" beside each FP8 ".weight"; None for floats
+
+
+def stored_format(config: Mapping[str, object], float_dtype: torch.dtype | None) -> StoredFormat:
+    """The format `quantization_config` declares; without one, the float dtype the tensors hold."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        if float_dtype not in _FLOAT_FORMATS:
+            raise CheckpointError(
+                f"config.json has no quantization_config, so the experts must be float32, bfloat16 or "
+                f"float16, but they are {float_dtype}; a quantized checkpoint needs its quantization_config"
+            )
+        return StoredFormat(_FLOAT_FORMATS[float_dtype], None, ActivationQuant.NONE, None)
+    if not isinstance(quant, Mapping):
+        raise CheckpointError(f"config.json quantization_config must be an object, got {quant!r}")
+    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+    block, scheme = quant.get("weight_block_size"), quant.get("activation_scheme", "dynamic")
+    if method != "fp8" or fmt != "e4m3" or list(block or ()) != list(FP8_BLOCK) or scheme != "dynamic":
+        raise CheckpointError(
+            f"quantization_config {dict(quant)} is not one moekit reads: it reads quant_method 'fp8', fmt "
+            f"'e4m3', weight_block_size {list(FP8_BLOCK)}, activation_scheme 'dynamic' (DeepSeek-V3, "
+            "Qwen3 -FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts with "
+            "ExpertWeights.from_float"
+        )
+    return StoredFormat(
+        WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128, ".weight_scale_inv"
+    )
+
+
+def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> RoutingSpec:
+    layout = family.layout
+    if layout.routing_method is RoutingMethod.SOFTMAX_TOPK:
+        field = layout.renormalize_field
+        renormalize = True if field is None else bool(_field(config, field, kind=bool))
+        return RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=renormalize)
+    scoring, method = config.get("scoring_func", "sigmoid"), config.get("topk_method", "noaux_tc")
+    normalized = config.get("norm_topk_prob", True)
+    if scoring != "sigmoid" or method != "noaux_tc" or normalized is not True:
+        raise SpecError(
+            f"config.json scoring_func={scoring!r}, topk_method={method!r}, norm_topk_prob={normalized!r}: "
+            "moekit's SIGMOID_GROUPED routing is DeepSeek-V3's (sigmoid, noaux_tc, renormalized top-k); "
+            "other routings of this family are not supported"
+        )
+    n_group = _field(config, "n_group")
+    return RoutingSpec(
+        RoutingMethod.SIGMOID_GROUPED,
+        n_group=None if n_group == 1 else n_group,
+        topk_group=None if n_group == 1 else _field(config, "topk_group"),
+        has_correction_bias=True,
+        routed_scaling_factor=float(_field(config, "routed_scaling_factor", kind=float)),
+    )
+
+
+def spec_from_checkpoint_config(
+    family: HfCheckpointFamily,
+    config: Mapping[str, object],
+    stored: StoredFormat,
+    *,
+    act_dtype: torch.dtype,
+) -> MoESpec:
+    """The `MoESpec` of one MoE layer of `config` (the whole layer: all E experts)."""
+    layout = family.layout
+    activation = HF_ACTIVATIONS.get(config.get("hidden_act", "silu"))
+    if activation is None:
+        raise SpecError(
+            f"config.json hidden_act={config.get('hidden_act')!r} has no moekit activation; known: "
+            f"{list(HF_ACTIVATIONS)}"
+        )
+    return MoESpec(
+        num_experts=num_experts_of(family, config),
+        top_k=_field(config, "num_experts_per_tok"),
+        hidden_size=_field(config, "hidden_size"),
+        intermediate_size=_field(config, layout.intermediate_field),
+        weight_format=stored.weight_format,
+        fp8_scale=stored.fp8_scale,
+        act_dtype=act_dtype,
+        act_quant=stored.act_quant,
+        activation=ActivationSpec(activation),
+        gate_layout=GateLayout.CONCAT,
+        routing=_routing(family, config),
+    )

@@ -1,0 +1,410 @@
+"""One MoE layer of a Hugging Face checkpoint that stores each expert's projections as their own tensors
+(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; bf16/fp16/fp32, or FP8 with 128x128 block scales).
+
+Data flow:
+  path (a folder with config.json and .safetensors files or an index; or a file, with config=)
+  -> config.json -> `HfCheckpointFamily` (key names) -> `files.resolve` (key -> file, headers only)
+  -> the layer's keys: E experts x (gate, up, down) [+ their `.weight_scale_inv`], the router
+     `gate.weight` [+ `gate.e_score_correction_bias`]; a layer without experts, experts beyond the
+     config's E, or other tensors in the block (not the shared experts) are refused
+  -> header pass: every key present, in one file, of the right dtype and of the shape config.json gives
+  -> `spec_from_checkpoint_config` -> the whole layer's `MoESpec`
+  -> [share (`moekit.parallel.RankShare`): `plan_shard` cuts the spec, refusals before any data]
+  -> data pass: each `ExpertWeights` field is the per-expert tensors stacked (w13 = gate rows then up
+     rows, CONCAT; w2 = down), read piece by piece with `get_slice` into one preallocated tensor, only
+     the rows and columns the share's `Cut` keeps: an expert-parallel rank reads its experts' tensors and
+     no other, a tensor-parallel rank its I/N rows of gate and up and I/N columns of down
+  -> FP8 scales checked finite and > 0 -> `HfMoeLayer` (spec, weights, router, correction bias, and
+     the names of the shared-expert tensors the model adds beside the routed experts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moekit.checkpoint.files import Files, check_sources, open_file, resolve
+from moekit.checkpoint.hf_config import (
+    HfCheckpointFamily,
+    num_experts_of,
+    spec_from_checkpoint_config,
+    stored_format,
+)
+from moekit.errors import ArgumentError, CheckpointError, FormatError, check_bool, check_type
+from moekit.formats import check_fp8_scales
+from moekit.kernels.base import DeviceInfo, parse_device
+from moekit.parallel import Cut, RankShare, plan_shard
+from moekit.parallel.shard import FP8_BLOCK
+from moekit.spec import GateLayout, MoESpec
+from moekit.weights import ExpertWeights
+
+CONFIG_FILE = "config.json"
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_FP8 = {"F8_E4M3": torch.float8_e4m3fn}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class HfMoeLayer:
+    """One MoE layer of a per-expert Hugging Face checkpoint: the routed experts and their router.
+
+    `spec` is the whole layer's (all E experts, the full I); with `share`, `weights` are that rank's
+    share of it (`plan_shard`'s cut). `shared_expert_keys` names the tensors of the shared experts the
+    model adds to this layer's output (DeepSeek-V3, Qwen2-MoE); moekit does not compute them."""
+
+    family: HfCheckpointFamily
+    layer: int
+    spec: MoESpec
+    weights: ExpertWeights
+    router_weight: torch.Tensor  # [E, H]
+    correction_bias: torch.Tensor | None  # [E] fp32, DeepSeek-V3 only
+    shared_expert_keys: tuple[str, ...] = ()
+    share: RankShare | None = None
+
+    def __post_init__(self) -> None:
+        local = (
+            self.spec if self.share is None else plan_shard(self.share, self.spec, stores_floats=False).spec
+        )
+        self.weights.validate(local)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 router logits `[T, E]` = x @ router_weight^T (the HF routers compute them in fp32)."""
+        return torch.nn.functional.linear(x.float(), self.router_weight.float())
+
+
+@dataclass(frozen=True)
+class _Stacked:
+    """One `ExpertWeights` field assembled from per-expert tensors: for expert e, the rows of each
+    piece's key (`template.format(e=e)`) one after the other, `cols` columns, `dtype`."""
+
+    pieces: tuple[tuple[str, int], ...]  # (key template, rows), in row order
+    cols: int
+    dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        return sum(rows for _, rows in self.pieces)
+
+    def key_at(self, expert: int, row: int) -> str:
+        for template, rows in self.pieces:
+            if row < rows:
+                return template.format(e=expert)
+            row -= rows
+        raise IndexError(row)
+
+
+def _load_config(path: Path, config: object) -> Mapping[str, object]:
+    if isinstance(config, Mapping):
+        return config
+    if config is None:
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{path} is a file: pass config= (the model's config.json as a path or a dict), since "
+                "the layer's sizes and routing come from it"
+            )
+        config = path / CONFIG_FILE
+    check_type("config", config, (str, os.PathLike), optional=True, fix="pass config.json's path or a dict")
+    file = Path(config)
+    try:
+        loaded = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {file} as the model's config.json: {exc!r}") from exc
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def _moe_layers(files: Files, family: HfCheckpointFamily) -> dict[int, set[int]]:
+    """Layer -> the expert ids its keys mention, for every layer with routed experts."""
+    block = re.escape(family.layout.block).replace(re.escape("{l}"), r"(\d+)")
+    pattern = re.compile(rf"^{block}\.experts\.(\d+)\.")
+    found: dict[int, set[int]] = {}
+    for key in files.key_to_file:
+        if m := pattern.match(key):
+            found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return found
+
+
+def _layer_keys(
+    family: HfCheckpointFamily, layer: int, scaled: bool
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(expert templates by role, router keys by role) of the layer; templates hold `{e}`."""
+    prefix = family.layout.prefix(layer)
+    gate, up, down = family.layout.projections
+    experts = {
+        role: f"{prefix}.experts.{{e}}.{name}.weight"
+        for role, name in zip(("gate", "up", "down"), (gate, up, down), strict=True)
+    }
+    if scaled:
+        experts.update(
+            {f"{r}_scale": t.removesuffix(".weight") + ".weight_scale_inv" for r, t in list(experts.items())}
+        )
+    router = {"router_weight": f"{prefix}.gate.weight"}
+    if family.layout.correction_bias:
+        router["correction_bias"] = f"{prefix}.gate.e_score_correction_bias"
+    return experts, router
+
+
+def _headers(files: Files, keys: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Key -> (safetensors dtype, shape), from the file headers only."""
+    missing = [k for k in keys if k not in files.key_to_file]
+    if missing:
+        shown = missing[:6] + (["..."] if len(missing) > 6 else [])
+        raise CheckpointError(f"{len(missing)} tensor(s) of the layer missing in {files.searched}: {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(files.key_to_file[key], []).append(key)
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file, listed in by_file.items():
+        if not file.is_file():
+            raise CheckpointError(f"{file} (listed for {listed[:3]} in {files.searched}) does not exist")
+        with open_file(file) as f:
+            present = set(f.keys())
+            for key in listed:
+                if key not in present:
+                    raise CheckpointError(
+                        f"missing tensor {key!r}: the index names {file} but the file lacks it"
+                    )
+                meta = f.get_slice(key)
+                found[key] = (meta.get_dtype(), tuple(meta.get_shape()))
+    return found
+
+
+def _expected_shapes(spec: MoESpec) -> dict[str, tuple[int, ...]]:
+    h, i, b = spec.H, spec.I, FP8_BLOCK
+    return {
+        "gate": (i, h),
+        "up": (i, h),
+        "down": (h, i),
+        "gate_scale": (_cdiv(i, b), _cdiv(h, b)),
+        "up_scale": (_cdiv(i, b), _cdiv(h, b)),
+        "down_scale": (_cdiv(h, b), _cdiv(i, b)),
+        "router_weight": (spec.E, h),
+        "correction_bias": (spec.E,),
+    }
+
+
+def _check_header(
+    role: str,
+    key: str,
+    header: tuple[str, tuple[int, ...]],
+    want: tuple[int, ...],
+    *,
+    dtypes: dict[str, torch.dtype],
+    sizes: str,
+) -> torch.dtype:
+    dtype, shape = header
+    if dtype not in dtypes:
+        raise CheckpointError(f"tensor {key!r} has dtype {dtype}, expected one of {sorted(dtypes)}")
+    if shape != want:
+        raise CheckpointError(f"tensor {key!r} has shape {list(shape)}, expected {list(want)} ({sizes})")
+    return dtypes[dtype]
+
+
+def _read_stacked(
+    stack: ExitStack, files: Files, field: _Stacked, experts: list[int], cut: Cut | None, device: torch.device
+) -> torch.Tensor:
+    """`field` for `experts`, cut along its rows (dim 1) or columns (dim 2) as `cut` says, read piece by
+    piece into one tensor: only the bytes kept are read, and no stacked copy of the whole is made."""
+    row_segments = cut.segments if cut is not None and cut.dim == 1 else ((0, field.rows),)
+    col_segments = cut.segments if cut is not None and cut.dim == 2 else ((0, field.cols),)
+    rows, cols = sum(n for _, n in row_segments), sum(n for _, n in col_segments)
+    out = torch.empty((len(experts), rows, cols), dtype=field.dtype, device=device)
+    handles: dict[Path, object] = {}
+    for slot, expert in enumerate(experts):
+        out_row = 0
+        for start, length in row_segments:
+            offset = 0
+            for template, piece_rows in field.pieces:
+                lo, hi = max(start, offset), min(start + length, offset + piece_rows)
+                if lo < hi:
+                    key = template.format(e=expert)
+                    file = files.key_to_file[key]
+                    if file not in handles:
+                        handles[file] = stack.enter_context(open_file(file, device=device))
+                    view = handles[file].get_slice(key)
+                    out_col = 0
+                    for col_start, col_length in col_segments:
+                        rows_out = slice(out_row + lo - start, out_row + hi - start)
+                        part = view[lo - offset : hi - offset, col_start : col_start + col_length]
+                        out[slot, rows_out, out_col : out_col + col_length].copy_(part)
+                        out_col += col_length
+                offset += piece_rows
+            out_row += length
+    return out
+
+
+def _check_scales(field: _Stacked, scales: torch.Tensor, experts: list[int], cut: Cut | None) -> None:
+    try:
+        check_fp8_scales(scales, name="scales")
+    except FormatError:
+        bad = ~(torch.isfinite(scales) & (scales > 0))
+        slot, row, _ = (int(i) for i in bad.nonzero()[0])
+        if cut is not None and cut.dim == 1:  # the row in the stored tensor, not in the share
+            for start, length in cut.segments:
+                if row < length:
+                    row += start
+                    break
+                row -= length
+        key = field.key_at(experts[slot], row)
+        raise CheckpointError(
+            f"{int(bad.sum())} FP8 weight scale(s) read from this layer are not finite and > 0, first in "
+            f"{key!r}: {scales[bad][0].item()!r}; the checkpoint is "
+            "damaged, and those blocks would decode to NaN or inf: restore the file"
+        ) from None
+
+
+def _block_tensors(files: Files, family: HfCheckpointFamily, layer: int) -> list[str]:
+    prefix = family.layout.prefix(layer) + "."
+    return sorted(k for k in files.key_to_file if k.startswith(prefix))
+
+
+def load_hf_moe_layer(
+    path: str | os.PathLike,
+    *,
+    layer: int,
+    config: Mapping[str, object] | str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+    act_dtype: torch.dtype = torch.bfloat16,
+    share: RankShare | None = None,
+    allow_extra_tensors: bool = False,
+) -> HfMoeLayer:
+    """Read the routed experts and the router of MoE layer `layer` (and nothing else) of a per-expert
+    Hugging Face checkpoint (module docstring); `config` defaults to the folder's config.json.
+
+    `share`: read only that rank's share (`moekit.parallel.RankShare`: the bytes `shard_for` would keep
+    of the whole layer) and the whole router. Refused (CheckpointError) before any tensor data is read: a
+    layer without experts, experts missing or beyond the config's E, a tensor of the wrong dtype or
+    shape, a tensor in two files, and (unless `allow_extra_tensors`) tensors of the block that would not
+    be read, other than the shared experts'."""
+    check_type("path", path, (str, os.PathLike), fix="pass the checkpoint's folder as a str or Path")
+    check_type("share", share, RankShare, optional=True, fix="pass moekit.parallel.RankShare(mode, rank, N)")
+    check_bool("allow_extra_tensors", allow_extra_tensors, error=ArgumentError)
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise CheckpointError(f"layer must be an int >= 0, got {layer!r}")
+    DeviceInfo.of(device)  # a device moekit cannot load onto is refused before any file is opened
+    dev = parse_device(device)
+    config = _load_config(Path(path), config)
+    family = HfCheckpointFamily.of_config(config)
+    files = resolve(Path(path))
+    layers = _moe_layers(files, family)
+    if layer not in layers:
+        found = sorted(layers)
+        shown = f"{found[0]}..{found[-1]} ({len(found)} layers)" if len(found) > 4 else str(found)
+        raise CheckpointError(
+            f"layer {layer} has no routed experts ('{family.layout.prefix(layer)}.experts.*') in "
+            f"{files.searched}; MoE layers found: {shown} (a dense layer, e.g. DeepSeek-V3's first "
+            "first_k_dense_replace layers, has no experts to run)"
+        )
+    num_experts = num_experts_of(family, config)
+    beyond = sorted(e for e in layers[layer] if e >= num_experts)
+    if beyond:
+        raise CheckpointError(
+            f"layer {layer} holds experts {beyond[:8]} but config.json says E={num_experts}; the config "
+            "and the checkpoint disagree"
+        )
+    scaled = isinstance(config.get("quantization_config"), Mapping)
+    templates, router_keys = _layer_keys(family, layer, scaled)
+    expert_keys = [t.format(e=e) for e in range(num_experts) for t in templates.values()]
+    read = [*expert_keys, *router_keys.values()]
+    shared_prefixes = tuple(family.layout.prefix(layer) + "." + p for p in family.layout.shared_prefixes)
+    shared = tuple(k for k in _block_tensors(files, family, layer) if k.startswith(shared_prefixes))
+    extra = sorted(set(_block_tensors(files, family, layer)) - set(read) - set(shared))
+    check_sources(files, [*read, *extra])
+    headers = _headers(files, read)
+    if extra and not allow_extra_tensors:
+        raise CheckpointError(
+            f"layer {layer} holds tensors the loader would not read: {extra[:8]} ({len(extra)} in all) in "
+            f"{files.searched}; they would be silently ignored (another quantization's scales?). Remove "
+            "them, or pass allow_extra_tensors=True to read only the experts and the router"
+        )
+    gate0 = templates["gate"].format(e=0)
+    stored = stored_format(config, _FLOAT_DTYPES.get(headers[gate0][0]))
+    spec = spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
+    if scaled and spec.I % FP8_BLOCK:
+        raise CheckpointError(
+            f"{family.layout.intermediate_field}={spec.I} is not a multiple of {FP8_BLOCK}: the gate and up "
+            f"scale blocks cannot stack into one [2I] grid of {FP8_BLOCK}-row blocks; dequantize the experts "
+            "and quantize them again with ExpertWeights.from_float"
+        )
+    expected = _expected_shapes(spec)
+    sizes = (
+        f"E = {spec.E}, H = hidden_size = {spec.H}, "
+        f"I = {family.layout.intermediate_field} = {spec.I} in config.json"
+    )
+    weight_dtypes = _FP8 if scaled else {headers[gate0][0]: _FLOAT_DTYPES[headers[gate0][0]]}
+    dtypes: dict[str, torch.dtype] = {}
+    for role, template in templates.items():
+        allowed = _FLOAT_DTYPES if role.endswith("_scale") else weight_dtypes
+        for e in range(num_experts):
+            key = template.format(e=e)
+            dtypes[role] = _check_header(role, key, headers[key], expected[role], dtypes=allowed, sizes=sizes)
+    for role, key in router_keys.items():
+        dtypes[role] = _check_header(
+            role, key, headers[key], expected[role], dtypes=_FLOAT_DTYPES, sizes=sizes
+        )
+    # The share's refusals come here, before any data is read.
+    cuts = {} if share is None else plan_shard(share, spec, stores_floats=not scaled).cuts
+    experts = list(range(num_experts))
+    if "w13" in cuts and cuts["w13"].dim == 0:  # expert parallelism: this rank's experts only
+        experts = [e for start, n in cuts["w13"].segments for e in range(start, start + n)]
+    fields = _fields(templates, spec, dtypes["gate"], scaled)
+    with ExitStack() as stack:
+        tensors = {
+            name: _read_stacked(stack, files, field, experts, _within(cuts.get(name)), dev)
+            for name, field in fields.items()
+        }
+        router = {}
+        for role, key in router_keys.items():
+            handle = stack.enter_context(open_file(files.key_to_file[key], device=dev))
+            router[role] = handle.get_tensor(key)
+    if scaled:
+        for name in ("w13_scale", "w2_scale"):
+            _check_scales(fields[name], tensors[name], experts, _within(cuts.get(name)))
+    weights = ExpertWeights(
+        format=spec.weight_format,
+        gate_layout=GateLayout.CONCAT,
+        fp8_scale=spec.fp8_scale,
+        **tensors,
+    )
+    return HfMoeLayer(
+        family=family,
+        layer=layer,
+        spec=spec,
+        weights=weights,
+        router_weight=router["router_weight"],
+        correction_bias=router.get("correction_bias"),
+        shared_expert_keys=shared,
+        share=share,
+    )
+
+
+def _within(cut: Cut | None) -> Cut | None:
+    """The cut within each expert (expert parallelism picks experts, `_read_stacked` reads them whole)."""
+    return None if cut is None or cut.dim == 0 else cut
+
+
+def _fields(
+    templates: dict[str, str], spec: MoESpec, weight_dtype: torch.dtype, scaled: bool
+) -> dict[str, _Stacked]:
+    h, i, b = spec.H, spec.I, FP8_BLOCK
+    fields = {
+        "w13": _Stacked(((templates["gate"], i), (templates["up"], i)), h, weight_dtype),
+        "w2": _Stacked(((templates["down"], h),), i, weight_dtype),
+    }
+    if scaled:
+        fields["w13_scale"] = _Stacked(
+            ((templates["gate_scale"], i // b), (templates["up_scale"], i // b)), _cdiv(h, b), torch.float32
+        )
+        fields["w2_scale"] = _Stacked(((templates["down_scale"], _cdiv(h, b)),), _cdiv(i, b), torch.float32)
+    return fields
