@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import moekit.checkpoint.files as ckpt_files
 from moekit import CheckpointError, FusedMoE, Parallel, SpecError, UnsupportedSpecError
 from moekit.checkpoint import (
     CheckpointNaming,
@@ -32,6 +31,7 @@ from moekit.checkpoint import (
 from moekit.errors import ArgumentError
 from moekit.parallel import ParallelMode, RankShare, expert_shard, tensor_shard
 from moekit.synthetic import random_layer
+from safetensors_spy import spy_reads
 from spawn_ranks import run_on_ranks
 
 E, H, I = 5, 64, 192  # E divisible by neither 2 nor 3; I/2 = 96 and I/3 = 64 are whole MXFP4 blocks
@@ -63,50 +63,9 @@ def _save(folder: Path, layer: GptOssLayer, naming: CheckpointNaming, *, two_sha
     return folder
 
 
-class _SpySlice:
-    def __init__(self, view, log: list[tuple[str, int]], key: str) -> None:  # noqa: ANN001 - safetensors'
-        self._view, self._log, self._key = view, log, key
-
-    def __getattr__(self, name: str):  # noqa: ANN204 - get_shape, get_dtype: metadata, no data
-        return getattr(self._view, name)
-
-    def __getitem__(self, index):  # noqa: ANN001, ANN204 - whatever safetensors' slices take
-        t = self._view[index]
-        self._log.append((self._key, t.nbytes))
-        return t
-
-
-class _SpyFile:
-    """A safetensors handle that logs (key, bytes) of every tensor data read through it."""
-
-    def __init__(self, f, log: list[tuple[str, int]]) -> None:  # noqa: ANN001 - a safetensors handle
-        self._f, self._log = f, log
-
-    def __enter__(self) -> _SpyFile:
-        self._f.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:  # noqa: ANN002 - the context-manager protocol
-        self._f.__exit__(*exc)
-
-    def keys(self) -> list[str]:
-        return self._f.keys()
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        t = self._f.get_tensor(key)
-        self._log.append((key, t.nbytes))
-        return t
-
-    def get_slice(self, key: str) -> _SpySlice:
-        return _SpySlice(self._f.get_slice(key), self._log, key)
-
-
 @pytest.fixture
 def reads(monkeypatch) -> list[tuple[str, int]]:
-    log: list[tuple[str, int]] = []
-    real_open = ckpt_files.safe_open
-    monkeypatch.setattr(ckpt_files, "safe_open", lambda *a, **kw: _SpyFile(real_open(*a, **kw), log))
-    return log
+    return spy_reads(monkeypatch)
 
 
 def _expected_share(whole: GptOssLayer, share: RankShare):

@@ -46,7 +46,7 @@ against a pure-PyTorch reference.
 
   moekit run                      run the default layer (gpt-oss-20b shapes, random weights)
   moekit run --tokens 8 --preset qwen3-30b-a3b
-  moekit run --checkpoint DIR --layer 3    run one layer of a GPT-OSS safetensors checkpoint
+  moekit run --checkpoint DIR --layer 3    run one layer of a GPT-OSS or per-expert HF checkpoint
   moekit explain --preset gpt-oss-120b --tokens 1 --device h200
                                   which kernel and config the planner picks, and why
   moekit explain --preset deepseek-v3 --ep 64
@@ -86,7 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         type=Path,
         default=None,
-        help="a GPT-OSS safetensors file or directory (OpenAI or Hugging Face naming)",
+        help="a GPT-OSS safetensors file or directory (OpenAI or Hugging Face naming), or a Hugging Face "
+        "folder with config.json and one tensor per expert (Mixtral, Qwen2/3-MoE, DeepSeek-V3; float or FP8)",
     )
     run.add_argument(
         "--layer", type=int, default=None, help="layer index in --checkpoint (default: 0); needs --checkpoint"

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moekit.app.timing import median_seconds
+from moekit.checkpoint import load_gpt_oss_layer, load_hf_moe_layer, per_expert_family
 from moekit.errors import ShapeError, check_int
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights, route
@@ -78,9 +79,11 @@ class _Layer:
 
 
 def _load_layer(*, preset_name: str, checkpoint: Path | None, layer: int, seed: int) -> _Layer:
+    if checkpoint is not None and per_expert_family(checkpoint) is not None:
+        hf = load_hf_moe_layer(checkpoint, layer=layer)
+        source = f"checkpoint {checkpoint} layer {layer} ({hf.family.value}, routed experts only)"
+        return _Layer(source, hf.spec, hf.weights, hf.router_weight, None, hf.correction_bias)
     if checkpoint is not None:
-        from moekit.checkpoint import load_gpt_oss_layer
-
         loaded = load_gpt_oss_layer(checkpoint, layer=layer)
         return _Layer(
             f"checkpoint {checkpoint} layer {layer} ({loaded.naming.name} naming)",

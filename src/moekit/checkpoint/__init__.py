@@ -9,7 +9,7 @@ A folder with config.json whose experts are stored one per tensor (Mixtral, Qwen
 
 from moekit.checkpoint.files import INDEX_FILE
 from moekit.checkpoint.hf_config import HfCheckpointFamily, spec_from_checkpoint_config
-from moekit.checkpoint.hf_loader import HfMoeLayer, load_hf_moe_layer
+from moekit.checkpoint.hf_loader import HfMoeLayer, load_hf_moe_layer, per_expert_family
 from moekit.checkpoint.layer import (
     ROLES,
     CheckpointNaming,
@@ -34,5 +34,6 @@ __all__ = [
     "spec_from_checkpoint_config",
     "load_gpt_oss_layer",
     "load_hf_moe_layer",
+    "per_expert_family",
     "save_gpt_oss_layer",
 ]

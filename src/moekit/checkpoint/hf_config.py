@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.errors import CheckpointError, SpecError
+from moekit.parallel.shard import FP8_BLOCK
 from moekit.spec import (
     Activation,
     ActivationQuant,
@@ -55,7 +56,8 @@ HF_ACTIVATIONS: dict[str, Activation] = {
     "gelu": Activation.GELU,  # exact erf GELU
     "gelu_pytorch_tanh": Activation.GELU_TANH,
 }
-FP8_BLOCK = (128, 128)  # the only `weight_block_size` moekit's FP8 format stores
+WEIGHT_BLOCK_SIZE = [FP8_BLOCK, FP8_BLOCK]  # the only `weight_block_size` moekit's FP8 format stores
+SCALE_SUFFIX = ".weight_scale_inv"  # beside each FP8 projection's ".weight"
 _FLOAT_FORMATS = {
     torch.float32: WeightFormat.FP32,
     torch.bfloat16: WeightFormat.BF16,
@@ -187,38 +189,43 @@ def num_experts_of(family: HfCheckpointFamily, config: Mapping[str, object]) -> 
 
 @dataclass(frozen=True)
 class StoredFormat:
-    """How the checkpoint stores expert weights: the spec's format fields and the scale tensors' suffix."""
+    """How the checkpoint stores expert weights: the spec's format fields."""
 
     weight_format: WeightFormat
     fp8_scale: Fp8Scale | None
     act_quant: ActivationQuant
-    scale_suffix: str | None  # ".weight_scale_inv" beside each FP8 ".weight"; None for floats
 
 
-def stored_format(config: Mapping[str, object], float_dtype: torch.dtype | None) -> StoredFormat:
-    """The format `quantization_config` declares; without one, the float dtype the tensors hold."""
+def declares_fp8(config: Mapping[str, object]) -> bool:
+    """Whether `quantization_config` declares FP8 block-128 experts (False: none, float experts); any
+    other quantization is refused here, before the checkpoint's tensors are looked at."""
     quant = config.get("quantization_config")
     if quant is None:
-        if float_dtype not in _FLOAT_FORMATS:
-            raise CheckpointError(
-                f"config.json has no quantization_config, so the experts must be float32, bfloat16 or "
-                f"float16, but they are {float_dtype}; a quantized checkpoint needs its quantization_config"
-            )
-        return StoredFormat(_FLOAT_FORMATS[float_dtype], None, ActivationQuant.NONE, None)
+        return False
     if not isinstance(quant, Mapping):
         raise CheckpointError(f"config.json quantization_config must be an object, got {quant!r}")
     method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
     block, scheme = quant.get("weight_block_size"), quant.get("activation_scheme", "dynamic")
-    if method != "fp8" or fmt != "e4m3" or list(block or ()) != list(FP8_BLOCK) or scheme != "dynamic":
+    if method != "fp8" or fmt != "e4m3" or list(block or ()) != WEIGHT_BLOCK_SIZE or scheme != "dynamic":
         raise CheckpointError(
             f"quantization_config {dict(quant)} is not one moekit reads: it reads quant_method 'fp8', fmt "
-            f"'e4m3', weight_block_size {list(FP8_BLOCK)}, activation_scheme 'dynamic' (DeepSeek-V3, "
+            f"'e4m3', weight_block_size {WEIGHT_BLOCK_SIZE}, activation_scheme 'dynamic' (DeepSeek-V3, "
             "Qwen3 -FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts with "
             "ExpertWeights.from_float"
         )
-    return StoredFormat(
-        WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128, ".weight_scale_inv"
-    )
+    return True
+
+
+def stored_format(config: Mapping[str, object], float_dtype: torch.dtype | None) -> StoredFormat:
+    """The format `quantization_config` declares; without one, the float dtype the tensors hold."""
+    if declares_fp8(config):
+        return StoredFormat(WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128)
+    if float_dtype not in _FLOAT_FORMATS:
+        raise CheckpointError(
+            f"config.json has no quantization_config, so the experts must be float32, bfloat16 or "
+            f"float16, but they are {float_dtype}; a quantized checkpoint needs its quantization_config"
+        )
+    return StoredFormat(_FLOAT_FORMATS[float_dtype], None, ActivationQuant.NONE)
 
 
 def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> RoutingSpec:

@@ -32,7 +32,9 @@ import torch
 
 from moekit.checkpoint.files import Files, check_sources, open_file, resolve
 from moekit.checkpoint.hf_config import (
+    SCALE_SUFFIX,
     HfCheckpointFamily,
+    declares_fp8,
     num_experts_of,
     spec_from_checkpoint_config,
     stored_format,
@@ -124,6 +126,16 @@ def _load_config(path: Path, config: object) -> Mapping[str, object]:
     return loaded
 
 
+def per_expert_family(path: str | os.PathLike) -> HfCheckpointFamily | None:
+    """The family of a checkpoint folder whose config.json names a per-expert family; None for a file, a
+    folder without config.json, or another model_type (GPT-OSS), which the GPT-OSS loader reads. An
+    unreadable config.json is a CheckpointError, not a guess."""
+    if not (Path(path) / CONFIG_FILE).is_file():
+        return None
+    model_type = _load_config(Path(path), None).get("model_type")
+    return next((f for f in HfCheckpointFamily if f.value == model_type), None)
+
+
 def _moe_layers(files: Files, family: HfCheckpointFamily) -> dict[int, set[int]]:
     """Layer -> the expert ids its keys mention, for every layer with routed experts."""
     block = re.escape(family.layout.block).replace(re.escape("{l}"), r"(\d+)")
@@ -147,7 +159,7 @@ def _layer_keys(
     }
     if scaled:
         experts.update(
-            {f"{r}_scale": t.removesuffix(".weight") + ".weight_scale_inv" for r, t in list(experts.items())}
+            {f"{r}_scale": t.removesuffix(".weight") + SCALE_SUFFIX for r, t in list(experts.items())}
         )
     router = {"router_weight": f"{prefix}.gate.weight"}
     if family.layout.correction_bias:
@@ -313,7 +325,7 @@ def load_hf_moe_layer(
             f"layer {layer} holds experts {beyond[:8]} but config.json says E={num_experts}; the config "
             "and the checkpoint disagree"
         )
-    scaled = isinstance(config.get("quantization_config"), Mapping)
+    scaled = declares_fp8(config)
     templates, router_keys = _layer_keys(family, layer, scaled)
     expert_keys = [t.format(e=e) for e in range(num_experts) for t in templates.values()]
     read = [*expert_keys, *router_keys.values()]
