@@ -343,3 +343,16 @@ def test_moekit_run_reads_a_per_expert_checkpoint(tmp_path: Path, capsys) -> Non
     assert report["spec"].startswith(f"E={FP8_E} K=2 H={FP8_H} I={FP8_I} FP8_E4M3") and report["check_passed"]
     assert main(["run", "--checkpoint", str(tmp_path), "--layer", "2"]) == 1
     assert "layer 2 has no routed experts" in capsys.readouterr().err
+
+
+def test_an_hf_moe_layer_checks_its_router_tensors(saved) -> None:
+    from dataclasses import replace
+
+    from moekit import ShapeError
+
+    folder, _, layer = saved[HfCheckpointFamily.QWEN3_MOE]
+    loaded = load_hf_moe_layer(folder, layer=layer, act_dtype=torch.float32)
+    with pytest.raises(ShapeError, match=rf"router_weight has shape \({E}, {H - 1}\), expected \({E}, {H}\)"):
+        replace(loaded, router_weight=loaded.router_weight[:, 1:])
+    with pytest.raises(SpecError, match="SOFTMAX_TOPK routing has none"):
+        replace(loaded, correction_bias=torch.zeros(E))

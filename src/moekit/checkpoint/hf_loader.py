@@ -39,7 +39,8 @@ from moekit.checkpoint.hf_config import (
     spec_from_checkpoint_config,
     stored_format,
 )
-from moekit.errors import ArgumentError, CheckpointError, FormatError, check_bool, check_type
+from moekit.checks import check_router_tensor
+from moekit.errors import ArgumentError, CheckpointError, FormatError, SpecError, check_bool, check_type
 from moekit.formats import check_fp8_scales
 from moekit.kernels.base import DeviceInfo, parse_device
 from moekit.parallel import Cut, RankShare, plan_shard
@@ -74,10 +75,19 @@ class HfMoeLayer:
     share: RankShare | None = None
 
     def __post_init__(self) -> None:
-        local = (
-            self.spec if self.share is None else plan_shard(self.share, self.spec, stores_floats=False).spec
-        )
+        check_type("HfMoeLayer.spec", self.spec, MoESpec, fix="build it with spec_from_checkpoint_config")
+        check_type("HfMoeLayer.weights", self.weights, ExpertWeights, fix="read it with load_hf_moe_layer")
+        check_type("HfMoeLayer.share", self.share, RankShare, optional=True, fix="pass a RankShare or None")
+        local = self.spec
+        if self.share is not None:  # the share's spec: E_r experts or I/N
+            local = plan_shard(self.share, self.spec, stores_floats=self.weights.stores_floats).spec
         self.weights.validate(local)
+        spec = self.spec
+        check_router_tensor(self.router_weight, name="router_weight", shape=(spec.E, spec.H), spec=spec)
+        if spec.routing.has_correction_bias:
+            check_router_tensor(self.correction_bias, name="correction_bias", shape=(spec.E,), spec=spec)
+        elif self.correction_bias is not None:
+            raise SpecError(f"a correction_bias was given, but {spec.routing.method.name} routing has none")
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 router logits `[T, E]` = x @ router_weight^T (the HF routers compute them in fp32)."""
