@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from hf_checkpoints import FP8_E, FP8_H, FP8_I, fp8_spec, write_fp8_checkpoint
 from moekit import CheckpointError, FusedMoE, Parallel, SpecError, UnsupportedSpecError
 from moekit.checkpoint import HfCheckpointFamily, load_hf_moe_layer
 from moekit.ops import route
 from moekit.parallel import ParallelMode, RankShare, expert_shard, tensor_shard
 from moekit.reference import fused_moe_reference, relative_l2_error
-from moekit.spec import ActivationQuant, Fp8Scale, MoESpec, RoutingMethod, RoutingSpec, WeightFormat
-from moekit.synthetic import random_layer
+from moekit.spec import RoutingMethod, WeightFormat
 from safetensors_spy import spy_reads
 from spawn_ranks import run_on_ranks
 
@@ -160,80 +160,18 @@ def test_a_dense_layer_and_other_families_are_refused_with_where_to_go(saved, tm
 
 
 # ----- FP8 block-128 checkpoints (DeepSeek-V3 and Qwen3 -FP8 layout) -------------------------------------
-FP8_H, FP8_I, FP8_E = 320, 256, 5  # H ragged against 128; I/2 is one scale block
-
-
-def _fp8_spec(family: HfCheckpointFamily) -> MoESpec:
-    grouped = family is HfCheckpointFamily.DEEPSEEK_V3
-    return MoESpec(
-        num_experts=FP8_E, top_k=2, hidden_size=FP8_H, intermediate_size=FP8_I,
-        weight_format=WeightFormat.FP8_E4M3, fp8_scale=Fp8Scale.BLOCK_128, act_dtype=torch.float32,
-        act_quant=ActivationQuant.FP8_PER_GROUP_128,
-        routing=RoutingSpec(
-            RoutingMethod.SIGMOID_GROUPED, has_correction_bias=True, routed_scaling_factor=2.5
-        ) if grouped else RoutingSpec(RoutingMethod.SOFTMAX_TOPK),
-    )  # fmt: skip
-
-
-def _fp8_config(family: HfCheckpointFamily) -> dict:
-    quant = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    }
-    config = {"model_type": family.value, "hidden_size": FP8_H, "moe_intermediate_size": FP8_I}
-    config |= {"num_experts_per_tok": 2, "hidden_act": "silu", "quantization_config": quant}
-    if family is HfCheckpointFamily.DEEPSEEK_V3:
-        return {
-            **config,
-            "n_routed_experts": FP8_E,
-            "n_group": 1,
-            "topk_group": 1,
-            "routed_scaling_factor": 2.5,
-        }
-    return {**config, "num_experts": FP8_E, "norm_topk_prob": True}
-
-
-def _write_fp8(folder: Path, family: HfCheckpointFamily, *, scale_dtype=torch.float32, seed: int = 0):
-    """A random FP8 layer as `family` stores it, in two shards with an index; returns the synthetic layer."""
-    synthetic = random_layer(_fp8_spec(family), seed=seed, weight_std=0.5)
-    w, blocks = synthetic.weights, FP8_I // 128
-    prefix = "model.layers.3.mlp"
-    tensors = {f"{prefix}.gate.weight": synthetic.router_weight.contiguous()}
-    if synthetic.correction_bias is not None:
-        tensors[f"{prefix}.gate.e_score_correction_bias"] = synthetic.correction_bias
-    for e in range(FP8_E):
-        parts = {
-            "gate_proj": (w.w13[e, :FP8_I], w.w13_scale[e, :blocks]),
-            "up_proj": (w.w13[e, FP8_I:], w.w13_scale[e, blocks:]),
-            "down_proj": (w.w2[e], w.w2_scale[e]),
-        }
-        for name, (codes, scale) in parts.items():
-            tensors[f"{prefix}.experts.{e}.{name}.weight"] = codes.contiguous()
-            tensors[f"{prefix}.experts.{e}.{name}.weight_scale_inv"] = scale.to(scale_dtype).contiguous()
-    keys = sorted(tensors)
-    shards = {"a.safetensors": keys[: len(keys) // 2], "b.safetensors": keys[len(keys) // 2 :]}
-    for name, listed in shards.items():
-        save_file({k: tensors[k] for k in listed}, str(folder / name))
-    index = {"weight_map": {k: name for name, listed in shards.items() for k in listed}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    (folder / "config.json").write_text(json.dumps(_fp8_config(family)))
-    return synthetic
-
-
 FP8_FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE]
 
 
 @pytest.mark.parametrize("family", FP8_FAMILIES, ids=[f.value for f in FP8_FAMILIES])
 def test_an_fp8_checkpoint_is_read_bit_for_bit_and_runs(tmp_path, family) -> None:
-    synthetic = _write_fp8(
+    synthetic = write_fp8_checkpoint(
         tmp_path,
         family,
         scale_dtype=torch.bfloat16 if family is HfCheckpointFamily.QWEN3_MOE else torch.float32,
     )
     loaded = load_hf_moe_layer(tmp_path, layer=3, act_dtype=torch.float32)
-    assert loaded.spec == _fp8_spec(family)
+    assert loaded.spec == fp8_spec(family)
     for name, t in synthetic.weights.tensors().items():
         expect = (
             t
@@ -253,7 +191,7 @@ def test_an_fp8_checkpoint_is_read_bit_for_bit_and_runs(tmp_path, family) -> Non
 @pytest.mark.parametrize("mode", list(ParallelMode), ids=[m.value for m in ParallelMode])
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_reads_exactly_its_share(tmp_path, reads, mode, world) -> None:
-    _write_fp8(tmp_path, HfCheckpointFamily.DEEPSEEK_V3)
+    write_fp8_checkpoint(tmp_path, HfCheckpointFamily.DEEPSEEK_V3)
     whole = load_hf_moe_layer(tmp_path, layer=3, act_dtype=torch.float32)
     expert_bytes = sum(t.nbytes for t in whole.weights.tensors().values())
     router_bytes = whole.router_weight.nbytes + whole.correction_bias.nbytes
@@ -283,7 +221,7 @@ def test_a_rank_reads_exactly_its_share(tmp_path, reads, mode, world) -> None:
 def test_fp8_checkpoint_refusals_name_the_tensor_and_read_nothing(tmp_path, reads) -> None:
     from safetensors import safe_open
 
-    _write_fp8(tmp_path, HfCheckpointFamily.DEEPSEEK_V3)
+    write_fp8_checkpoint(tmp_path, HfCheckpointFamily.DEEPSEEK_V3)
     key = "model.layers.3.mlp.experts.4.down_proj.weight_scale_inv"
     with safe_open(str(tmp_path / "b.safetensors"), "pt") as f:
         shard_b = {k: f.get_tensor(k) for k in f.keys()}
@@ -329,14 +267,14 @@ def _parallel_main(rank: int, world: int, *, path: str) -> None:
 
 
 def test_from_hf_checkpoint_reads_this_ranks_share_and_matches_one_rank(tmp_path: Path) -> None:
-    _write_fp8(tmp_path, HfCheckpointFamily.DEEPSEEK_V3, seed=3)
+    write_fp8_checkpoint(tmp_path, HfCheckpointFamily.DEEPSEEK_V3, seed=3)
     run_on_ranks(partial(_parallel_main, path=str(tmp_path)), 2, tmp_path)
 
 
 def test_moekit_run_reads_a_per_expert_checkpoint(tmp_path: Path, capsys) -> None:
     from moekit.app.cli import main
 
-    _write_fp8(tmp_path, HfCheckpointFamily.DEEPSEEK_V3, seed=2)
+    write_fp8_checkpoint(tmp_path, HfCheckpointFamily.DEEPSEEK_V3, seed=2)
     assert main(["run", "--checkpoint", str(tmp_path), "--layer", "3", "--tokens", "6", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert "layer 3 (deepseek_v3, routed experts only)" in report["source"]

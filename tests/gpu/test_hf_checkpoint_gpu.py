@@ -1,0 +1,49 @@
+"""Per-expert Hugging Face FP8 checkpoints read straight onto a CUDA GPU and run by the planned kernels.
+
+Data flow: a random FP8 block-128 layer written as DeepSeek-V3 and as Qwen3 -FP8 store it
+(`hf_checkpoints.write_fp8_checkpoint`, two shards and an index) -> `FusedMoE.from_hf_checkpoint(...,
+device="cuda")` (the loader opens the shards on the GPU and assembles each field there) -> its weights
+equal the ones read onto the CPU, bit for bit -> its output on fresh random bf16 tokens
+against `fused_moe_reference` of the CPU-read layer on the same routing, within
+the spec's tolerance, at token counts on both sides of the small-batch regime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_only import skip_unless_compiled_gpu
+
+skip_unless_compiled_gpu()
+
+from hf_checkpoints import FP8_H, write_fp8_checkpoint  # noqa: E402
+from moekit import fused_moe_reference, route  # noqa: E402
+from moekit.checkpoint import HfCheckpointFamily, load_hf_moe_layer  # noqa: E402
+from moekit.layer import FusedMoE  # noqa: E402
+from moekit.reference import relative_l2_error, tolerance  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.value for f in FAMILIES])
+def test_an_fp8_checkpoint_read_onto_the_gpu_runs_as_the_reference_says(tmp_path: Path, family) -> None:
+    write_fp8_checkpoint(tmp_path, family, seed=11)
+    on_cpu = load_hf_moe_layer(tmp_path, layer=3)
+    layer = FusedMoE.from_hf_checkpoint(tmp_path, 3, device="cuda")
+    assert layer.weights.w13.device.type == "cuda"
+    for name, t in on_cpu.weights.tensors().items():
+        assert torch.equal(getattr(layer.weights, name).cpu(), t), name
+    spec = on_cpu.spec
+    for tokens in (1, 7, 300):
+        x = torch.randn(tokens, FP8_H, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        got = layer(x.cuda()).float().cpu()
+        routing = route(
+            on_cpu.router_logits(x), top_k=spec.K, spec=spec.routing, correction_bias=on_cpu.correction_bias
+        )
+        ref = fused_moe_reference(x, on_cpu.weights, routing, spec=spec)
+        assert torch.isfinite(got).all()
+        assert relative_l2_error(got, ref.float()) <= tolerance(spec), (tokens, layer.plans)
