@@ -215,9 +215,9 @@ class FusedMoE(torch.nn.Module):
         options: PlanOptions | None = None,
         parallel: Parallel | None = None,
     ) -> FusedMoE:
-        """Layer `layer` of a per-expert Hugging Face checkpoint (Mixtral, Qwen2/3-MoE, DeepSeek-V3; float
-        or FP8 block-128: `moekit.checkpoint.load_hf_moe_layer`), the routed experts only, with `parallel`
-        reading only this rank's share."""
+        """Layer `layer` of a per-expert Hugging Face checkpoint (`moekit.checkpoint.load_hf_moe_layer`:
+        Mixtral, Qwen, DeepSeek-V3, GLM-4.5; float or FP8 block-128), the routed experts only; with
+        `parallel`, only this rank's share is read."""
         from moekit.checkpoint.fused import hf_checkpoint_layer
 
         return hf_checkpoint_layer(

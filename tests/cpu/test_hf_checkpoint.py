@@ -1,7 +1,7 @@
 """Per-expert Hugging Face checkpoints: `load_hf_moe_layer` / `FusedMoE.from_hf_checkpoint` against the
 models transformers itself builds and saves, and against FP8 block-128 checkpoints written here.
 
-Data flow: tiny Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 models (transformers 5.x, random weights
+Data flow: tiny models of every `HfCheckpointFamily` (transformers 5.x, random weights
 of a useful size, DeepSeek's correction bias random too) -> `save_pretrained` (the names, layouts and
 config fields are transformers', not moekit's) -> moekit reads one MoE layer -> its reference and its
 `FusedMoE` are compared with the HF block's own forward, less the shared experts the model adds. FP8:
@@ -35,6 +35,11 @@ from spawn_ranks import run_on_ranks
 transformers = pytest.importorskip("transformers")
 
 H, I_FLOAT, E = 64, 96, 6  # I/2 and I/3 whole; E divisible by neither 4 nor 5 ranks
+GROUPED = (
+    HfCheckpointFamily.DEEPSEEK_V3,
+    HfCheckpointFamily.GLM4_MOE,
+)  # sigmoid + correction, shared experts
+GATED_SHARED = (HfCheckpointFamily.QWEN2_MOE, HfCheckpointFamily.QWEN3_NEXT)  # a gated shared expert
 
 
 @pytest.fixture
@@ -70,6 +75,20 @@ def _tiny(family: HfCheckpointFamily):  # -> (transformers model, MoE layer inde
             num_experts=E,
         )  # fmt: skip  (norm_topk_prob False, as Qwen2-MoE releases)
         return transformers.Qwen2MoeForCausalLM(cfg), 0
+    if family is HfCheckpointFamily.QWEN3_NEXT:  # one full-attention layer: the MoE block is what matters
+        cfg = transformers.Qwen3NextConfig(
+            **common, intermediate_size=128, moe_intermediate_size=I_FLOAT,
+            shared_expert_intermediate_size=48, num_hidden_layers=1, num_key_value_heads=1, head_dim=32,
+            num_experts=E, layer_types=["full_attention"],
+        )  # fmt: skip
+        return transformers.Qwen3NextForCausalLM(cfg), 0
+    if family is HfCheckpointFamily.GLM4_MOE:
+        cfg = transformers.Glm4MoeConfig(
+            **common, intermediate_size=128, moe_intermediate_size=I_FLOAT, num_hidden_layers=2,
+            first_k_dense_replace=1, num_key_value_heads=1, head_dim=32, n_routed_experts=E, n_group=1,
+            topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        )  # fmt: skip
+        return transformers.Glm4MoeForCausalLM(cfg), 1
     cfg = transformers.DeepseekV3Config(
         **common, intermediate_size=128, moe_intermediate_size=I_FLOAT, num_hidden_layers=2,
         first_k_dense_replace=1, num_key_value_heads=2, n_routed_experts=E, n_group=3, topk_group=2,
@@ -89,7 +108,7 @@ def saved(tmp_path_factory) -> dict[HfCheckpointFamily, tuple[Path, torch.nn.Mod
             for name, p in model.named_parameters():
                 p.copy_(torch.randn_like(p) * (1.0 if "gate.weight" in name else 0.2))
             block = model.model.layers[layer].mlp
-            if family is HfCheckpointFamily.DEEPSEEK_V3:
+            if family in GROUPED:
                 block.gate.e_score_correction_bias.copy_(torch.rand(E) * 0.2)
         folder = tmp_path_factory.mktemp(family.value)
         model.save_pretrained(folder)
@@ -102,9 +121,9 @@ def _routed_output(family: HfCheckpointFamily, block: torch.nn.Module, x: torch.
     with torch.no_grad():
         y = block(x[None])
         y = (y[0] if isinstance(y, tuple) else y)[0]
-        if family is HfCheckpointFamily.DEEPSEEK_V3:
+        if family in GROUPED:
             y = y - block.shared_experts(x)
-        if family is HfCheckpointFamily.QWEN2_MOE:
+        if family in GATED_SHARED:
             y = y - torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     return y
 
@@ -115,11 +134,10 @@ def test_a_saved_hf_model_layer_computes_what_the_hf_block_computes(saved, famil
     loaded = load_hf_moe_layer(folder, layer=layer, act_dtype=torch.float32)
     spec = loaded.spec
     assert (spec.E, spec.K, spec.H, spec.I, spec.weight_format) == (E, 2, H, I_FLOAT, WeightFormat.FP32)
-    assert (spec.routing.method is RoutingMethod.SIGMOID_GROUPED) == (
-        family is HfCheckpointFamily.DEEPSEEK_V3
-    )
-    assert spec.routing.renormalize == (family is not HfCheckpointFamily.QWEN2_MOE)
-    shared = {HfCheckpointFamily.DEEPSEEK_V3: 3, HfCheckpointFamily.QWEN2_MOE: 4}.get(family, 0)
+    assert (spec.routing.method is RoutingMethod.SIGMOID_GROUPED) == (family in GROUPED)
+    config = json.loads((folder / "config.json").read_text())
+    assert spec.routing.renormalize == config.get("norm_topk_prob", True)  # Qwen2-MoE's is False
+    shared = 3 if family in GROUPED else 4 if family in GATED_SHARED else 0
     assert len(loaded.shared_expert_keys) == shared
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(5))
     want = _routed_output(family, block, x)

@@ -3,7 +3,8 @@
 Data flow: a .safetensors file, a folder of them, or a folder with an index -> `loader.load_gpt_oss_layer`
 (locate, check headers, read eight tensors, or a rank's share of them) -> `layer.GptOssLayer`; and back:
 `layer.save_gpt_oss_layer`.
-A folder with config.json whose experts are stored one per tensor (Mixtral, Qwen2/3-MoE, DeepSeek-V3)
+A folder with config.json whose experts are stored one per tensor (Mixtral, Qwen2/3-MoE,
+Qwen3-Next, DeepSeek-V3, GLM-4.5)
 -> `hf_loader.load_hf_moe_layer` -> `hf_loader.HfMoeLayer` (spec from `hf_config`).
 """
 

@@ -11,12 +11,13 @@ its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny
 - On disk every family keeps one tensor per expert and projection, `[out, in]` as `nn.Linear` does:
   `{block}.experts.{e}.{gate,up,down}.weight`, with the block `model.layers.{l}.block_sparse_moe`
   (Mixtral; projections `w1` gate, `w3` up, `w2` down) or `model.layers.{l}.mlp` (Qwen2-MoE, Qwen3-MoE,
-  DeepSeek-V3; `gate_proj`, `up_proj`, `down_proj`). The router is `{block}.gate.weight [E, H]`, no bias.
-- DeepSeek-V3 adds `{block}.gate.e_score_correction_bias [E]` (fp32), and shared experts
-  `{block}.shared_experts.*` that the model adds to the routed output; Qwen2-MoE has
+  Qwen3-Next, DeepSeek-V3, GLM-4.5; `gate_proj`, `up_proj`, `down_proj`). The router is
+  `{block}.gate.weight [E, H]`, no bias.
+- DeepSeek-V3 and GLM-4.5 add `{block}.gate.e_score_correction_bias [E]` (fp32), and shared experts
+  `{block}.shared_experts.*` that the model adds to the routed output; Qwen2-MoE and Qwen3-Next have
   `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`. A moekit layer computes the routed
   experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not read.
-- DeepSeek-V3 routing: sigmoid scores, top `topk_group` of `n_group` groups by the sum of each group's
+- DeepSeek-V3 (and GLM-4.5, with one group) routing: sigmoid scores, top `topk_group` of `n_group` groups by the sum of each group's
   best two biased scores, top-K within them, weights the unbiased scores renormalized over the K, times
   `routed_scaling_factor` (moekit's SIGMOID_GROUPED); `scoring_func` "sigmoid" and `topk_method`
   "noaux_tc" in DeepSeek's own config (absent from configs transformers writes, which assume them).
@@ -88,7 +89,9 @@ class HfCheckpointFamily(enum.Enum):
     MIXTRAL = "mixtral"
     QWEN2_MOE = "qwen2_moe"
     QWEN3_MOE = "qwen3_moe"
-    DEEPSEEK_V3 = "deepseek_v3"
+    QWEN3_NEXT = "qwen3_next"
+    DEEPSEEK_V3 = "deepseek_v3"  # also Kimi K2 and Moonlight, which ship as deepseek_v3
+    GLM4_MOE = "glm4_moe"
 
     @property
     def layout(self) -> CheckpointLayout:
@@ -114,6 +117,27 @@ class HfCheckpointFamily(enum.Enum):
 
 _MLP_BLOCK = "model.layers.{l}.mlp"
 _PROJ = ("gate_proj", "up_proj", "down_proj")
+_QWEN_SHARED = CheckpointLayout(  # Qwen2-MoE, Qwen3-Next: a gated shared expert beside the routed ones
+    block=_MLP_BLOCK,
+    projections=_PROJ,
+    num_experts_fields=("num_experts", "num_local_experts"),
+    intermediate_field="moe_intermediate_size",
+    renormalize_field="norm_topk_prob",
+    routing_method=RoutingMethod.SOFTMAX_TOPK,
+    correction_bias=False,
+    shared_prefixes=("shared_expert.", "shared_expert_gate."),
+)
+_SIGMOID_GROUPED = CheckpointLayout(  # DeepSeek-V3, GLM-4.5: corrected sigmoid scores, shared experts
+    block=_MLP_BLOCK,
+    projections=_PROJ,
+    num_experts_fields=("n_routed_experts", "num_local_experts"),
+    intermediate_field="moe_intermediate_size",
+    renormalize_field=None,
+    routing_method=RoutingMethod.SIGMOID_GROUPED,
+    correction_bias=True,
+    shared_prefixes=("shared_experts.",),
+)
+
 LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
     HfCheckpointFamily.MIXTRAL: CheckpointLayout(
         block="model.layers.{l}.block_sparse_moe",
@@ -135,26 +159,10 @@ LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
         correction_bias=False,
         shared_prefixes=(),
     ),
-    HfCheckpointFamily.QWEN2_MOE: CheckpointLayout(
-        block=_MLP_BLOCK,
-        projections=_PROJ,
-        num_experts_fields=("num_experts", "num_local_experts"),
-        intermediate_field="moe_intermediate_size",
-        renormalize_field="norm_topk_prob",
-        routing_method=RoutingMethod.SOFTMAX_TOPK,
-        correction_bias=False,
-        shared_prefixes=("shared_expert.", "shared_expert_gate."),
-    ),
-    HfCheckpointFamily.DEEPSEEK_V3: CheckpointLayout(
-        block=_MLP_BLOCK,
-        projections=_PROJ,
-        num_experts_fields=("n_routed_experts", "num_local_experts"),
-        intermediate_field="moe_intermediate_size",
-        renormalize_field=None,
-        routing_method=RoutingMethod.SIGMOID_GROUPED,
-        correction_bias=True,
-        shared_prefixes=("shared_experts.",),
-    ),
+    HfCheckpointFamily.QWEN2_MOE: _QWEN_SHARED,
+    HfCheckpointFamily.QWEN3_NEXT: _QWEN_SHARED,
+    HfCheckpointFamily.DEEPSEEK_V3: _SIGMOID_GROUPED,
+    HfCheckpointFamily.GLM4_MOE: _SIGMOID_GROUPED,
 }
 
 
