@@ -87,7 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="a GPT-OSS safetensors file or directory (OpenAI or Hugging Face naming), or a Hugging Face "
-        "folder with config.json and one tensor per expert (Mixtral, Qwen, DeepSeek-V3, GLM-4.5; float or FP8)",
+        "folder with config.json and one tensor per expert (Mixtral, Qwen, DeepSeek-V3, GLM-4.5; float, FP8)",
     )
     run.add_argument(
         "--layer", type=int, default=None, help="layer index in --checkpoint (default: 0); needs --checkpoint"

@@ -17,8 +17,8 @@ its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny
   `{block}.shared_experts.*` that the model adds to the routed output; Qwen2-MoE and Qwen3-Next have
   `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`. A moekit layer computes the routed
   experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not read.
-- DeepSeek-V3 (and GLM-4.5, with one group) routing: sigmoid scores, top `topk_group` of `n_group` groups by the sum of each group's
-  best two biased scores, top-K within them, weights the unbiased scores renormalized over the K, times
+- DeepSeek-V3 (and GLM-4.5, with one group) routing: sigmoid scores, top `topk_group` of `n_group`
+  groups by the sum of each group's best two biased scores, top-K within them, weights the unbiased scores renormalized over the K, times
   `routed_scaling_factor` (moekit's SIGMOID_GROUPED); `scoring_func` "sigmoid" and `topk_method`
   "noaux_tc" in DeepSeek's own config (absent from configs transformers writes, which assume them).
   Its first `first_k_dense_replace` layers are dense MLPs without experts.
