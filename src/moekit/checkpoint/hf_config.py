@@ -18,9 +18,10 @@ its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny
   `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`. A moekit layer computes the routed
   experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not read.
 - DeepSeek-V3 (and GLM-4.5, with one group) routing: sigmoid scores, top `topk_group` of `n_group`
-  groups by the sum of each group's best two biased scores, top-K within them, weights the unbiased scores renormalized over the K, times
-  `routed_scaling_factor` (moekit's SIGMOID_GROUPED); `scoring_func` "sigmoid" and `topk_method`
-  "noaux_tc" in DeepSeek's own config (absent from configs transformers writes, which assume them).
+  groups by the sum of each group's best two biased scores, top-K within them, weights the unbiased
+  scores renormalized over the K, times `routed_scaling_factor` (moekit's SIGMOID_GROUPED);
+  `scoring_func` "sigmoid" and `topk_method` "noaux_tc" in DeepSeek's own config (absent from configs
+  transformers writes, which assume them).
   Its first `first_k_dense_replace` layers are dense MLPs without experts.
 - FP8 releases (DeepSeek-V3, Qwen3 "-FP8") carry `quantization_config` {quant_method "fp8", fmt "e4m3",
   activation_scheme "dynamic", weight_block_size [128, 128]}: each projection is float8_e4m3fn with a
