@@ -312,3 +312,27 @@ def test_an_hf_moe_layer_checks_its_router_tensors(saved) -> None:
         replace(loaded, router_weight=loaded.router_weight[:, 1:])
     with pytest.raises(SpecError, match="SOFTMAX_TOPK routing has none"):
         replace(loaded, correction_bias=torch.zeros(E))
+
+
+def test_moekit_explain_plans_the_layer_a_config_describes(tmp_path: Path, capsys) -> None:
+    from hf_checkpoints import fp8_config
+    from moekit.app.cli import main
+
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(fp8_config(HfCheckpointFamily.DEEPSEEK_V3)))
+    assert main(["explain", "--config", str(file), "--device", "h200", "--tokens", "64", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)["spec"]
+    assert spec.startswith(f"E={FP8_E} K=2 H={FP8_H} I={FP8_I} FP8_E4M3") and "SIGMOID_GROUPED" in spec
+    assert main(["explain", "--config", str(file), "--ep", "2"]) == 0
+    assert f"E_local={-(-FP8_E // 2)}" in capsys.readouterr().out
+    assert main(["explain", "--config", str(file), "--preset", "deepseek-v3"]) == 2
+    assert "both name the layer" in capsys.readouterr().err
+    float_config = {
+        k: v for k, v in fp8_config(HfCheckpointFamily.QWEN3_MOE).items() if k != "quantization_config"
+    }
+    file.write_text(json.dumps(float_config))  # no dtype: the format is unknown without the tensors
+    assert main(["explain", "--config", str(file)]) == 2
+    assert "names the weights' dtype None" in capsys.readouterr().err
+    file.write_text(json.dumps({**float_config, "torch_dtype": "bfloat16"}))
+    assert main(["explain", "--config", str(file), "--json", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"].startswith(f"E={FP8_E} K=2 H={FP8_H} I={FP8_I} BF16")

@@ -50,6 +50,7 @@ against a pure-PyTorch reference.
   moekit explain --preset gpt-oss-120b --tokens 1 --device h200
                                   which kernel and config the planner picks, and why
   moekit explain --preset deepseek-v3 --ep 64
+  moekit explain --config /models/Qwen3-30B-A3B/config.json --ep 8
                                   the layer on 64 ranks on paper: per-rank weights, bytes moved,
                                   modeled communication time
   moekit check --all              every capable kernel here against the reference, all presets
@@ -107,9 +108,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument(
         "--preset",
-        default=DEFAULT_PRESET,
+        default=None,  # None: not given, so that --config can refuse it (default: DEFAULT_PRESET)
         choices=sorted(PRESETS),
-        help=f"model spec to start from (default: {DEFAULT_PRESET})",
+        help=f"model spec to start from (default: {DEFAULT_PRESET}); not with --config",
+    )
+    explain.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="start from the MoE layer a Hugging Face config.json describes (Mixtral, Qwen, DeepSeek-V3, "
+        "GLM-4.5; float or FP8 block-128), no tensors read",
     )
     explain.add_argument(
         "--tokens", type=int, default=None, help="tokens per forward, T (default: 1); not with --ep/--tp"
@@ -373,6 +381,9 @@ def _run_flags(args: argparse.Namespace) -> None:
 
 def _explain_flags(args: argparse.Namespace) -> None:
     refuse_single_device_flags(args)
+    if args.config is not None and args.preset is not None:
+        raise UsageError(f"--preset {args.preset} and --config {args.config} both name the layer; give one")
+    args.preset = DEFAULT_PRESET if args.preset is None else args.preset
     args.tokens = at_least("--tokens", 1 if args.tokens is None else args.tokens, 0)
     if args.table is not None and not args.table.is_file():
         raise UsageError(f"--table {args.table}: no such file; give a tuned table written by moekit tune")

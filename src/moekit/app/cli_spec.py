@@ -61,7 +61,12 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
 def spec_from_flags(args: argparse.Namespace):
     if args.limit is not None and args.no_limit:
         raise UsageError(f"--limit {args.limit:g} and --no-limit contradict each other; give one")
-    spec = preset(args.preset)
+    if getattr(args, "config", None) is not None:
+        from moekit.checkpoint.hf_config import spec_from_config_file
+
+        spec = spec_from_config_file(args.config)
+    else:
+        spec = preset(args.preset)
     fields: dict = {}
     for flag, name in (
         ("experts", "num_experts"),

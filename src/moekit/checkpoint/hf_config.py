@@ -32,8 +32,10 @@ its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -235,6 +237,36 @@ def stored_format(config: Mapping[str, object], float_dtype: torch.dtype | None)
             f"float16, but they are {float_dtype}; a quantized checkpoint needs its quantization_config"
         )
     return StoredFormat(_FLOAT_FORMATS[float_dtype], None, ActivationQuant.NONE)
+
+
+def read_config(file: Path) -> dict[str, object]:
+    """A model's config.json as a dict; an unreadable or non-object file is a CheckpointError."""
+    try:
+        loaded = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {file} as the model's config.json: {exc!r}") from exc
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+_CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def spec_from_config_file(file: Path, *, act_dtype: torch.dtype = torch.bfloat16) -> MoESpec:
+    """The MoE layer spec a per-expert checkpoint's config.json describes, without its tensors: the float
+    format from the config's `dtype` (`torch_dtype` in older configs) unless it declares FP8, for
+    planning (`moekit explain --config`); `load_hf_moe_layer` checks it against the tensors it reads."""
+    config = read_config(file)
+    family = HfCheckpointFamily.of_config(config)
+    name = config.get("dtype", config.get("torch_dtype"))
+    if not declares_fp8(config) and name not in _CONFIG_DTYPES:
+        raise CheckpointError(
+            f"{file} names the weights' dtype {name!r} (field 'dtype' or 'torch_dtype'); one of "
+            f"{sorted(_CONFIG_DTYPES)} is needed to know their format without reading them"
+        )
+    stored = stored_format(config, _CONFIG_DTYPES.get(name))
+    return spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
 
 
 def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> RoutingSpec:

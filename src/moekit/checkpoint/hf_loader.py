@@ -21,7 +21,6 @@ Data flow:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ from moekit.checkpoint.hf_config import (
     HfCheckpointFamily,
     declares_fp8,
     num_experts_of,
+    read_config,
     spec_from_checkpoint_config,
     stored_format,
 )
@@ -127,14 +127,7 @@ def _load_config(path: Path, config: object) -> Mapping[str, object]:
             )
         config = path / CONFIG_FILE
     check_type("config", config, (str, os.PathLike), optional=True, fix="pass config.json's path or a dict")
-    file = Path(config)
-    try:
-        loaded = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {file} as the model's config.json: {exc!r}") from exc
-    if not isinstance(loaded, dict):
-        raise CheckpointError(f"{file} must hold a JSON object, got {type(loaded).__name__}")
-    return loaded
+    return read_config(Path(config))
 
 
 def per_expert_family(path: str | os.PathLike) -> HfCheckpointFamily | None:
