@@ -336,3 +336,15 @@ def test_moekit_explain_plans_the_layer_a_config_describes(tmp_path: Path, capsy
     file.write_text(json.dumps({**float_config, "torch_dtype": "bfloat16"}))
     assert main(["explain", "--config", str(file), "--json", "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["spec"].startswith(f"E={FP8_E} K=2 H={FP8_H} I={FP8_I} BF16")
+
+
+def test_which_loader_a_folder_takes(tmp_path: Path, saved) -> None:
+    from moekit.checkpoint import per_expert_family
+
+    assert per_expert_family(saved[HfCheckpointFamily.MIXTRAL][0]) is HfCheckpointFamily.MIXTRAL
+    assert per_expert_family(tmp_path) is None  # no config.json: the GPT-OSS loader's files
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    assert per_expert_family(tmp_path) is None  # fused MXFP4 experts: the GPT-OSS loader
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read .*config.json as the model's config.json"):
+        per_expert_family(tmp_path)
