@@ -35,13 +35,9 @@ import torch
 
 from moekit.errors import ArgumentError, SpecError, check_bool, check_type
 from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, unguard_casts
-from moekit.integrations.transformers.convert import (
-    HfMoeLayer,
-    from_hf_moe_block,
-    held_config_fields,
-    hidden_act_of,
-)
+from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
 from moekit.integrations.transformers.families import Family, block_class_names, family_of
+from moekit.integrations.transformers.held import held_config_fields, hidden_act_of
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.parallel import Parallel
 from moekit.spec import MoESpec
@@ -85,6 +81,10 @@ def _config_of_module(module: torch.nn.Module, family: Family, *, config: object
                 "renormalizes its top-k weights is unknown"
             )
         fields[hf.renormalize_field] = held[hf.renormalize_field]
+    missing = [f"{attribute} ({field})" for attribute, field in hf.router_fields if field not in held]
+    if missing:
+        raise SpecError(f"{type(router).__name__} has no {missing}: the block's grouped routing is unknown")
+    fields |= {field: held[field] for _, field in hf.router_fields}
     return SimpleNamespace(**fields)
 
 
@@ -133,6 +133,7 @@ def fused_moe_from_hf(
         weights=hf.weights,
         router_weight=hf.router_weight,
         router_bias=hf.router_bias,
+        correction_bias=hf.correction_bias,
         device=device,
         options=options,
         parallel=parallel,
@@ -209,12 +210,14 @@ def patch_model(
         for name, block, family in targets:
             hf = hf_layer_of(block, config=config)
             router = getattr(block, family.router_name)
-            # The FusedMoE aliases the HF router's tensors (no copy); the wrapper calls the HF router anyway.
+            # The FusedMoE aliases the HF router's weight and bias (no copy; the wrapper calls the HF router
+            # anyway); the correction bias is a copy read now (and again by a load_state_dict of the block).
             moe = FusedMoE(
                 spec=hf.spec,
                 weights=hf.weights,
                 router_weight=router.weight,
                 router_bias=getattr(router, "bias", None),
+                correction_bias=hf.correction_bias,
                 device=hf.weights.device,
                 options=options,
                 parallel=parallel,
