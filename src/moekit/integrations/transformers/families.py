@@ -99,7 +99,8 @@ class HfFamily:
 class Family(enum.Enum):
     """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s).
 
-    What moekit knows of each lives in its `HfFamily` row (`family.hf`)."""
+    What moekit knows of each lives in its `HfFamily` row (`family.hf`). DeepSeek-V3 and Qwen2-MoE
+    blocks add shared experts to the routed ones: moekit runs the routed experts only."""
 
     GPT_OSS = "gpt_oss"
     MIXTRAL = "mixtral"
