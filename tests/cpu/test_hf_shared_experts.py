@@ -215,23 +215,28 @@ def test_the_patched_block_runs_the_original_shared_experts(family: Family) -> N
 
 
 @pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
-def test_load_state_dict_loads_the_correction_bias_into_moekit(release: bool) -> None:
-    config = _config(Family.DEEPSEEK_V3)
+@pytest.mark.parametrize("family", SHARED, ids=[f.value for f in SHARED])
+def test_load_state_dict_loads_experts_shared_experts_and_correction_bias(
+    family: Family, release: bool
+) -> None:
+    config = _config(family)
     source = _model(config)
     with torch.no_grad():
         expected = source(IDS).logits
     state = source.state_dict()
     model = _model(config, seed=5)
     patch_model(model, release_originals=release)
-    key = "model.layers.0.mlp.gate.e_score_correction_bias"
-    assert not torch.equal(model.state_dict()[key], state[key])
+    shared = f"model.layers.0.mlp.{family.hf.shared.mlp}.down_proj.weight"
+    assert not torch.equal(model.state_dict()[shared], state[shared])
     model.load_state_dict(state)
-    assert torch.equal(model.model.layers[0].mlp.moe.correction_bias, state[key])
     with torch.no_grad():
         err = relative_l2_error(model(IDS).logits, expected)
     assert err < RTOL_FP32
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
-
+    if family is not Family.DEEPSEEK_V3:
+        return
+    key = "model.layers.0.mlp.gate.e_score_correction_bias"
+    assert torch.equal(model.model.layers[0].mlp.moe.correction_bias, state[key])
     # The bias alone (strict=False): moekit routes with it, as the unpatched block then does.
     bias = torch.randn(E, generator=torch.Generator().manual_seed(9)) * 0.2
     model.load_state_dict({key: bias}, strict=False)
