@@ -54,7 +54,7 @@ def shared_expert_config(
             norm_topk_prob=norm_topk_prob,
             n_shared_experts=1,
             first_k_dense_replace=0,
-            num_key_value_heads=heads,
+            num_key_value_heads=heads,  # MLA: per-head keys and values from one latent; kv_heads unused
             q_lora_rank=None,
             kv_lora_rank=2 * head_dim,
             qk_rope_head_dim=head_dim // 2,
