@@ -1,10 +1,12 @@
 """What the model-level tests share: a random HF MoE causal LM, teacher-forced three ways, and the figures.
 
-Data flow: (family, dims, layers) -> a GPT-OSS / Mixtral / Qwen3-MoE causal LM from its config in fp32, its
-MoE weights redrawn so that the blocks matter (expert weights of unit gain, gate/up at 3x so GPT-OSS's
-clamp fires, decisive routers) -> one random sequence, teacher-forced: the fp32 model (the exact
-answer), the same model cast to `dtype` (Hugging Face's own kernels) and then patched (`patch_model`:
-moekit's) -> next-token distributions compared: top-1 agreement and KL(P || Q), mean and max over positions.
+Data flow: (family, dims, layers) -> a GPT-OSS / Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 causal LM
+from its config in fp32 (the last two: `hf_tiny.shared_expert_config`), its MoE weights redrawn so that
+the blocks matter (expert weights of unit gain, gate/up at 3x so GPT-OSS's clamp fires, decisive
+routers, DeepSeek-V3's correction biases nonzero) -> one random sequence, teacher-forced: the fp32
+model (the exact answer), the same model cast to `dtype` (Hugging Face's own kernels) and then patched
+(`patch_model`: moekit's) -> next-token distributions compared: top-1 agreement and KL(P || Q), mean and
+max over positions.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_tiny import randomize_correction_biases, shared_expert_config
 from moekit.integrations.transformers.patch import Family, patch_model, unpatch
 
 
@@ -31,11 +34,14 @@ class Dims:
 
 
 # gpt-oss-20b's layer dimensions; Mixtral and Qwen3-MoE at qwen3-30b-a3b's expert shapes, fewer experts for
-# Mixtral's 8.
+# Mixtral's 8; Qwen2-MoE at Qwen1.5-MoE-A2.7B's (60 experts, top 4); DeepSeek-V3 at its own I and K with
+# H and E cut (7168 and 256 would not fit fp32 on one GPU), grouped 4 ways.
 GPU_DIMS = {
     Family.GPT_OSS: Dims(2880, 2880, 32, 4, 3, 64, 8, 64, 8192),
     Family.MIXTRAL: Dims(1024, 3584, 8, 2, 2, 16, 4, 64, 8192),
     Family.QWEN3_MOE: Dims(2048, 768, 128, 8, 2, 32, 4, 64, 8192),
+    Family.QWEN2_MOE: Dims(2048, 1408, 60, 4, 2, 16, 16, 128, 8192),
+    Family.DEEPSEEK_V3: Dims(2048, 2048, 64, 8, 2, 16, 16, 128, 8192),
 }
 CPU_DIMS = {f: Dims(64, 48, 8, 2 if f is Family.MIXTRAL else 4, 2, 4, 2, 16, 128) for f in Family}
 
@@ -73,6 +79,19 @@ def compare(p_logits: torch.Tensor, q_logits: torch.Tensor) -> Agreement:
 def _config(family: Family, d: Dims):
     import transformers
 
+    if family.hf.shared is not None:
+        return shared_expert_config(
+            family,
+            hidden=d.hidden,
+            intermediate=d.intermediate,
+            experts=d.experts,
+            top_k=d.top_k,
+            layers=d.layers,
+            heads=d.heads,
+            kv_heads=d.kv_heads,
+            head_dim=d.head_dim,
+            vocab=d.vocab,
+        )
     common = dict(
         hidden_size=d.hidden,
         num_hidden_layers=d.layers,
@@ -122,8 +141,9 @@ def build_model(family: Family, d: Dims, *, seed: int, device: torch.device):
                 p.normal_(0.0, 3.0 / math.sqrt(d.hidden))
             elif "down" in name:
                 p.normal_(0.0, 1.0 / math.sqrt(d.intermediate))
-            else:  # the router: logits of std 2 on normalized inputs
+            else:  # the router (logits of std 2 on normalized inputs), the shared experts' gate and up
                 p.normal_(0.0, 2.0 / math.sqrt(d.hidden))
+    randomize_correction_biases(model)
     return model
 
 

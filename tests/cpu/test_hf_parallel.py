@@ -1,11 +1,14 @@
 """Hugging Face blocks on a parallel group: `fused_moe_from_hf` and `patch_model` with `parallel=`.
 
 Data flow: pytest -> 2 gloo ranks (`spawn_ranks.run_on_ranks`) -> on each rank, the same tiny random
-GPT-OSS and Qwen3-MoE causal LMs (fp32) -> for tensor parallelism (the same tokens on every rank) and
-expert parallelism (each rank its own tokens, of its own count): the HF block's output on this rank's
-tokens against `fused_moe_from_hf(block, parallel=...)`'s, then `patch_model(model, parallel=...)`: the
-patched block and the whole model's logits against the unpatched ones, a state_dict round trip, and
-`unpatch` giving the model back. Held to `moekit.reference.tolerance(spec)`.
+GPT-OSS, Qwen3-MoE, DeepSeek-V3 and Qwen2-MoE causal LMs (fp32; the last two with shared experts, which
+every rank runs whole and adds once, after a tensor-parallel layer's all-reduce: added twice, or left
+out, they would move the block's output far beyond the tolerance) -> for tensor parallelism (the same
+tokens on every rank) and expert parallelism (each rank its own tokens, of its own count): the HF
+block's output on this rank's tokens against `fused_moe_from_hf(block, parallel=...)`'s (plus the
+block's shared experts), then `patch_model(model, parallel=...)`: the patched block and the whole
+model's logits against the unpatched ones, a state_dict round trip, and `unpatch` giving the model
+back. Held to `moekit.reference.tolerance(spec)`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
+from hf_tiny import randomize_correction_biases, shared_expert_config  # noqa: E402
 from moekit import Parallel, ParallelMode  # noqa: E402
 from moekit.integrations.transformers import (  # noqa: E402
     Family,
@@ -39,7 +43,10 @@ _COMMON = dict(
 
 
 def _model(family: Family):
-    if family is Family.GPT_OSS:
+    if family.hf.shared is not None:
+        dims = dict(hidden=H, intermediate=I, experts=E, top_k=2, layers=2, heads=2, kv_heads=1, head_dim=16)
+        config = shared_expert_config(family, vocab=VOCAB, **dims)
+    elif family is Family.GPT_OSS:
         config = transformers.GptOssConfig(
             intermediate_size=I, num_local_experts=E, num_experts_per_tok=2, **_COMMON
         )
@@ -53,7 +60,17 @@ def _model(family: Family):
         for name, p in model.named_parameters():
             if ".mlp." in name:
                 p.normal_(0.0, 0.2 if name.endswith("bias") else 0.4)
+    randomize_correction_biases(model)
     return model
+
+
+def _shared(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What a block adds beside its routed experts (zero for a family without shared experts)."""
+    if hasattr(block, "shared_experts"):
+        return block.shared_experts(x)
+    if hasattr(block, "shared_expert"):
+        return torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return torch.zeros_like(x)
 
 
 def _hidden(result) -> torch.Tensor:  # noqa: ANN001 - a block's output: a tensor or (tensor, scores)
@@ -85,7 +102,8 @@ def _check(family: Family, parallel: Parallel) -> None:
             assert moe.spec.I == I // 2 and moe.spec.E == E
         else:
             assert moe.spec.E_local == E // 2 and moe.spec.E == E
-        _close(moe(x.reshape(-1, H)).reshape(x.shape), want_block, tol, "fused_moe_from_hf")
+        routed = moe(x.reshape(-1, H)).reshape(x.shape)  # the routed experts: the block adds its shared ones
+        _close(routed + _shared(block, x), want_block, tol, "fused_moe_from_hf")
 
         report = patch_model(model, parallel=parallel)
         assert not any(b.released_original for b in report.blocks)  # a share cannot rebuild the experts
@@ -102,7 +120,7 @@ def _check(family: Family, parallel: Parallel) -> None:
 
 def _rank_main(rank: int, world: int) -> None:
     group = dist.group.WORLD
-    for family in (Family.GPT_OSS, Family.QWEN3_MOE):
+    for family in (Family.GPT_OSS, Family.QWEN3_MOE, Family.DEEPSEEK_V3, Family.QWEN2_MOE):
         for parallel in (Parallel.tensor(group), Parallel.expert(group)):
             try:
                 _check(family, parallel)

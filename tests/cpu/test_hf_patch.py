@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
+from hf_tiny import randomize_correction_biases, shared_expert_config  # noqa: E402
 from moekit import MoekitError, SpecError, UnsupportedSpecError  # noqa: E402
 from moekit.errors import ArgumentError  # noqa: E402
 from moekit.integrations.transformers.patch import (  # noqa: E402
@@ -40,6 +41,20 @@ RTOL = 1e-5  # fp32 end to end; measured 0
 
 
 def _config(family: Family):
+    if family.hf.shared is not None:  # Qwen2-MoE with its default norm_topk_prob=False (Qwen1.5-MoE's)
+        return shared_expert_config(
+            family,
+            hidden=H,
+            intermediate=I,
+            experts=E,
+            top_k=4,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            vocab=VOCAB,
+            norm_topk_prob=family is Family.DEEPSEEK_V3,
+        )
     if family is Family.GPT_OSS:
         return transformers.GptOssConfig(
             intermediate_size=I, num_local_experts=E, num_experts_per_tok=4, **_COMMON
@@ -65,6 +80,7 @@ def _model(family: Family, *, seed: int = 0):
         for name, p in model.named_parameters():
             if ".mlp." in name:
                 p.normal_(0.0, 0.2 if name.endswith("bias") else 0.5 if "gate_up" in name else 0.3)
+    randomize_correction_biases(model)
     return model
 
 

@@ -1,9 +1,12 @@
-"""Hugging Face transformers: convert GPT-OSS, Mixtral and Qwen3-MoE blocks, and patch models with them.
+"""Hugging Face transformers: convert GPT-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 MoE blocks, and
+patch models with them.
 
 Data flow: `families` describes each supported family once (block class, router name, config fields,
-experts layout) -> `convert` turns a block (or a config and its expert tensors) into a spec and
-`ExpertWeights` (and back) -> `block.MoekitMoEBlock` runs a `FusedMoE` in a block's place (saved, loaded
-and cast as the block would be) -> `patch` swaps a model's blocks for them and puts them back.
+experts layout, grouped-routing constants, correction bias, shared experts) -> `convert` turns a block
+(or a config and its expert tensors) into a spec and `ExpertWeights` (and back), `held` checks a given
+config against the fields the block holds -> `block.MoekitMoEBlock` runs a `FusedMoE` in a block's
+place, plus the block's own shared-expert modules (saved, loaded and cast as the block would be) ->
+`patch` swaps a model's blocks for them and puts them back.
 Importing this package imports neither transformers nor torch models: each function reads the modules
 it is given.
 """

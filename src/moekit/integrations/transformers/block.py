@@ -2,8 +2,11 @@
 
 Data flow:
   forward(hidden [B, S, H]): HF router (so transformers' router-logit recording still sees it) -> its
-    logits -> `FusedMoE(x, router_logits=...)` -> the HF block's return signature (`(hidden, router_scores)`
-    or `hidden`).
+    logits -> `FusedMoE(x, router_logits=...)` (routed experts; DeepSeek-V3's correction bias is the
+    layer's copy of the router's buffer) -> plus the block's shared experts, run by the original HF
+    modules (kept in this block's module tree, so they are saved, loaded, moved and cast with it), added
+    after the layer's output is complete (after a tensor-parallel all-reduce: once, not once per rank)
+    -> the HF block's return signature (`(hidden, router_scores)` or `hidden`).
   release: the original experts' parameters are emptied (`param.data` -> 0 elements) once a bit-exact
     inverse conversion (`convert.hf_expert_tensors`) has been checked, so a patched model holds its
     experts once; `restore_original` rebuilds them into the same Parameter objects (same shape, stride,
@@ -13,8 +16,11 @@ Data flow:
     differs from moekit's, as GPT-OSS's transposed one does) -> `save_pretrained` of a patched model
     writes the checkpoint the unpatched model writes.
   load_state_dict: the experts' entries are copied into the original experts' parameters (as the
-    unpatched block would load them), converted again and a new `FusedMoE` built from them (planned,
-    checked); only then does it replace the old one, so a refused load leaves the block as it was.
+    unpatched block would load them), converted again and a new `FusedMoE` built from them and from the
+    router's correction bias in the state dict, if it holds one (planned, checked: a non-finite bias is
+    refused); only then does it replace the old one, so a refused load leaves the block as it was. The
+    router and shared experts load as HF modules. A correction bias changed in place on the router
+    module after patching is not seen by moekit's copy: load it through `load_state_dict`, or patch again.
   casts: a module above patched blocks (the model, its decoder, its layer list) gets a `_CastGuard`: before
     `.half()` / `.to(dtype)` / `.to(device)` changes any tensor, every moekit layer under it is asked
     (`FusedMoE.check_conversion`) and moved; a refused cast (an act-dtype change, a device moekit cannot
@@ -120,6 +126,10 @@ class MoekitMoEBlock(torch.nn.Module):
         self.moe = moe
         self.spec = moe.spec if spec is None else spec  # the whole layer's (a parallel `moe` holds a share)
         self.add_module(family.router_name, getattr(original, family.router_name))
+        shared = family.hf.shared
+        for name in () if shared is None else (shared.mlp, shared.gate):
+            if name is not None:  # the original's own modules, under its names: one set of tensors
+                self.add_module(name, getattr(original, name))
         self.__dict__["_original"] = original  # kept out of the module tree: no double state_dict entries
         self._released: tuple[_ReleasedParam, ...] = ()
         self.register_state_dict_post_hook(_state_dict_as_original)
@@ -136,8 +146,24 @@ class MoekitMoEBlock(torch.nn.Module):
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
         router_logits, router_scores, _ = getattr(self, self.family.router_name)(flat)
-        out = self.moe(flat, router_logits=router_logits).reshape(shape)
+        # The layer's output is whole here (a tensor-parallel layer all-reduced it inside), so the shared
+        # experts, which every rank runs whole on its own tokens, are added once. Shapes and order of the
+        # additions are the HF blocks' own.
+        routed = self.moe(flat, router_logits=router_logits)
+        shared = self.family.hf.shared
+        if shared is None:
+            out = routed.reshape(shape)
+        elif shared.gate is None:  # DeepSeek-V3: routed + shared_experts(x)
+            out = routed.reshape(shape) + getattr(self, shared.mlp)(hidden_states)
+        else:  # Qwen2-MoE: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            mlp, gate = getattr(self, shared.mlp)(flat), getattr(self, shared.gate)(flat)
+            out = (routed + torch.sigmoid(gate) * mlp).reshape(shape)
         return (out, router_scores) if self.family.hf.returns_router_scores else out
+
+    def correction_bias_key(self, prefix: str = "") -> str | None:
+        """The state_dict key of the router's correction bias (None for a family without one)."""
+        name = self.family.hf.correction_bias
+        return None if name is None else f"{prefix}{self.family.router_name}.{name}"
 
     def release_original(self) -> bool:
         """Empty the original experts' parameters if moekit's weights rebuild them bit-exactly."""
@@ -202,8 +228,14 @@ class MoekitMoEBlock(torch.nn.Module):
             for n in mismatched
         )
         loadable = {n: t for n, t in given.items() if n in shapes}
-        if loadable and not mismatched:
-            self._load_experts(loadable)
+        # The router's correction bias is read, not taken: the router module loads it as HF's would
+        # (and reports a missing or mis-sized one); moekit's layer is rebuilt with a copy of it.
+        bias_key = self.correction_bias_key(prefix)
+        bias = None if bias_key is None else state_dict.get(bias_key)
+        if bias is not None and tuple(bias.shape) != (self.spec.E,):
+            bias = None  # the router's own load reports the size mismatch
+        if (loadable and not mismatched) or bias is not None:
+            self._load_experts(loadable if not mismatched else {}, correction_bias=bias)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -213,8 +245,11 @@ class MoekitMoEBlock(torch.nn.Module):
             return {rp.name: rp.shape for rp in self._released}
         return {n: tuple(t.shape) for n, t in self.original.experts.state_dict(keep_vars=True).items()}
 
-    def _load_experts(self, values: dict[str, torch.Tensor]) -> None:
-        """Load expert tensors (HF names) into the original experts, then rebuild `moe` from them."""
+    def _load_experts(
+        self, values: dict[str, torch.Tensor], *, correction_bias: torch.Tensor | None = None
+    ) -> None:
+        """Load expert tensors (HF names) into the original experts, then rebuild `moe` from them (with
+        `correction_bias`, a state dict's, if given; else the layer's own)."""
         params = dict(self.original.experts.named_parameters())
         released = self._released
         with torch.no_grad():
@@ -231,11 +266,15 @@ class MoekitMoEBlock(torch.nn.Module):
                 self.original.experts, self.family, gate_layout=self.moe.weights.gate_layout
             )
             router = getattr(self, self.family.router_name)
+            if correction_bias is not None:  # the router buffer's dtype, as the router will load it
+                buffer = getattr(router, self.family.hf.correction_bias)
+                correction_bias = correction_bias.detach().to(dtype=buffer.dtype, copy=True)
             moe = FusedMoE(
                 spec=self.spec,
                 weights=weights,
                 router_weight=router.weight,
                 router_bias=getattr(router, "bias", None),
+                correction_bias=self.moe.correction_bias if correction_bias is None else correction_bias,
                 device=self.moe.device,
                 options=self.moe.options,
                 parallel=self.moe.parallel,

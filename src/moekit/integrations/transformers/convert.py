@@ -1,15 +1,18 @@
 """Hugging Face transformers MoE blocks (float weights) -> moekit spec, `ExpertWeights` and router.
 
 Data flow (every family-specific fact comes from the family's `HfFamily` row, `families.FAMILIES`):
-  HF config -> `spec_from_hf_config` -> `MoESpec` (E, K, H, I, activation, layout, biases, routing)
+  HF config -> `spec_from_hf_config` -> `MoESpec` (E, K, H, I, activation, layout, biases, routing:
+    DeepSeek-V3's SIGMOID_GROUPED from n_group, topk_group, routed_scaling_factor; norm_topk_prob=False
+    refused, as SIGMOID_GROUPED always renormalizes)
   HF experts module (float parameters) -> `from_hf_experts` (or `from_hf_{gpt_oss,mixtral,qwen3_moe}
     _experts`): parameters rearranged to moekit's `[out, in]` w13 `[E, 2I, H]` / w2 `[E, H, I]`, gate/up
     rows reordered if a target layout other than the source's is asked for (on the floats, so any
     format works), then `ExpertWeights.from_float` casts or quantizes -> `ExpertWeights`;
     `hf_expert_tensors` is the exact inverse (moekit weights -> the HF experts' parameters).
   HF MoE block (router + experts) + config -> `from_hf_moe_block` (the config checked against every
-    field the block holds itself, `held_config_fields`) -> `HfMoeLayer`, whose `router_logits` ->
-    `moekit.route` -> `fused_moe_reference` reproduces the block's output.
+    field the block holds itself, `held.held_config_fields`) -> `HfMoeLayer`, whose `router_logits` ->
+    `moekit.route` (with DeepSeek-V3's correction bias) -> `fused_moe_reference` reproduces the block's
+    routed experts (its whole output for a block without shared experts).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from moekit.checkpoint.hf_config import HF_ACTIVATIONS
 from moekit.errors import DTypeError, FormatError, ShapeError, SpecError
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
 from moekit.integrations.transformers.families import Family, HfFamily
+from moekit.integrations.transformers.held import check_config_matches_block
 from moekit.ops import route
 from moekit.reference import fused_moe_reference
 from moekit.routing import RoutingResult
@@ -31,6 +35,7 @@ from moekit.spec import (
     Fp8Scale,
     GateLayout,
     MoESpec,
+    RoutingMethod,
     RoutingSpec,
     WeightFormat,
 )
@@ -41,58 +46,6 @@ _FLOAT_FORMATS = {
     torch.bfloat16: WeightFormat.BF16,
     torch.float16: WeightFormat.FP16,
 }
-
-
-# HF activations by the moekit activation they compute, to recognize an experts module's `act_fn`.
-_TORCH_ACTIVATIONS = {
-    Activation.SILU: torch.nn.functional.silu,
-    Activation.GELU: lambda z: torch.nn.functional.gelu(z, approximate="none"),
-    Activation.GELU_TANH: lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-}
-
-
-def hidden_act_of(act_fn: object) -> str:
-    """The `hidden_act` name of an experts module's activation, found by evaluating it: class names of
-    HF activations change between versions, the function they compute does not."""
-    z = torch.linspace(-8.0, 8.0, 257, dtype=torch.float64)
-    with torch.no_grad():
-        got = act_fn(z)
-    for name, activation in HF_ACTIVATIONS.items():
-        if torch.allclose(got, _TORCH_ACTIVATIONS[activation](z), rtol=1e-9, atol=1e-12):
-            return name
-    raise SpecError(
-        f"the experts' activation {type(act_fn).__name__} is none of {list(HF_ACTIVATIONS)}; "
-        "pass the model's config"
-    )
-
-
-def held_config_fields(block: torch.nn.Module, family: Family) -> dict[str, object]:
-    """The config fields (under the config's names) whose values `block` holds itself: the router's top-k
-    (and Qwen3-MoE's renormalize flag), the experts' SwiGLU alpha and clamp, the activation the experts
-    compute (by evaluation). A field the block does not hold is left out: the config is its only source.
-    Sizes are not here: they are the experts' parameter shapes."""
-    hf = family.hf
-    router, experts = getattr(block, hf.router_name), block.experts
-    fields: dict[str, object] = {}
-    top_k = getattr(router, "top_k", getattr(block, "top_k", None))  # 4.x blocks held it, not the gate
-    if top_k is not None:
-        fields["num_experts_per_tok"] = int(top_k)
-    if hf.swiglu is not None:
-        if getattr(experts, hf.swiglu.experts_alpha, None) is not None:
-            fields[hf.swiglu.config_alpha] = float(getattr(experts, hf.swiglu.experts_alpha))
-        if hasattr(experts, hf.swiglu.experts_limit):  # None: no clamp
-            limit = getattr(experts, hf.swiglu.experts_limit)
-            fields[hf.swiglu.config_limit] = None if limit is None else float(limit)
-    elif getattr(experts, "act_fn", None) is not None:
-        try:
-            fields["hidden_act"] = hidden_act_of(experts.act_fn)
-        except SpecError:
-            pass  # an activation the probe does not know: the config names it
-    if hf.renormalize_field is not None:
-        flag = getattr(router, hf.renormalize_field, getattr(block, hf.renormalize_field, None))
-        if flag is not None:
-            fields[hf.renormalize_field] = bool(flag)
-    return fields
 
 
 def _activation(config: object, hf: HfFamily) -> ActivationSpec:
@@ -112,6 +65,28 @@ def _activation(config: object, hf: HfFamily) -> ActivationSpec:
     return ActivationSpec(act)
 
 
+def _routing(config: object, hf: HfFamily) -> RoutingSpec:
+    if hf.routing_method is not RoutingMethod.SIGMOID_GROUPED:
+        renormalize = True if hf.renormalize_field is None else bool(getattr(config, hf.renormalize_field))
+        return RoutingSpec(hf.routing_method, renormalize=renormalize)
+    missing = [field for _, field in hf.router_fields if getattr(config, field, None) is None]
+    if missing:
+        raise SpecError(f"the {config.model_type} config has no {missing}: its grouped routing is unknown")
+    if not config.norm_topk_prob:
+        raise SpecError(
+            f"norm_topk_prob={config.norm_topk_prob!r}: moekit's SIGMOID_GROUPED routing always renormalizes "
+            "the top-k weights (DeepSeek-V3's norm_topk_prob=True); a block that does not is not supported"
+        )
+    n_group = int(config.n_group)  # one group is no grouping: the spec holds it as None
+    return RoutingSpec(
+        RoutingMethod.SIGMOID_GROUPED,
+        n_group=None if n_group == 1 else n_group,
+        topk_group=None if n_group == 1 else int(config.topk_group),
+        has_correction_bias=hf.correction_bias is not None,
+        routed_scaling_factor=float(config.routed_scaling_factor),
+    )
+
+
 def spec_from_hf_config(
     config: object,
     *,
@@ -120,13 +95,13 @@ def spec_from_hf_config(
     fp8_scale: Fp8Scale | None = None,
     gate_layout: GateLayout | None = None,
 ) -> MoESpec:
-    """The `MoESpec` of one MoE block of an HF GptOss / Mixtral / Qwen3-MoE config.
+    """The `MoESpec` of one MoE block's routed experts of an HF GptOss / Mixtral / Qwen2-MoE / Qwen3-MoE /
+    DeepSeek-V3 config.
 
     `gate_layout` None keeps the checkpoint's (INTERLEAVED for GPT-OSS, CONCAT otherwise).
     """
     hf = Family.of_model_type(getattr(config, "model_type", None)).hf
     activation = _activation(config, hf)
-    renormalize = True if hf.renormalize_field is None else bool(getattr(config, hf.renormalize_field))
     return MoESpec(
         num_experts=getattr(config, hf.num_experts_field),
         top_k=config.num_experts_per_tok,
@@ -138,7 +113,7 @@ def spec_from_hf_config(
         activation=activation,
         gate_layout=hf.gate_layout if gate_layout is None else gate_layout,
         has_bias=hf.has_bias,
-        routing=RoutingSpec(hf.routing_method, renormalize=renormalize),
+        routing=_routing(config, hf),
     )
 
 
@@ -309,15 +284,27 @@ def from_hf_qwen3_moe_experts(
 
 @dataclass(frozen=True)
 class HfMoeLayer:
-    """An HF MoE block as moekit sees it: the spec, the expert weights and the router's linear map."""
+    """An HF MoE block's routed experts as moekit sees them: the spec, the expert weights and the router's
+    linear map (and DeepSeek-V3's correction bias). A block's shared experts are not part of it: they
+    stay HF modules (`block.MoekitMoEBlock` runs them beside moekit's layer)."""
 
     spec: MoESpec
     weights: ExpertWeights
     router_weight: torch.Tensor  # [E, H]
     router_bias: torch.Tensor | None  # [E] (GPT-OSS) or None
+    correction_bias: torch.Tensor | None = None  # [E] (DeepSeek-V3's `e_score_correction_bias`) or None
 
     def __post_init__(self) -> None:
         self.weights.validate(self.spec)
+        if self.spec.routing.has_correction_bias != (self.correction_bias is not None):
+            raise SpecError(
+                f"spec.routing.has_correction_bias={self.spec.routing.has_correction_bias} but the "
+                f"correction bias {'was' if self.correction_bias is not None else 'was not'} given"
+            )
+        if self.correction_bias is not None and tuple(self.correction_bias.shape) != (self.spec.E,):
+            raise ShapeError(
+                f"correction bias has shape {tuple(self.correction_bias.shape)}, expected ({self.spec.E},)"
+            )
         if tuple(self.router_weight.shape) != (self.spec.E, self.spec.H):
             raise ShapeError(
                 f"router weight has shape {tuple(self.router_weight.shape)}, expected "
@@ -334,51 +321,17 @@ class HfMoeLayer:
         return torch.nn.functional.linear(x.float(), self.router_weight.float(), bias)
 
     def route(self, x: torch.Tensor) -> RoutingResult:
-        return route(self.router_logits(x), top_k=self.spec.K, spec=self.spec.routing)
+        return route(
+            self.router_logits(x),
+            top_k=self.spec.K,
+            spec=self.spec.routing,
+            correction_bias=self.correction_bias,
+        )
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output `[T, H]` computed by `fused_moe_reference`."""
+        """The routed experts' output `[T, H]` computed by `fused_moe_reference` (a block without shared
+        experts returns exactly this)."""
         return fused_moe_reference(x, self.weights, self.route(x), spec=self.spec)
-
-
-def _check_config_matches_block(
-    config: object, spec: MoESpec, block: torch.nn.Module, family: Family, weights: ExpertWeights
-) -> None:
-    """Each field the block holds (`held_config_fields`, and E, H, I from its experts' shapes) is the
-    value `spec` (built from `config`) uses: a config of another model would compute another function."""
-    hf = family.hf
-    held = held_config_fields(block, family)
-    # config field -> (the spec's value, the block's value, what the block holds, in words)
-    pairs: dict[str, tuple[object, object, str]] = {
-        hf.num_experts_field: (spec.E, weights.num_experts, f"experts hold E={weights.num_experts}"),
-        "hidden_size": (spec.H, weights.H, f"experts have H={weights.H}"),
-        hf.intermediate_field: (spec.I, weights.I, f"experts have I={weights.I}"),
-    }
-    if "num_experts_per_tok" in held:
-        k = held["num_experts_per_tok"]
-        pairs["num_experts_per_tok"] = (spec.K, k, f"router selects top_k={k}")
-    if hf.swiglu is not None:
-        alpha, limit = hf.swiglu.config_alpha, hf.swiglu.config_limit
-        if alpha in held:
-            pairs[alpha] = (spec.activation.alpha, held[alpha], f"experts use alpha={held[alpha]}")
-        if limit in held:
-            pairs[limit] = (spec.activation.limit, held[limit], f"experts clamp at limit={held[limit]}")
-    elif "hidden_act" in held:
-        act = held["hidden_act"]
-        pairs["hidden_act"] = (spec.activation.kind, HF_ACTIVATIONS[act], f"experts compute {act!r}")
-    flag = hf.renormalize_field
-    if flag is not None and flag in held:
-        pairs[flag] = (spec.routing.renormalize, held[flag], f"router has {flag}={held[flag]}")
-    for field, (ours, theirs, holds) in pairs.items():
-        if ours != theirs:
-            given = (
-                f"={getattr(config, field)!r}" if hasattr(config, field) else f" is absent (read as {ours})"
-            )
-            raise SpecError(
-                f"config.{field}{given} but the block's {holds}; pass the config of the model this "
-                "block belongs to, or none (hf_layer_of(block) and fused_moe_from_hf(block) read every "
-                "field off the block)"
-            )
 
 
 def from_hf_moe_block(
@@ -391,9 +344,11 @@ def from_hf_moe_block(
     act_dtype: torch.dtype | None = None,
     gate_layout: GateLayout | None = None,
 ) -> HfMoeLayer:
-    """An HF GptOss `mlp` / Mixtral or Qwen3-MoE sparse MoE block -> `HfMoeLayer`.
+    """An HF GptOss `mlp` / Mixtral, Qwen2-MoE or Qwen3-MoE sparse MoE block / DeepseekV3MoE -> `HfMoeLayer`
+    (the routed experts; DeepSeek-V3's correction bias copied from the router's buffer).
 
-    `format` None keeps the experts' float dtype; `act_dtype` None uses the router weight's dtype.
+    `format` None keeps the experts' float dtype; `act_dtype` None uses the experts' float dtype (the
+    router's may differ: DeepSeek-V3 models keep theirs in fp32).
     """
     family = Family.of_model_type(getattr(config, "model_type", None))
     router = getattr(block, family.router_name)
@@ -407,17 +362,20 @@ def from_hf_moe_block(
     )
     router_weight = router.weight.detach().clone()
     bias = getattr(router, "bias", None)
+    experts_dtype = next(block.experts.parameters()).dtype  # float: `from_hf_experts` checked it
     spec = spec_from_hf_config(
         config,
         weight_format=weights.format,
         fp8_scale=weights.fp8_scale,
         gate_layout=weights.gate_layout,
-        act_dtype=router_weight.dtype if act_dtype is None else act_dtype,
+        act_dtype=experts_dtype if act_dtype is None else act_dtype,
     )
-    _check_config_matches_block(config, spec, block, family, weights)
+    check_config_matches_block(config, spec, block, family, weights)
+    correction = None if family.hf.correction_bias is None else getattr(router, family.hf.correction_bias)
     return HfMoeLayer(
         spec=spec,
         weights=weights,
         router_weight=router_weight,
         router_bias=None if bias is None else bias.detach().clone(),
+        correction_bias=None if correction is None else correction.detach().clone(),
     )

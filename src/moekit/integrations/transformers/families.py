@@ -19,7 +19,18 @@ The facts below were read from the installed transformers 5.24 source (`models/*
   no biases. The blocks return `hidden`. transformers 4.x kept these experts as an `nn.ModuleList` of
   per-expert MLPs of `nn.Linear` `[out, in]` (Mixtral `w1` gate, `w3` up, `w2` down; Qwen3-MoE
   `gate_proj`, `up_proj`, `down_proj`).
-Every family's router forward returns `(router_logits, router_scores, router_indices)`.
+- `DeepseekV3MoE`: router `gate` (`DeepseekV3TopkRouter`: fp32 `weight [E, H]`, fp32 buffer
+  `e_score_correction_bias [E]`, attributes `top_k`, `num_group` (config `n_group`), `topk_group`,
+  `routed_scaling_factor`, `norm_topk_prob`; sigmoid scores, groups by their best two biased scores,
+  top-k, weights the unbiased scores renormalized iff `norm_topk_prob`, times the factor: moekit's
+  SIGMOID_GROUPED), experts laid out as Mixtral's, `shared_experts` (a gate/up/down MLP on the block's
+  input) added to the routed output. A model keeps the router in fp32 when loaded in another dtype
+  (`_keep_in_fp32_modules_strict`). The first `first_k_dense_replace` layers are dense MLPs.
+- `Qwen2MoeSparseMoeBlock`: router `gate` as Qwen3-MoE's (`top_k`, `norm_topk_prob`), experts as Qwen3-MoE's,
+  plus `shared_expert` (an MLP) and `shared_expert_gate` (`Linear(H, 1)`, no bias): output = routed +
+  sigmoid(shared_expert_gate(x)) * shared_expert(x).
+Every family's router forward returns `(router_logits, router_scores, router_indices)`. moekit computes
+the routed experts; a block's shared experts stay HF modules, run by `block.MoekitMoEBlock`.
 """
 
 from __future__ import annotations
@@ -48,6 +59,21 @@ class SwigluFields:
 
 
 @dataclass(frozen=True)
+class SharedExperts:
+    """The modules a block adds beside its routed experts: `mlp(x)`, scaled by `sigmoid(gate(x))` if a
+    gate is named."""
+
+    mlp: str  # attribute of the block
+    gate: str | None  # attribute of the block: a `Linear(H, 1)`; None: the MLP's output is added as is
+
+    @classmethod
+    def of_layout(cls, family: HfCheckpointFamily) -> SharedExperts | None:
+        """The shared modules the checkpoint layout names (`{mlp}.` and maybe `{gate}.` key prefixes)."""
+        names = [p.removesuffix(".") for p in LAYOUTS[family].shared_prefixes]
+        return cls(mlp=names[0], gate=names[1] if len(names) > 1 else None) if names else None
+
+
+@dataclass(frozen=True)
 class HfFamily:
     """What moekit reads from (and writes back to) one family's MoE blocks, configs and experts."""
 
@@ -64,16 +90,23 @@ class HfFamily:
     gate_layout: GateLayout  # order of the gate and up rows in `gate_up_proj`
     has_bias: bool  # experts hold `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`
     legacy_expert_names: tuple[str, str, str] | None  # 4.x per-expert Linear names (gate, up, down)
+    # SIGMOID_GROUPED: (router attribute, config field) of the routing constants the router holds
+    router_fields: tuple[tuple[str, str], ...] = ()
+    correction_bias: str | None = None  # the router's `[E]` correction-bias buffer
+    shared: SharedExperts | None = None
 
 
 class Family(enum.Enum):
     """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s).
 
-    What moekit knows of each lives in its `HfFamily` row (`family.hf`)."""
+    What moekit knows of each lives in its `HfFamily` row (`family.hf`). DeepSeek-V3 and Qwen2-MoE
+    blocks add shared experts to the routed ones: moekit runs the routed experts only."""
 
     GPT_OSS = "gpt_oss"
     MIXTRAL = "mixtral"
     QWEN3_MOE = "qwen3_moe"
+    QWEN2_MOE = "qwen2_moe"
+    DEEPSEEK_V3 = "deepseek_v3"
 
     @property
     def hf(self) -> HfFamily:
@@ -92,8 +125,42 @@ class Family(enum.Enum):
         raise SpecError(f"unsupported HF model_type {model_type!r}; supported: {[f.value for f in cls]}")
 
 
-# The per-expert names, size fields and renormalize flag of Mixtral and Qwen3-MoE are the checkpoint
-# layouts' (`moekit.checkpoint.hf_config.LAYOUTS`): one statement of those facts for both readers.
+# The per-expert names, size fields, routing methods, renormalize flags and shared-expert modules of
+# Mixtral, Qwen2/3-MoE and DeepSeek-V3 are the checkpoint layouts' (`moekit.checkpoint.hf_config.LAYOUTS`):
+# one statement of those facts for both readers.
+def _from_layout(family: HfCheckpointFamily, block_module: str, block_class: str) -> HfFamily:
+    """A routed-expert family laid out as Mixtral's (`[out, in]`, CONCAT, no biases, `ACT2FN`, router
+    `gate`), its facts from the checkpoint layout."""
+    layout = LAYOUTS[family]
+    grouped = layout.routing_method is RoutingMethod.SIGMOID_GROUPED
+    return HfFamily(
+        block_module=block_module,
+        block_class=block_class,
+        router_name="gate",
+        returns_router_scores=False,
+        num_experts_field=layout.num_experts_fields[0],
+        intermediate_field=layout.intermediate_field,
+        swiglu=None,
+        routing_method=layout.routing_method,
+        renormalize_field=layout.renormalize_field,
+        gate_up_transposed=False,
+        gate_layout=GateLayout.CONCAT,
+        has_bias=False,
+        legacy_expert_names=layout.projections,
+        router_fields=_GROUPED_ROUTER_FIELDS if grouped else (),
+        correction_bias="e_score_correction_bias" if layout.correction_bias else None,
+        shared=SharedExperts.of_layout(family),
+    )
+
+
+# `DeepseekV3TopkRouter`'s attributes and the config fields they are read from.
+_GROUPED_ROUTER_FIELDS = (
+    ("num_group", "n_group"),
+    ("topk_group", "topk_group"),
+    ("routed_scaling_factor", "routed_scaling_factor"),
+    ("norm_topk_prob", "norm_topk_prob"),
+)
+
 FAMILIES: dict[Family, HfFamily] = {
     Family.GPT_OSS: HfFamily(
         block_module="transformers.models.gpt_oss.modeling_gpt_oss",
@@ -117,35 +184,23 @@ FAMILIES: dict[Family, HfFamily] = {
         has_bias=True,
         legacy_expert_names=None,
     ),
-    Family.MIXTRAL: HfFamily(
-        block_module="transformers.models.mixtral.modeling_mixtral",
-        block_class="MixtralSparseMoeBlock",
-        router_name="gate",
-        returns_router_scores=False,
-        num_experts_field=LAYOUTS[HfCheckpointFamily.MIXTRAL].num_experts_fields[0],
-        intermediate_field=LAYOUTS[HfCheckpointFamily.MIXTRAL].intermediate_field,
-        swiglu=None,
-        routing_method=RoutingMethod.SOFTMAX_TOPK,
-        renormalize_field=LAYOUTS[HfCheckpointFamily.MIXTRAL].renormalize_field,
-        gate_up_transposed=False,
-        gate_layout=GateLayout.CONCAT,
-        has_bias=False,
-        legacy_expert_names=LAYOUTS[HfCheckpointFamily.MIXTRAL].projections,
+    Family.MIXTRAL: _from_layout(
+        HfCheckpointFamily.MIXTRAL, "transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"
     ),
-    Family.QWEN3_MOE: HfFamily(
-        block_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
-        block_class="Qwen3MoeSparseMoeBlock",
-        router_name="gate",
-        returns_router_scores=False,
-        num_experts_field=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].num_experts_fields[0],
-        intermediate_field=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].intermediate_field,
-        swiglu=None,
-        routing_method=RoutingMethod.SOFTMAX_TOPK,
-        renormalize_field=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].renormalize_field,
-        gate_up_transposed=False,
-        gate_layout=GateLayout.CONCAT,
-        has_bias=False,
-        legacy_expert_names=LAYOUTS[HfCheckpointFamily.QWEN3_MOE].projections,
+    Family.QWEN3_MOE: _from_layout(
+        HfCheckpointFamily.QWEN3_MOE,
+        "transformers.models.qwen3_moe.modeling_qwen3_moe",
+        "Qwen3MoeSparseMoeBlock",
+    ),
+    Family.QWEN2_MOE: _from_layout(
+        HfCheckpointFamily.QWEN2_MOE,
+        "transformers.models.qwen2_moe.modeling_qwen2_moe",
+        "Qwen2MoeSparseMoeBlock",
+    ),
+    Family.DEEPSEEK_V3: _from_layout(
+        HfCheckpointFamily.DEEPSEEK_V3,
+        "transformers.models.deepseek_v3.modeling_deepseek_v3",
+        "DeepseekV3MoE",
     ),
 }
 

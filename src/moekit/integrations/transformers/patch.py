@@ -1,12 +1,15 @@
-"""Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral and Qwen3-MoE models for moekit layers.
+"""Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3
+models for moekit layers.
 
 Data flow (which classes are blocks, where their router sits and what they return: `families.FAMILIES`):
   patch_model(model): every module whose class is a supported block (`family_of`) -> `hf_layer_of`
     (`convert.from_hf_moe_block` with the config fields read off the module: sizes, top-k, clamp,
-    activation by evaluation) -> spec + `ExpertWeights` in the block's own gate layout and dtype (one
-    copy of the experts) -> `FusedMoE` on the experts' device (planned now: an unsupported spec raises,
-    and blocks already swapped are put back) -> a `MoekitMoEBlock` that keeps the HF router module under
-    its original name and takes the block's place in its parent.
+    activation by evaluation, DeepSeek-V3's n_group / topk_group / routed_scaling_factor /
+    norm_topk_prob) -> spec + `ExpertWeights` in the block's own gate layout and dtype (one copy of the
+    experts; DeepSeek-V3's correction bias copied from the router's buffer) -> `FusedMoE` on the experts'
+    device (planned now: an unsupported spec raises, and blocks already swapped are put back) -> a
+    `MoekitMoEBlock` that keeps the HF router module (and shared-expert modules) under their original
+    names and takes the block's place in its parent.
   `MoekitMoEBlock` (`block`): forward through the HF router and `FusedMoE`; the original experts' storage
     released once a bit-exact inverse is checked; saved, loaded and cast as the original block would be.
   patch_model(model, parallel=...) / fused_moe_from_hf(block, parallel=...): each layer this rank's share
@@ -35,13 +38,9 @@ import torch
 
 from moekit.errors import ArgumentError, SpecError, check_bool, check_type
 from moekit.integrations.transformers.block import MoekitMoEBlock, guard_casts, unguard_casts
-from moekit.integrations.transformers.convert import (
-    HfMoeLayer,
-    from_hf_moe_block,
-    held_config_fields,
-    hidden_act_of,
-)
+from moekit.integrations.transformers.convert import HfMoeLayer, from_hf_moe_block
 from moekit.integrations.transformers.families import Family, block_class_names, family_of
+from moekit.integrations.transformers.held import held_config_fields, hidden_act_of
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.parallel import Parallel
 from moekit.spec import MoESpec
@@ -85,6 +84,10 @@ def _config_of_module(module: torch.nn.Module, family: Family, *, config: object
                 "renormalizes its top-k weights is unknown"
             )
         fields[hf.renormalize_field] = held[hf.renormalize_field]
+    missing = [f"{attribute} ({field})" for attribute, field in hf.router_fields if field not in held]
+    if missing:
+        raise SpecError(f"{type(router).__name__} has no {missing}: the block's grouped routing is unknown")
+    fields |= {field: held[field] for _, field in hf.router_fields}
     return SimpleNamespace(**fields)
 
 
@@ -121,7 +124,9 @@ def fused_moe_from_hf(
     options: PlanOptions | None = None,
     parallel: Parallel | None = None,
 ) -> FusedMoE:
-    """A `FusedMoE` from a Hugging Face GptOssMLP / MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock.
+    """A `FusedMoE` of the routed experts of a Hugging Face GptOssMLP / MixtralSparseMoeBlock /
+    Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock / DeepseekV3MoE (with DeepSeek-V3's correction bias).
+    A block's shared experts are not in it: the caller adds them (`patch_model` does).
 
     `config` (the model's config) may be omitted: sizes, top-k and activation are read off the module.
     The experts are copied once into moekit's layout; the module itself is left untouched. `parallel`
@@ -133,6 +138,7 @@ def fused_moe_from_hf(
         weights=hf.weights,
         router_weight=hf.router_weight,
         router_bias=hf.router_bias,
+        correction_bias=hf.correction_bias,
         device=device,
         options=options,
         parallel=parallel,
@@ -178,7 +184,8 @@ def patch_model(
     release_originals: bool = True,
     parallel: Parallel | None = None,
 ) -> PatchReport:
-    """Replace every GPT-OSS / Mixtral / Qwen3-MoE MoE block of `model` with a moekit-backed block.
+    """Replace every GPT-OSS / Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 MoE block of `model` with a
+    moekit-backed block (shared experts run by the block's own HF modules, added to moekit's output).
 
     Each layer is built on its experts' device with their dtype. `release_originals=False` keeps the
     original experts' storage too (twice the expert memory). If any block fails to plan, the blocks
@@ -188,7 +195,9 @@ def patch_model(
     each moekit layer holds this rank's share and every rank's block gives its own tokens' full output
     (tensor: the same tokens on every rank, one all-reduce inside the layer; expert: each rank its own
     tokens, every rank calling every block each forward). The original experts are kept (a share cannot
-    rebuild them), so `state_dict` and `unpatch` give the whole model back.
+    rebuild them), so `state_dict` and `unpatch` give the whole model back. Shared experts run whole on
+    every rank, on its own tokens, and are added after the layer's output is complete (after a
+    tensor-parallel layer's all-reduce), so they count once.
     """
     check_type("patch_model(model=...)", model, torch.nn.Module, fix=_MODEL_FIX)
     check_bool("patch_model(release_originals=...)", release_originals, error=ArgumentError)
@@ -209,12 +218,14 @@ def patch_model(
         for name, block, family in targets:
             hf = hf_layer_of(block, config=config)
             router = getattr(block, family.router_name)
-            # The FusedMoE aliases the HF router's tensors (no copy); the wrapper calls the HF router anyway.
+            # The FusedMoE aliases the HF router's weight and bias (no copy; the wrapper calls the HF router
+            # anyway); the correction bias is a copy read now (and again by a load_state_dict of the block).
             moe = FusedMoE(
                 spec=hf.spec,
                 weights=hf.weights,
                 router_weight=router.weight,
                 router_bias=getattr(router, "bias", None),
+                correction_bias=hf.correction_bias,
                 device=hf.weights.device,
                 options=options,
                 parallel=parallel,

@@ -1,0 +1,85 @@
+"""Tiny Hugging Face configs of the shared-expert MoE families (DeepSeek-V3, Qwen2-MoE), for the tests.
+
+Data flow: sizes (H, I, E, K, layers, attention heads, vocab) -> `shared_expert_config(family, ...)` -> a
+`DeepseekV3Config` (MLA attention sized from `head_dim`, every layer MoE, grouped routing that still has
+a choice: `topk_group` of `n_group` groups keep more experts than K) or a `Qwen2MoeConfig` (a shared expert
+twice the routed experts' size) -> `transformers.AutoModelForCausalLM.from_config`; then
+`randomize_correction_biases(model)` draws each DeepSeek-V3 router's `e_score_correction_bias` (a buffer,
+zero at init) at a size that changes which experts are chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.integrations.transformers import Family
+
+
+def _groups(experts: int, top_k: int) -> tuple[int, int]:
+    """(n_group, topk_group): several groups, most of them kept, and more experts kept than K."""
+    n_group = next(n for n in (4, 3, 2, 1) if experts % n == 0)
+    topk_group = max(1, (3 * n_group) // 4)
+    if topk_group * (experts // n_group) < top_k:
+        raise ValueError(f"E={experts} in {n_group} groups, {topk_group} kept, cannot give K={top_k}")
+    return n_group, topk_group
+
+
+def shared_expert_config(
+    family: Family,
+    *,
+    hidden: int,
+    intermediate: int,
+    experts: int,
+    top_k: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    norm_topk_prob: bool = True,
+):
+    import transformers
+
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, vocab_size=vocab)
+    if family is Family.DEEPSEEK_V3:
+        n_group, topk_group = _groups(experts, top_k)
+        return transformers.DeepseekV3Config(
+            moe_intermediate_size=intermediate,
+            intermediate_size=2 * intermediate,
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=norm_topk_prob,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            num_key_value_heads=heads,  # MLA: per-head keys and values from one latent; kv_heads unused
+            q_lora_rank=None,
+            kv_lora_rank=2 * head_dim,
+            qk_rope_head_dim=head_dim // 2,
+            qk_nope_head_dim=head_dim // 2,
+            v_head_dim=head_dim,
+            **common,
+        )
+    if family is Family.QWEN2_MOE:
+        return transformers.Qwen2MoeConfig(
+            moe_intermediate_size=intermediate,
+            shared_expert_intermediate_size=2 * intermediate,
+            intermediate_size=2 * intermediate,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=norm_topk_prob,
+            num_key_value_heads=kv_heads,
+            **common,
+        )
+    raise ValueError(f"{family} has no shared experts")
+
+
+def randomize_correction_biases(model: torch.nn.Module, *, std: float = 0.1) -> None:
+    """Each `e_score_correction_bias` (added to sigmoid scores in (0, 1)) drawn at `std`: nonzero, and
+    large enough to move some tokens' choices."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, std)
