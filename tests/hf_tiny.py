@@ -1,4 +1,5 @@
-"""Tiny Hugging Face configs of the shared-expert MoE families (DeepSeek-V3, Qwen2-MoE), for the tests.
+"""Tiny Hugging Face configs of the shared-expert MoE families (DeepSeek-V3, GLM-4.5, Qwen2-MoE, Qwen3-Next),
+for the tests.
 
 Data flow: sizes (H, I, E, K, layers, attention heads, vocab) -> `shared_expert_config(family, ...)` -> a
 `DeepseekV3Config` (MLA attention sized from `head_dim`, every layer MoE, grouped routing that still has
@@ -71,6 +72,36 @@ def shared_expert_config(
             num_experts_per_tok=top_k,
             norm_topk_prob=norm_topk_prob,
             num_key_value_heads=kv_heads,
+            **common,
+        )
+    if family is Family.GLM4_MOE:
+        n_group, topk_group = _groups(experts, top_k)
+        return transformers.Glm4MoeConfig(
+            moe_intermediate_size=intermediate,
+            intermediate_size=2 * intermediate,
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=norm_topk_prob,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            **common,
+        )
+    if family is Family.QWEN3_NEXT:  # full attention only: the linear-attention layers are not under test
+        return transformers.Qwen3NextConfig(
+            moe_intermediate_size=intermediate,
+            shared_expert_intermediate_size=2 * intermediate,
+            intermediate_size=2 * intermediate,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=norm_topk_prob,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            layer_types=["full_attention"] * layers,
             **common,
         )
     raise ValueError(f"{family} has no shared experts")

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
 from hf_tiny import randomize_correction_biases, shared_expert_config  # noqa: E402
-from moekit import MoekitError, SpecError, UnsupportedSpecError  # noqa: E402
+from moekit import MoekitError, RoutingMethod, SpecError, UnsupportedSpecError  # noqa: E402
 from moekit.errors import ArgumentError  # noqa: E402
 from moekit.integrations.transformers.patch import (  # noqa: E402
     Family,
@@ -53,7 +53,7 @@ def _config(family: Family):
             kv_heads=2,
             head_dim=16,
             vocab=VOCAB,
-            norm_topk_prob=family is Family.DEEPSEEK_V3,
+            norm_topk_prob=family.hf.routing_method is RoutingMethod.SIGMOID_GROUPED,
         )
     if family is Family.GPT_OSS:
         return transformers.GptOssConfig(

@@ -38,7 +38,7 @@ from moekit.spec import WeightFormat  # noqa: E402
 H, I, E, K, VOCAB, T = 64, 48, 8, 4, 48, 40
 RTOL_FP32 = 1e-5  # test_hf_parity's fp32 bound
 IDS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
-SHARED = [Family.DEEPSEEK_V3, Family.QWEN2_MOE]
+SHARED = [f for f in Family if f.hf.shared is not None]  # DeepSeek-V3, GLM-4.5, Qwen2-MoE, Qwen3-Next
 
 
 def _config(family: Family, *, norm: bool = True, layers: int = 2):
@@ -82,8 +82,8 @@ def _block_forward(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block(x[None])[0]
 
 
-CASES = [(Family.DEEPSEEK_V3, True), (Family.QWEN2_MOE, True), (Family.QWEN2_MOE, False)]
-CASE_IDS = ["deepseek_v3", "qwen2_moe_norm", "qwen2_moe_no_norm"]
+CASES = [(f, True) for f in SHARED] + [(Family.QWEN2_MOE, False)]
+CASE_IDS = [f.value for f in SHARED] + ["qwen2_moe_no_norm"]
 
 
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
@@ -96,7 +96,7 @@ def test_routed_plus_shared_experts_match_the_block(family: Family, norm: bool, 
     assert layer.spec == hf_layer_of(block).spec  # the config and the block agree
     spec = layer.spec
     assert (spec.E, spec.K, spec.H, spec.I, spec.weight_format) == (E, K, H, I, WeightFormat.FP32)
-    if family is Family.DEEPSEEK_V3:
+    if family.hf.correction_bias is not None:  # DeepSeek-V3, GLM-4.5
         assert spec.routing == RoutingSpec(
             RoutingMethod.SIGMOID_GROUPED,
             n_group=config.n_group,

@@ -155,7 +155,7 @@ class MoekitMoEBlock(torch.nn.Module):
             out = routed.reshape(shape)
         elif shared.gate is None:  # DeepSeek-V3: routed + shared_experts(x)
             out = routed.reshape(shape) + getattr(self, shared.mlp)(hidden_states)
-        else:  # Qwen2-MoE: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+        else:  # Qwen2-MoE, Qwen3-Next: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             mlp, gate = getattr(self, shared.mlp)(flat), getattr(self, shared.gate)(flat)
             out = (routed + torch.sigmoid(gate) * mlp).reshape(shape)
         return (out, router_scores) if self.family.hf.returns_router_scores else out

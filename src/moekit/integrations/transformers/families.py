@@ -100,13 +100,16 @@ class Family(enum.Enum):
     """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s).
 
     What moekit knows of each lives in its `HfFamily` row (`family.hf`). DeepSeek-V3 and Qwen2-MoE
-    blocks add shared experts to the routed ones: moekit runs the routed experts only."""
+    blocks (and Qwen3-Next's, GLM-4.5's) add shared experts to the routed ones: moekit runs the routed
+    experts, the blocks' own modules the shared ones."""
 
     GPT_OSS = "gpt_oss"
     MIXTRAL = "mixtral"
     QWEN3_MOE = "qwen3_moe"
     QWEN2_MOE = "qwen2_moe"
+    QWEN3_NEXT = "qwen3_next"
     DEEPSEEK_V3 = "deepseek_v3"
+    GLM4_MOE = "glm4_moe"
 
     @property
     def hf(self) -> HfFamily:
@@ -197,10 +200,18 @@ FAMILIES: dict[Family, HfFamily] = {
         "transformers.models.qwen2_moe.modeling_qwen2_moe",
         "Qwen2MoeSparseMoeBlock",
     ),
+    Family.QWEN3_NEXT: _from_layout(
+        HfCheckpointFamily.QWEN3_NEXT,
+        "transformers.models.qwen3_next.modeling_qwen3_next",
+        "Qwen3NextSparseMoeBlock",
+    ),
     Family.DEEPSEEK_V3: _from_layout(
         HfCheckpointFamily.DEEPSEEK_V3,
         "transformers.models.deepseek_v3.modeling_deepseek_v3",
         "DeepseekV3MoE",
+    ),
+    Family.GLM4_MOE: _from_layout(  # DeepSeek-V3's block and router (`Glm4MoeTopkRouter`)
+        HfCheckpointFamily.GLM4_MOE, "transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeMoE"
     ),
 }
 

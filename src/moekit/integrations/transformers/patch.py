@@ -1,5 +1,5 @@
-"""Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3
-models for moekit layers.
+"""Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V3,
+GLM-4.5 models for moekit layers.
 
 Data flow (which classes are blocks, where their router sits and what they return: `families.FAMILIES`):
   patch_model(model): every module whose class is a supported block (`family_of`) -> `hf_layer_of`
@@ -184,7 +184,7 @@ def patch_model(
     release_originals: bool = True,
     parallel: Parallel | None = None,
 ) -> PatchReport:
-    """Replace every GPT-OSS / Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 MoE block of `model` with a
+    """Replace every supported (`Family`) MoE block of `model` with a
     moekit-backed block (shared experts run by the block's own HF modules, added to moekit's output).
 
     Each layer is built on its experts' device with their dtype. `release_originals=False` keeps the
