@@ -42,9 +42,11 @@ def shared_expert_config(
     import transformers
 
     common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, vocab_size=vocab)
-    if family is Family.DEEPSEEK_V3:
+
+    def grouped() -> dict:
+        """DeepSeek-V3's MoE and routing fields, which GLM-4.5's config shares."""
         n_group, topk_group = _groups(experts, top_k)
-        return transformers.DeepseekV3Config(
+        return dict(
             moe_intermediate_size=intermediate,
             intermediate_size=2 * intermediate,
             n_routed_experts=experts,
@@ -55,13 +57,18 @@ def shared_expert_config(
             norm_topk_prob=norm_topk_prob,
             n_shared_experts=1,
             first_k_dense_replace=0,
+            **common,
+        )
+
+    if family is Family.DEEPSEEK_V3:
+        return transformers.DeepseekV3Config(
+            **grouped(),
             num_key_value_heads=heads,  # MLA: per-head keys and values from one latent; kv_heads unused
             q_lora_rank=None,
             kv_lora_rank=2 * head_dim,
             qk_rope_head_dim=head_dim // 2,
             qk_nope_head_dim=head_dim // 2,
             v_head_dim=head_dim,
-            **common,
         )
     if family is Family.QWEN2_MOE:
         return transformers.Qwen2MoeConfig(
@@ -75,21 +82,10 @@ def shared_expert_config(
             **common,
         )
     if family is Family.GLM4_MOE:
-        n_group, topk_group = _groups(experts, top_k)
         return transformers.Glm4MoeConfig(
-            moe_intermediate_size=intermediate,
-            intermediate_size=2 * intermediate,
-            n_routed_experts=experts,
-            num_experts_per_tok=top_k,
-            n_group=n_group,
-            topk_group=topk_group,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=norm_topk_prob,
-            n_shared_experts=1,
-            first_k_dense_replace=0,
+            **grouped(),
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            **common,
         )
     if family is Family.QWEN3_NEXT:  # full attention only: the linear-attention layers are not under test
         return transformers.Qwen3NextConfig(
