@@ -65,7 +65,6 @@ from moekit.errors import (
     DeviceError,
     DTypeError,
     LayoutMismatchError,
-    MoekitError,
     ShapeError,
     SpecError,
     UnsupportedSpecError,
@@ -76,8 +75,8 @@ from moekit.kernels.base import DeviceInfo, Kernel, parse_device
 from moekit.kernels.registry import default_registry
 from moekit.ops import route_checked, run_checked
 from moekit.parallel import Parallel, ParallelMode, RankShare
-from moekit.parallel.agreement import agree
-from moekit.parallel.build import agree_warmup, layer_share
+from moekit.parallel.agreement import agree, refused_in_forward
+from moekit.parallel.build import agree_warmup, layer_share, refused_in_construction
 from moekit.parallel.expert import EpChoice, ExpertParallel
 from moekit.planning.options import PlanOptions
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
@@ -216,9 +215,11 @@ class FusedMoE(torch.nn.Module):
         from moekit.checkpoint import load_gpt_oss_layer
 
         share = None if parallel is None else RankShare.of(parallel)
-        loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device, share=share)
+        with refused_in_construction(parallel):  # e.g. a file missing on one node: every rank raises
+            loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device, share=share)
+            spec = loaded.spec_for(top_k=top_k, act_dtype=act_dtype)
         return cls(
-            spec=loaded.spec_for(top_k=top_k, act_dtype=act_dtype),
+            spec=spec,
             weights=loaded.weights,
             router_weight=loaded.router_weight,
             router_bias=loaded.router_bias,
@@ -358,7 +359,9 @@ class FusedMoE(torch.nn.Module):
         `NonFiniteError` (module docstring)."""
         spec = self.spec
         x = hidden_states
-        try:
+        agrees = self.parallel is not None and (self._ep is not None or self.check_values)
+        # a rank whose inputs are refused joins the agreement its peers wait in, so that they raise too
+        with refused_in_forward(self.parallel.group if agrees and not capturing(x) else None, self._device):
             check_hidden_states(x, spec=spec, device=self._device)
             check_router_logits(
                 router_logits,
@@ -367,11 +370,6 @@ class FusedMoE(torch.nn.Module):
                 device=self._device,
                 has_router=self.router_weight is not None,
             )
-        except MoekitError as refused:
-            agrees = self.parallel is not None and (self._ep is not None or self.check_values)
-            if agrees and not capturing(x):  # the peers wait in the agreement: join it, so they raise too
-                agree(0, None, group=self.parallel.group, device=self._device, refused=refused)
-            raise
         flat = x.reshape(-1, spec.H)
         if router_logits is None:
             logits = compute_router_logits(

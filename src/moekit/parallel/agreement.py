@@ -23,6 +23,8 @@ is being captured (nothing may be read back): every rank must capture the same, 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +129,15 @@ def agree(
     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
     largest, negated_smallest, any_bad, code = state.tolist()
     return Agreement(largest, -negated_smallest, bool(any_bad), code)
+
+
+@contextmanager
+def refused_in_forward(group: dist.ProcessGroup | None, device: torch.device) -> Iterator[None]:
+    """Around a forward's input checks: a moekit error raised inside joins `group`'s agreement, which the
+    peers are waiting in, with its code before it propagates (None: no group agrees in this forward)."""
+    try:
+        yield
+    except MoekitError as refused:
+        if group is not None:
+            agree(0, None, group=group, device=device, refused=refused)
+        raise

@@ -10,6 +10,9 @@ collective."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -58,3 +61,16 @@ def agree_warmup(
     largest, any_execute, code = state.tolist()
     raise_refusal(code, refused, "FusedMoE.warmup")
     return largest, bool(any_execute)
+
+
+@contextmanager
+def refused_in_construction(parallel: Parallel | None) -> Iterator[None]:
+    """Around what a rank does before it has a layer to agree on (reading its checkpoint share): a moekit
+    error raised inside joins the group's construction agreement (`check_same_layer`, which the peers
+    reach with their layers) before it propagates, so every rank raises it."""
+    try:
+        yield
+    except MoekitError as refused:
+        if parallel is not None:
+            check_same_layer(parallel, None, None, refused=refused)
+        raise

@@ -131,8 +131,15 @@ def device_problem(backend: str, device: torch.device) -> str | None:
     return None
 
 
+_NO_FINGERPRINT = -(1 << 62)
+
+
 def check_same_layer(
-    parallel: Parallel, spec: MoESpec, device: torch.device, *, refused: MoekitError | None = None
+    parallel: Parallel,
+    spec: MoESpec | None,
+    device: torch.device | None,
+    *,
+    refused: MoekitError | None = None,
 ) -> None:
     """Every rank of `parallel.group` builds the same global layer in the same mode, each on a device its
     backend serves, from arguments it did not refuse: one all-reduce of a fingerprint of (mode, engine,
@@ -140,15 +147,20 @@ def check_same_layer(
     (`moekit.parallel.agreement`: this rank's own arguments, checked before), at construction. Ranks
     holding different layers (another checkpoint layer, another preset) would otherwise exchange tokens
     of mismatched shapes or sum unrelated partial outputs, and a rank refusing alone would leave the
-    others waiting in a collective: every rank raises (`DeviceError`, `SpecError`, `refused`'s type)."""
-    whole = replace(spec, num_local_experts=None)
+    others waiting in a collective: every rank raises (`DeviceError`, `SpecError`, `refused`'s type).
+    A rank refused before it had a spec or device (a checkpoint it could not read) passes None for them:
+    it joins with `refused` only, and the others' layers are still compared among themselves."""
     engine = None if parallel.engine is None else parallel.engine.value
+    whole = None if spec is None else replace(spec, num_local_experts=None)
     # repr, not describe(): it names every field (renormalize, scaling factor, groups, clamp ...)
     fingerprint = zlib.crc32(f"{parallel.mode.value}|{engine}|{whole!r}".encode())
+    if whole is None:  # below every crc32 and its negation: leaves the group's MAX of both to the others
+        fingerprint = _NO_FINGERPRINT
     backend = str(dist.get_backend(parallel.group))
-    problem = device_problem(backend, device)
+    problem = None if device is None else device_problem(backend, device)
     where = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    state = [fingerprint, -fingerprint, problem is not None, refusal_code(refused)]
+    state = [fingerprint, -fingerprint if whole is not None else _NO_FINGERPRINT]
+    state += [problem is not None, refusal_code(refused)]
     state = torch.tensor(state, dtype=torch.int64, device=where)
     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=parallel.group)
     largest, negated_smallest, any_problem, code = state.tolist()
@@ -157,7 +169,7 @@ def check_same_layer(
             f"Parallel.{parallel.mode.value}: "
             + (problem or "a device problem on another rank of this group; see that rank's error")
         )
-    if largest != -negated_smallest:
+    if whole is not None and largest != -negated_smallest:
         raise SpecError(
             f"Parallel.{parallel.mode.value}: the ranks of this group built different layers (this rank: "
             f"{whole.describe()}, {whole.routing}, engine {engine}); build every rank's FusedMoE from the "

@@ -44,6 +44,7 @@ from moekit.integrations.transformers.convert import (
 from moekit.integrations.transformers.families import Family, block_class_names, family_of
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.parallel import Parallel
+from moekit.parallel.build import refused_in_construction
 from moekit.spec import MoESpec
 
 
@@ -127,7 +128,8 @@ def fused_moe_from_hf(
     The experts are copied once into moekit's layout; the module itself is left untouched. `parallel`
     (`moekit.Parallel.tensor` / `.expert`): the layer holds this rank's share (`FusedMoE(parallel=)`).
     """
-    hf = hf_layer_of(module, config=config)
+    with refused_in_construction(parallel):  # a rank refusing its block: its peers raise too
+        hf = hf_layer_of(module, config=config)
     return FusedMoE(
         spec=hf.spec,
         weights=hf.weights,
@@ -207,7 +209,8 @@ def patch_model(
     done: list[PatchedBlock] = []
     try:
         for name, block, family in targets:
-            hf = hf_layer_of(block, config=config)
+            with refused_in_construction(parallel):  # a rank refusing its block: its peers raise too
+                hf = hf_layer_of(block, config=config)
             router = getattr(block, family.router_name)
             # The FusedMoE aliases the HF router's tensors (no copy); the wrapper calls the HF router anyway.
             moe = FusedMoE(
