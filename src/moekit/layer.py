@@ -18,7 +18,8 @@ Data flow:
     share (`moekit.parallel.shard_for`; `spec` is then the local spec). Tensor: I/N, the op's output
     summed over the group by one all-reduce (every rank passes the same tokens). Expert: E_r experts and
     the expert map; each rank routes its own tokens and `moekit.parallel.expert` moves them to their
-    experts' ranks and back, the experts run by this layer's plan for the received row count.
+    experts' ranks and back, the experts run by this layer's plan for the received row count. Eager
+    forwards agree first (`moekit.parallel.agreement`), so a rank's refused input raises on every rank.
   warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
     token counts that reach every compiled variant of its kernel (`Kernel.warmup_token_counts`), so no
     planning, repacking or compilation is left for a forward that is being captured or served.
