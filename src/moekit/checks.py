@@ -314,6 +314,30 @@ def check_router_tensor(t: torch.Tensor, *, name: str, shape: tuple[int, ...], s
         raise ShapeError(f"{name} has shape {tuple(t.shape)}, expected {shape} for spec ({spec.describe()})")
 
 
+def check_layer_tensors(
+    spec: MoESpec,
+    weights: ExpertWeights,
+    router_weight: torch.Tensor | None,
+    router_bias: torch.Tensor | None,
+    correction_bias: torch.Tensor | None,
+) -> None:
+    """A layer's tensors against its (local) spec, where they are, before any is moved: the weights
+    (shapes, dtypes, NaN scales), the router weight `[E, H]`, router bias and correction bias `[E]`
+    (the bias given iff the routing needs one, finite)."""
+    weights.validate(spec, check_nan_scales=True)
+    for name, t, shape in (
+        ("router_weight", router_weight, (spec.E, spec.H)),
+        ("router_bias", router_bias, (spec.E,)),
+        ("correction_bias", correction_bias, (spec.E,)),
+    ):
+        if t is not None:
+            check_router_tensor(t, name=name, shape=shape, spec=spec)
+    check_correction_bias_given(spec.routing, correction_bias)
+    if correction_bias is not None:
+        check_routing_dtype(correction_bias, name="correction_bias")
+        check_correction_bias_values(correction_bias)
+
+
 def check_hidden_states(x: torch.Tensor, *, spec: MoESpec, device: torch.device) -> None:
     """A layer's input: `[..., H]` in the spec's act dtype, on the layer's device."""
     check_tensor_arg(x, name="hidden_states", need=f"[..., H={spec.H}]")

@@ -18,7 +18,8 @@ Data flow:
     share (`moekit.parallel.shard_for`; `spec` is then the local spec). Tensor: I/N, the op's output
     summed over the group by one all-reduce (every rank passes the same tokens). Expert: E_r experts and
     the expert map; each rank routes its own tokens and `moekit.parallel.expert` moves them to their
-    experts' ranks and back, the experts run by this layer's plan for the received row count.
+    experts' ranks and back, the experts run by this layer's plan for the received row count. Eager
+    forwards agree first (`moekit.parallel.agreement`), so a rank's refused input raises on every rank.
   warmup(max_tokens): plans every bucket up to max_tokens, prepares weights, and runs each bucket at the
     token counts that reach every compiled variant of its kernel (`Kernel.warmup_token_counts`), so no
     planning, repacking or compilation is left for a forward that is being captured or served.
@@ -52,15 +53,12 @@ import torch
 
 from moekit.checks import (
     capturing,
-    check_correction_bias_given,
-    check_correction_bias_values,
     check_expert_map,
     check_expert_map_given,
     check_finite_logits,
     check_hidden_states,
+    check_layer_tensors,
     check_router_logits,
-    check_router_tensor,
-    check_routing_dtype,
 )
 from moekit.custom_op import register_layer  # importing it registers torch.ops.moekit.fused_moe_layer
 from moekit.errors import (
@@ -77,7 +75,9 @@ from moekit.kernels.base import DeviceInfo, Kernel
 from moekit.kernels.registry import default_registry
 from moekit.layer_support import WarmupReport, bool_setting, indexed_device
 from moekit.ops import route_checked, run_checked
-from moekit.parallel import Parallel, ParallelMode, check_same_layer, shard_for
+from moekit.parallel import Parallel, ParallelMode
+from moekit.parallel.agreement import agree, refused_in_forward
+from moekit.parallel.build import agree_warmup, layer_share
 from moekit.parallel.expert import EpChoice, ExpertParallel
 from moekit.planning.options import PlanOptions
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
@@ -93,6 +93,8 @@ class FusedMoE(torch.nn.Module):
     """One MoE layer: router + experts of `spec`, planned at construction. See the module docstring."""
 
     # Refuse non-finite router logits with NonFiniteError (a sync per forward, none while capturing).
+    # Parallel: the same on every rank; tensor parallel refuses a rank's bad inputs on every rank only with
+    # it on (expert parallel always does): `moekit.parallel.agreement`.
     check_values = bool_setting("check_values", True)
     # Count each forward's (token, k) pairs per global expert into `tokens_per_expert` (two small kernels,
     # no sync: graphs captured with it on keep counting); off by default.
@@ -126,8 +128,9 @@ class FusedMoE(torch.nn.Module):
         self._ep: ExpertParallel | None = None
         dev = indexed_device(weights.device if device is None else device)
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
-            check_same_layer(parallel, spec, dev)  # a collective: the ranks refuse a bad device together
-            spec, weights, expert_map = shard_for(parallel, spec, weights, expert_map, presharded=presharded)
+            router = (router_weight, router_bias, correction_bias)  # a collective: all raise, or none
+            share = spec, weights, expert_map
+            spec, weights, expert_map = layer_share(parallel, *share, presharded, router, dev)
             if parallel.mode is ParallelMode.EXPERT:
                 self._ep = ExpertParallel(parallel, spec)
         self.parallel = parallel
@@ -135,25 +138,17 @@ class FusedMoE(torch.nn.Module):
         # One-time load step: move, and make every tensor contiguous (the fused kernels read rows).
         weights = weights.to(dev) if weights.device != dev else weights
         weights = replace(weights, **{n: t.contiguous() for n, t in weights.tensors().items()})
-        weights.validate(spec, check_nan_scales=True)
+        if parallel is None:  # a parallel rank checked its share before the group agreed (`layer_share`)
+            check_layer_tensors(spec, weights, router_weight, router_bias, correction_bias)
         self.spec = spec
         self.options = options
         self.weights = weights  # source weights; kernels read `_prepared[kernel]`
         self._device = dev
-        router_weight = self._router_tensor(router_weight, "router_weight", (spec.E, spec.H))
-        self.register_buffer("router_weight", router_weight, persistent=False)
-        self.register_buffer(
-            "router_bias", self._router_tensor(router_bias, "router_bias", (spec.E,)), persistent=False
-        )
-        check_correction_bias_given(spec.routing, correction_bias)
-        self.register_buffer(
-            "correction_bias",
-            self._router_tensor(correction_bias, "correction_bias", (spec.E,)),
-            persistent=False,
-        )
-        if self.correction_bias is not None:  # this layer's from now on: its values are read once, here
-            check_routing_dtype(self.correction_bias, name="correction_bias")
-            check_correction_bias_values(self.correction_bias)
+        # Checked above (`check_layer_tensors`): this layer's from now on, its values read once, there.
+        for name, t in (("router_weight", router_weight), ("router_bias", router_bias)):
+            self.register_buffer(name, None if t is None else t.detach().to(dev), persistent=False)
+        bias = None if correction_bias is None else correction_bias.detach().to(dev)
+        self.register_buffer("correction_bias", bias, persistent=False)
         check_expert_map_given(spec, expert_map)
         if expert_map is not None:
             expert_map = expert_map.to(dev)
@@ -171,14 +166,6 @@ class FusedMoE(torch.nn.Module):
             raise UnsupportedSpecError(f"PlanOptions(batch_invariant=True) cannot hold here: {why}")
         self.plan_for(1)  # refuse early: the planner's UnsupportedSpecError surfaces at load time
         self._handle = register_layer(self)
-
-    def _router_tensor(
-        self, t: torch.Tensor | None, name: str, shape: tuple[int, ...]
-    ) -> torch.Tensor | None:
-        if t is None:
-            return None
-        check_router_tensor(t, name=name, shape=shape, spec=self.spec)
-        return t.detach().to(self._device)
 
     # ----- constructors ------------------------------------------------------------------------------
     @classmethod
@@ -284,9 +271,15 @@ class FusedMoE(torch.nn.Module):
     def warmup(self, max_tokens: int, *, execute: bool = True) -> WarmupReport:
         """Plan every bucket up to `max_tokens`, prepare weights, and (if `execute`) run each bucket at
         the token counts of its kernel's `warmup_token_counts`, so kernels compile now rather than while
-        serving."""
+        serving. Parallel: every rank of the group calls it; all warm up to the group's largest
+        `max_tokens`, running forwards if any rank executes (the same collectives on every rank)."""
+        refused = None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ShapeError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+            refused = ShapeError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if self.parallel is not None:
+            max_tokens, execute = agree_warmup(self.parallel, max_tokens, execute, refused, self._device)
+        elif refused is not None:
+            raise refused
         plans: list[Plan] = []
         counts: list[int] = []
         bucket = 1
@@ -349,14 +342,17 @@ class FusedMoE(torch.nn.Module):
         `NonFiniteError` (module docstring)."""
         spec = self.spec
         x = hidden_states
-        check_hidden_states(x, spec=spec, device=self._device)
-        check_router_logits(
-            router_logits,
-            hidden_states=x,
-            spec=spec,
-            device=self._device,
-            has_router=self.router_weight is not None,
-        )
+        agrees = self.parallel is not None and (self._ep is not None or self.check_values)
+        # a rank whose inputs are refused joins the agreement its peers wait in, so that they raise too
+        with refused_in_forward(self.parallel.group if agrees and not capturing(x) else None, self._device):
+            check_hidden_states(x, spec=spec, device=self._device)
+            check_router_logits(
+                router_logits,
+                hidden_states=x,
+                spec=spec,
+                device=self._device,
+                has_router=self.router_weight is not None,
+            )
         flat = x.reshape(-1, spec.H)
         if router_logits is None:
             logits = compute_router_logits(
@@ -372,8 +368,11 @@ class FusedMoE(torch.nn.Module):
         but for the finite-logits check (one sync; skipped while capturing or with `check_values` off)."""
         spec = self.spec
         checked = self.check_values and not capturing(router_logits)
-        if checked and self._ep is None:
+        if checked and self.parallel is None:
             check_finite_logits(router_logits)
+        elif checked and self._ep is None:  # tensor parallel: the group refuses bad logits or T together
+            agreement = agree(x.shape[0], router_logits, group=self.parallel.group, device=x.device)
+            agreement.raise_for_group(router_logits, where="tensor parallel", same_tokens=True)
         routing = route_checked(
             router_logits, top_k=spec.K, spec=spec.routing, correction_bias=self.correction_bias
         )

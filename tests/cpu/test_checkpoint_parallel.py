@@ -171,6 +171,10 @@ def _from_checkpoint_main(rank: int, world: int, *, path: str) -> None:
             assert torch.equal(getattr(got.weights, name), t), (parallel.mode, name)
         x = torch.randn(7, H, generator=torch.Generator().manual_seed(rank))
         torch.testing.assert_close(got(x), ref(x), rtol=0, atol=0)
+    # A checkpoint one rank cannot read (missing on its node): every rank raises, none waits for it.
+    mine = path if rank == 0 else f"{path}.missing"
+    with pytest.raises(CheckpointError, match="does not exist" if rank == 1 else "another rank"):
+        FusedMoE.from_gpt_oss_checkpoint(mine, LAYER, top_k=2, parallel=Parallel.expert(group))
 
 
 def test_from_gpt_oss_checkpoint_reads_this_ranks_share(tmp_path: Path) -> None:

@@ -282,6 +282,10 @@ def _parallel_main(rank: int, world: int, *, path: str) -> None:
             assert torch.equal(getattr(got.weights, name), t), (parallel.mode, name)
         mine = x[rank::world] if parallel.mode is ParallelMode.EXPERT else x  # EP: each rank its own tokens
         assert relative_l2_error(got(mine), whole(mine)) < 1e-5, parallel.mode
+        # A checkpoint one rank cannot read (another config on its node): every rank raises, none waits.
+        config = None if rank == 0 else {"model_type": "gpt_oss"}
+        with pytest.raises(CheckpointError, match="load_gpt_oss_layer" if rank == 1 else "another rank"):
+            FusedMoE.from_hf_checkpoint(path, 3, config=config, parallel=parallel)
 
 
 def test_from_hf_checkpoint_reads_this_ranks_share_and_matches_one_rank(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import randomize_correction_biases, shared_expert_config  # noqa: E402
-from moekit import Parallel, ParallelMode  # noqa: E402
+from moekit import Parallel, ParallelMode, SpecError  # noqa: E402
 from moekit.integrations.transformers import (  # noqa: E402
     Family,
     MoekitMoEBlock,
@@ -118,8 +118,19 @@ def _check(family: Family, parallel: Parallel) -> None:
         assert torch.equal(model(ids).logits, want_logits)
 
 
+def _check_one_rank_refused(rank: int) -> None:
+    """A block only rank 1 refuses to convert (not an HF MoE block there): every rank raises SpecError at
+    construction, none waits in the group's agreement."""
+    block = _model(Family.QWEN3_MOE).model.layers[0].mlp
+    mine = block if rank == 0 else torch.nn.Linear(H, H)
+    for parallel in (Parallel.tensor(dist.group.WORLD), Parallel.expert(dist.group.WORLD)):
+        with pytest.raises(SpecError, match="not a supported" if rank == 1 else "another rank"):
+            fused_moe_from_hf(mine, parallel=parallel)
+
+
 def _rank_main(rank: int, world: int) -> None:
     group = dist.group.WORLD
+    _check_one_rank_refused(rank)
     for family in (Family.GPT_OSS, Family.QWEN3_MOE, Family.DEEPSEEK_V3, Family.QWEN2_MOE):
         for parallel in (Parallel.tensor(group), Parallel.expert(group)):
             try:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from moekit import EpEngine, FusedMoE, Parallel, fused_moe_reference, preset, route
 from moekit.ep.ownership import expert_ownership, local_expert_map
-from moekit.errors import ArgumentError, DeviceError, NonFiniteError, SpecError
+from moekit.errors import ArgumentError, DeviceError, DTypeError, NonFiniteError, ShapeError, SpecError
 from moekit.parallel import expert_shard
 from moekit.parallel.expert import ExpertParallel
 from moekit.planning.tuned import token_bucket
@@ -142,7 +142,7 @@ def test_engine_choice_follows_the_cost_model(tmp_path) -> None:
 
 def _check_non_finite(rank: int, world: int) -> None:
     """NaN logits on one rank: every rank raises (none left waiting in a collective), and the group goes
-    on serving; with value checks off, only that token's row is NaN."""
+    on serving; with value checks off, only that token's row is NaN. Then inputs refused on one rank."""
     spec = QWEN3_SMALL
     layer = random_layer(spec, seed=4)
     for engine in ENGINES:
@@ -165,6 +165,33 @@ def _check_non_finite(rank: int, world: int) -> None:
         out = ep(x, router_logits=bad)
         finite_rows = torch.isfinite(out).all(dim=1).tolist()
         assert finite_rows == [not (rank == 0 and t == 1) for t in range(x.shape[0])], (engine, finite_rows)
+        _check_refused_inputs(rank, layer, engine)
+
+
+def _check_refused_inputs(rank: int, layer, engine) -> None:
+    """Inputs refused on rank 1 only (hidden size, dtype, logits shape), with value checks on and off:
+    every rank raises that error type (none left waiting in a collective), and the group goes on."""
+    spec = QWEN3_SMALL
+    ep = FusedMoE(
+        spec=spec,
+        weights=layer.weights,
+        router_weight=layer.router_weight,
+        parallel=Parallel.expert(dist.group.WORLD, engine=engine),
+    )
+    x = random_tokens(spec, 3, seed=rank)
+    bad_inputs = (
+        (ShapeError, "hidden_states must be", dict(hidden_states=x[:, :32])),
+        (DTypeError, "hidden_states have dtype", dict(hidden_states=x.float())),
+        (ShapeError, "router_logits must be", dict(hidden_states=x, router_logits=torch.randn(3, 9))),
+    )
+    for check_values in (True, False):
+        ep.check_values = check_values
+        for error, own, bad in bad_inputs:
+            with pytest.raises(error, match="another rank" if rank == 0 else own):
+                ep(**(bad if rank == 1 else dict(hidden_states=x)))
+    ep.check_values = rank == 0  # set differently on the ranks: the collectives still pair
+    assert torch.isfinite(ep(x)).all()
+    ep.warmup(1 + 3 * rank)  # different counts: every rank warms up to the largest, none waits
 
 
 @pytest.mark.timeout(120)  # a rank left waiting in a collective would hang here
@@ -173,13 +200,36 @@ def test_non_finite_logits_on_one_rank_raise_on_every_rank(tmp_path) -> None:
 
 
 def _check_mismatch(rank: int, world: int) -> None:
-    """Ranks that build different layers (here: another intermediate size on rank 1) all raise at
-    construction, for both modes, instead of exchanging mismatched rows later."""
-    spec = QWEN3_SMALL if rank == 0 else replace(QWEN3_SMALL, intermediate_size=64)
-    layer = random_layer(spec, seed=9)
-    for parallel in (Parallel.expert(dist.group.WORLD), Parallel.tensor(dist.group.WORLD)):
-        with pytest.raises(SpecError, match="built different layers"):
-            FusedMoE(spec=spec, weights=layer.weights, router_weight=layer.router_weight, parallel=parallel)
+    """Ranks that build different layers (another intermediate size, or routing parameters that the
+    spec's summary leaves out, on rank 1) all raise at construction, for both modes, instead of
+    exchanging mismatched rows later; so do they when one rank's own arguments are refused."""
+    routing = replace(QWEN3_SMALL.routing, renormalize=not QWEN3_SMALL.routing.renormalize)
+    for other in (replace(QWEN3_SMALL, intermediate_size=64), replace(QWEN3_SMALL, routing=routing)):
+        spec = QWEN3_SMALL if rank == 0 else other
+        layer = random_layer(spec, seed=9)
+        for parallel in (Parallel.expert(dist.group.WORLD), Parallel.tensor(dist.group.WORLD)):
+            with pytest.raises(SpecError, match="built different layers"):
+                FusedMoE(
+                    spec=spec, weights=layer.weights, router_weight=layer.router_weight, parallel=parallel
+                )
+    layer = random_layer(QWEN3_SMALL, seed=9)
+    refused = (
+        (ArgumentError, "expert_map", dict(expert_map=torch.arange(QWEN3_SMALL.E, dtype=torch.int32))),
+        (ShapeError, "router_weight has shape", dict(router_weight=layer.router_weight[:, :32])),
+        (ShapeError, "w2 has shape", dict(weights=replace(layer.weights, w2=layer.weights.w2[..., :16]))),
+    )
+    for error, own, bad in refused:
+        args = dict(spec=QWEN3_SMALL, weights=layer.weights, router_weight=layer.router_weight)
+        with pytest.raises(error, match=own if rank == 1 else "another rank"):
+            FusedMoE(**(args | bad if rank == 1 else args), parallel=Parallel.expert(dist.group.WORLD))
+    only_rank_0 = dist.new_group([0])  # a collective of the whole world; rank 1 is not a member
+    if rank == 1:
+        with pytest.raises(SpecError, match="not a member"):
+            Parallel.expert(only_rank_0)
+    doomed = dist.new_group([0, 1])
+    dist.destroy_process_group(doomed)
+    with pytest.raises(ArgumentError, match="destroyed"):
+        Parallel.tensor(doomed)
 
 
 @pytest.mark.timeout(120)

@@ -31,7 +31,7 @@ from moekit import (
     preset,
     route,
 )
-from moekit.errors import ArgumentError
+from moekit.errors import ArgumentError, DTypeError, NonFiniteError, ShapeError
 from moekit.parallel import tensor_shard
 from moekit.synthetic import random_layer, random_tokens
 from spawn_ranks import run_on_ranks
@@ -99,6 +99,29 @@ def _check_refusals(parallel: Parallel, world: int) -> None:
     assert expert.mode is ParallelMode.EXPERT and expert.world_size == world
 
 
+def _check_one_rank_refused(parallel: Parallel, rank: int) -> None:
+    """One rank's NaN logits, another token count, a wrong dtype or no tokens: every rank raises that
+    error type (tensor parallelism replicates tokens; none is left waiting in the all-reduce), and the
+    group goes on."""
+    spec = QWEN3_SMALL
+    layer = random_layer(spec, seed=3)
+    tp = FusedMoE(spec=spec, weights=layer.weights, router_weight=layer.router_weight, parallel=parallel)
+    x = random_tokens(spec, 5, seed=5)
+    logits = torch.nn.functional.linear(x.float(), layer.router_weight.float())
+    nan = logits.clone()
+    nan[2, 1] = float("nan")
+    cases = (
+        (NonFiniteError, r"at \[token 2, expert 1\]", dict(hidden_states=x, router_logits=nan)),
+        (ShapeError, "passed 4 to 5 tokens", dict(hidden_states=x[:4])),
+        (ShapeError, "passed 0 to 5 tokens", dict(hidden_states=x[:0])),
+        (DTypeError, "hidden_states have dtype", dict(hidden_states=x.float())),
+    )
+    for error, own, bad in cases:
+        with pytest.raises(error, match=own if rank == 1 else "another rank|passed"):
+            tp(**(bad if rank == 1 else dict(hidden_states=x)))
+    assert torch.isfinite(tp(x)).all()  # the collectives are still matched
+
+
 def _rank_main(rank: int, world: int) -> None:
     parallel = Parallel.tensor(dist.group.WORLD)
     assert (parallel.rank, parallel.world_size, parallel.mode) == (rank, world, ParallelMode.TENSOR)
@@ -108,6 +131,7 @@ def _rank_main(rank: int, world: int) -> None:
         except AssertionError as e:
             raise AssertionError(f"rank {rank} of {world}, case {name}: {e}") from e
     _check_refusals(parallel, world)
+    _check_one_rank_refused(parallel, rank)
 
 
 @pytest.mark.timeout(120)

@@ -15,6 +15,7 @@ from moekit.checkpoint.layer import CheckpointNaming
 from moekit.checkpoint.loader import load_gpt_oss_layer
 from moekit.errors import check_type
 from moekit.parallel import Parallel, RankShare
+from moekit.parallel.build import refused_in_construction
 from moekit.planning.options import PlanOptions
 
 
@@ -42,9 +43,12 @@ def gpt_oss_checkpoint_layer(
     options: PlanOptions | None,
     parallel: Parallel | None,
 ) -> torch.nn.Module:
-    loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device, share=_share(parallel))
+    share = _share(parallel)
+    with refused_in_construction(parallel):  # e.g. a file missing on one node: every rank raises
+        loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device, share=share)
+        spec = loaded.spec_for(top_k=top_k, act_dtype=act_dtype)
     return cls(
-        spec=loaded.spec_for(top_k=top_k, act_dtype=act_dtype),
+        spec=spec,
         weights=loaded.weights,
         router_weight=loaded.router_weight,
         router_bias=loaded.router_bias,
@@ -66,9 +70,11 @@ def hf_checkpoint_layer(
     options: PlanOptions | None,
     parallel: Parallel | None,
 ) -> torch.nn.Module:
-    loaded = load_hf_moe_layer(
-        path, layer=layer, config=config, device=device, act_dtype=act_dtype, share=_share(parallel)
-    )
+    share = _share(parallel)
+    with refused_in_construction(parallel):  # e.g. a file missing on one node: every rank raises
+        loaded = load_hf_moe_layer(
+            path, layer=layer, config=config, device=device, act_dtype=act_dtype, share=share
+        )
     return cls(
         spec=loaded.spec,
         weights=loaded.weights,

@@ -10,7 +10,9 @@ per bucket and shown by `explain`) -> dispatch ->
 map, so other ranks' experts add nothing -> combine -> out_local.
 
 M, the largest T_r of the group, must be the same on every rank (the engines' collectives are matched by
-shape and order). Eager forwards agree on it with one all-reduce read on the host (a sync). While a CUDA
+shape and order). Eager forwards agree on it with one all-reduce read on the host (a sync,
+`moekit.parallel.agreement`: the same all-reduce makes every rank raise when any rank's inputs were
+refused or its router logits are not finite, whatever the engine). While a CUDA
 graph is being captured nothing may be read back, so M is this rank's T_r, and every rank must capture
 at the same token count (pad to it, as serving engines pad data-parallel batches to one graph size); the
 engine is then the capturable all-gather / reduce-scatter with static shapes. Every rank of the group must
@@ -24,11 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.checks import capturing, check_finite_logits, finite_as_routed
+from moekit.checks import capturing
 from moekit.ep.constants import shipped_collectives
 from moekit.ep.cost import predict_us
 from moekit.ep.engines import ENGINES, EpEngine, LocalExperts, engine_for
-from moekit.errors import NonFiniteError, UnsupportedSpecError
+from moekit.errors import UnsupportedSpecError
+from moekit.parallel.agreement import agree
 from moekit.parallel.spec import Parallel
 from moekit.planning.tuned import token_bucket
 from moekit.routing import RoutingResult
@@ -123,17 +126,13 @@ class ExpertParallel:
                     "captured in a CUDA graph; capture with EpEngine.ALLGATHER_REDUCESCATTER or engine=None"
                 )
             engine, max_tokens = EpEngine.ALLGATHER_REDUCESCATTER, x.shape[0]
-        elif self.parallel.engine is EpEngine.ALL_TO_ALL and logits is None:
-            engine, max_tokens = EpEngine.ALL_TO_ALL, None  # its count exchange is all it needs
         else:
-            max_tokens, any_bad = agree(x.shape[0], logits, group=group, device=x.device)
-            if any_bad:
-                if logits is not None and not bool(finite_as_routed(logits).all()):
-                    check_finite_logits(logits)  # this rank's own: say where
-                raise NonFiniteError(
-                    "router logits on another rank of this expert-parallel group hold NaN or +-inf (every "
-                    "rank raises, so none waits in a collective); see that rank's error for where"
-                )
+            # Every eager forward agrees, whatever the engine and `check_values`: a rank skipping it would
+            # pair its next collective with a peer's agreement (a hang), and a rank whose inputs were
+            # refused joins it to make its peers raise too (`FusedMoE.forward`).
+            agreement = agree(x.shape[0], logits, group=group, device=x.device)
+            agreement.raise_for_group(logits, where="expert parallel", same_tokens=False)
+            max_tokens = agreement.largest
             engine = self.choice_for(max_tokens).engine
             max_tokens = None if engine is EpEngine.ALL_TO_ALL else max_tokens
         return engine_for(engine).run(
@@ -159,16 +158,3 @@ class ExpertParallel:
             "  captured in a CUDA graph: allgather_reducescatter at the captured T (the same on every rank)"
         )
         return "\n".join(lines)
-
-
-def agree(
-    rows: int, logits: torch.Tensor | None, *, group: dist.ProcessGroup, device: torch.device
-) -> tuple[int, bool]:
-    """(the largest per-rank token count of the group, whether any rank holds non-finite router logits):
-    one all-reduce, read on the host. Without `logits` this rank counts as finite."""
-    state = torch.tensor([rows, 0], dtype=torch.int64, device=device)
-    if logits is not None:
-        state[1] = (~finite_as_routed(logits)).any().to(torch.int64)
-    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
-    largest, any_bad = state.tolist()
-    return largest, bool(any_bad)

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from moekit.ep.engines import EpEngine, engine_for
-from moekit.errors import ArgumentError, DeviceError, SpecError, check_enum
+from moekit.errors import ArgumentError, DeviceError, MoekitError, SpecError, check_enum
+from moekit.parallel.agreement import raise_refusal, refusal_code
 from moekit.spec import MoESpec
 
 
@@ -40,12 +41,25 @@ def _check_group(group: object, mode: ParallelMode) -> None:
             f"Parallel.{mode.value}(group) needs torch.distributed initialized; call "
             "torch.distributed.init_process_group(backend, ...) on every rank first"
         )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on the ranks it leaves out
+        raise SpecError(
+            f"Parallel.{mode.value}(group): this process (global rank {dist.get_rank()}) is not a member of "
+            "group (new_group returned GroupMember.NON_GROUP_MEMBER here); build the layer only on the "
+            "group's ranks"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise ArgumentError(
             f"Parallel.{mode.value}(group): group must be a torch.distributed ProcessGroup, got "
             f"{type(group).__name__}; pass torch.distributed.group.WORLD or torch.distributed.new_group(...)"
         )
-    if dist.get_rank(group) < 0:
+    try:
+        rank = dist.get_rank(group)
+    except ValueError as err:  # torch's answer for a group it does not know: destroyed, or another's
+        raise ArgumentError(
+            f"Parallel.{mode.value}(group): torch.distributed does not know this group ({err}); was it "
+            "destroyed? pass a live group from torch.distributed.new_group(...)"
+        ) from err
+    if rank < 0:
         raise SpecError(
             f"Parallel.{mode.value}(group): this process (global rank {dist.get_rank()}) is not a member of "
             "group; build the layer only on the group's ranks"
@@ -117,29 +131,48 @@ def device_problem(backend: str, device: torch.device) -> str | None:
     return None
 
 
-def check_same_layer(parallel: Parallel, spec: MoESpec, device: torch.device) -> None:
+_NO_FINGERPRINT = -(1 << 62)
+
+
+def check_same_layer(
+    parallel: Parallel,
+    spec: MoESpec | None,
+    device: torch.device | None,
+    *,
+    refused: MoekitError | None = None,
+) -> None:
     """Every rank of `parallel.group` builds the same global layer in the same mode, each on a device its
-    backend serves: one all-reduce of a fingerprint of (mode, engine, global spec) and of a device flag,
-    at construction. Ranks holding different layers (another checkpoint layer, another preset) would
-    otherwise exchange tokens of mismatched shapes or sum unrelated partial outputs, and a rank refusing
-    alone would leave the others waiting in a collective: every rank raises (`SpecError`, `DeviceError`)."""
-    whole = replace(spec, num_local_experts=None).describe()
+    backend serves, from arguments it did not refuse: one all-reduce of a fingerprint of (mode, engine,
+    global spec: every field, routing parameters included), of a device flag and of `refused`'s code
+    (`moekit.parallel.agreement`: this rank's own arguments, checked before), at construction. Ranks
+    holding different layers (another checkpoint layer, another preset) would otherwise exchange tokens
+    of mismatched shapes or sum unrelated partial outputs, and a rank refusing alone would leave the
+    others waiting in a collective: every rank raises (`DeviceError`, `SpecError`, `refused`'s type).
+    A rank refused before it had a spec or device (a checkpoint it could not read) passes None for them:
+    it joins with `refused` only, and the others' layers are still compared among themselves."""
     engine = None if parallel.engine is None else parallel.engine.value
-    fingerprint = zlib.crc32(f"{parallel.mode.value}|{engine}|{whole}".encode())
+    whole = None if spec is None else replace(spec, num_local_experts=None)
+    # repr, not describe(): it names every field (renormalize, scaling factor, groups, clamp ...)
+    fingerprint = zlib.crc32(f"{parallel.mode.value}|{engine}|{whole!r}".encode())
+    if whole is None:  # below every crc32 and its negation: leaves the group's MAX of both to the others
+        fingerprint = _NO_FINGERPRINT
     backend = str(dist.get_backend(parallel.group))
-    problem = device_problem(backend, device)
+    problem = None if device is None else device_problem(backend, device)
     where = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    state = torch.tensor([fingerprint, -fingerprint, problem is not None], dtype=torch.int64, device=where)
+    state = [fingerprint, -fingerprint if whole is not None else _NO_FINGERPRINT]
+    state += [problem is not None, refusal_code(refused)]
+    state = torch.tensor(state, dtype=torch.int64, device=where)
     dist.all_reduce(state, op=dist.ReduceOp.MAX, group=parallel.group)
-    largest, negated_smallest, any_problem = state.tolist()
+    largest, negated_smallest, any_problem, code = state.tolist()
     if any_problem:
         raise DeviceError(
             f"Parallel.{parallel.mode.value}: "
             + (problem or "a device problem on another rank of this group; see that rank's error")
         )
-    if largest != -negated_smallest:
+    if whole is not None and largest != -negated_smallest:
         raise SpecError(
             f"Parallel.{parallel.mode.value}: the ranks of this group built different layers (this rank: "
-            f"{whole}, engine {engine}); build every rank's FusedMoE from the same spec, checkpoint layer "
-            "and engine"
+            f"{whole.describe()}, {whole.routing}, engine {engine}); build every rank's FusedMoE from the "
+            "same spec, checkpoint layer and engine"
         )
+    raise_refusal(code, refused, f"Parallel.{parallel.mode.value}")

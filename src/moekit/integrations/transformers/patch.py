@@ -43,6 +43,7 @@ from moekit.integrations.transformers.families import Family, block_class_names,
 from moekit.integrations.transformers.held import held_config_fields, hidden_act_of
 from moekit.layer import FusedMoE, PlanOptions
 from moekit.parallel import Parallel
+from moekit.parallel.build import refused_in_construction
 from moekit.spec import MoESpec
 
 
@@ -132,7 +133,8 @@ def fused_moe_from_hf(
     The experts are copied once into moekit's layout; the module itself is left untouched. `parallel`
     (`moekit.Parallel.tensor` / `.expert`): the layer holds this rank's share (`FusedMoE(parallel=)`).
     """
-    hf = hf_layer_of(module, config=config)
+    with refused_in_construction(parallel):  # a rank refusing its block: its peers raise too
+        hf = hf_layer_of(module, config=config)
     return FusedMoE(
         spec=hf.spec,
         weights=hf.weights,
@@ -216,7 +218,8 @@ def patch_model(
     done: list[PatchedBlock] = []
     try:
         for name, block, family in targets:
-            hf = hf_layer_of(block, config=config)
+            with refused_in_construction(parallel):  # a rank refusing its block: its peers raise too
+                hf = hf_layer_of(block, config=config)
             router = getattr(block, family.router_name)
             # The FusedMoE aliases the HF router's weight and bias (no copy; the wrapper calls the HF router
             # anyway); the correction bias is a copy read now (and again by a load_state_dict of the block).
