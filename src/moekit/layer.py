@@ -77,7 +77,7 @@ from moekit.layer_support import WarmupReport, bool_setting, indexed_device
 from moekit.ops import route_checked, run_checked
 from moekit.parallel import Parallel, ParallelMode
 from moekit.parallel.agreement import agree, refused_in_forward
-from moekit.parallel.build import agree_warmup, layer_share
+from moekit.parallel.build import agree_warmup, layer_share, refused_in_construction
 from moekit.parallel.expert import EpChoice, ExpertParallel
 from moekit.planning.options import PlanOptions
 from moekit.planning.plan import Plan, plan_batch_invariant, resolve_tables
@@ -115,18 +115,19 @@ class FusedMoE(torch.nn.Module):
         presharded: bool = False,  # weights are `parallel`'s share already (a checkpoint read it): no cut
     ) -> None:
         super().__init__()
-        if not isinstance(spec, MoESpec):
-            raise SpecError(f"spec must be a MoESpec, got {type(spec).__name__}")
-        if not isinstance(weights, ExpertWeights):
-            raise SpecError(f"weights must be ExpertWeights, got {type(weights).__name__}")
-        options = PlanOptions() if options is None else options
-        if not isinstance(options, PlanOptions):
-            raise SpecError(f"options must be PlanOptions, got {type(options).__name__}")
         check_type("parallel", parallel, Parallel, optional=True, fix="pass moekit.Parallel.tensor(group)")
+        with refused_in_construction(parallel):  # one rank refusing its arguments: every rank raises
+            if not isinstance(spec, MoESpec):
+                raise SpecError(f"spec must be a MoESpec, got {type(spec).__name__}")
+            if not isinstance(weights, ExpertWeights):
+                raise SpecError(f"weights must be ExpertWeights, got {type(weights).__name__}")
+            options = PlanOptions() if options is None else options
+            if not isinstance(options, PlanOptions):
+                raise SpecError(f"options must be PlanOptions, got {type(options).__name__}")
+            dev = indexed_device(weights.device if device is None else device)
         if presharded and parallel is None:
             raise ArgumentError("presharded=True: the weights are a share of which group? pass parallel= too")
         self._ep: ExpertParallel | None = None
-        dev = indexed_device(weights.device if device is None else device)
         if parallel is not None:  # this rank's share, cut before the move so only the share is copied
             router = (router_weight, router_bias, correction_bias)  # a collective: all raise, or none
             share = spec, weights, expert_map

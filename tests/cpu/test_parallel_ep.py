@@ -217,6 +217,8 @@ def _check_mismatch(rank: int, world: int) -> None:
         (ArgumentError, "expert_map", dict(expert_map=torch.arange(QWEN3_SMALL.E, dtype=torch.int32))),
         (ShapeError, "router_weight has shape", dict(router_weight=layer.router_weight[:, :32])),
         (ShapeError, "w2 has shape", dict(weights=replace(layer.weights, w2=layer.weights.w2[..., :16]))),
+        (DeviceError, "gpu0", dict(device="gpu0")),  # refused before the layer has a device to agree on
+        (SpecError, "options must be PlanOptions", dict(options="fast")),
     )
     for error, own, bad in refused:
         args = dict(spec=QWEN3_SMALL, weights=layer.weights, router_weight=layer.router_weight)
