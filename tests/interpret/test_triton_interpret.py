@@ -1183,6 +1183,21 @@ def test_mxfp4_words_are_skipped_where_they_do_not_fit():
         assert kernel.prepare_weights(big, spec).packing is WeightPacking.CHECKPOINT
 
 
+@pytest.mark.parametrize("layout", list(GateLayout), ids=lambda g: g.name)
+def test_mxfp4_words_need_each_gate_up_half_in_whole_16_row_blocks(layout):
+    """I = 40: 2I = 80 rows are whole 16-row blocks, but CONCAT's up half starts at row 40, inside a block,
+    where a word tile would decode the neighbouring rows. The packing needs I (and H) multiples of 16, so
+    these weights keep CHECKPOINT packing, and the layer still matches the reference."""
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    spec = _spec(fmt=WeightFormat.MXFP4, h=32, i=40, layout=layout, k=1, e=2)
+    weights = _weights(spec, torch.Generator().manual_seed(12))
+    prepared = TritonFusedKernel().prepare_weights(weights, spec)
+    assert prepared.packing is WeightPacking.CHECKPOINT
+    _, expected = _check_layer(spec, t=3, seed=13, weights=prepared, config=TINY)
+    assert expected.abs().sum() > 0
+
+
 @triton.jit
 def _words_tile_probe(
     w_ptr, s_ptr, out_ptr, stride_wn, IN_DIM: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr

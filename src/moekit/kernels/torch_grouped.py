@@ -120,7 +120,9 @@ class TorchGroupedKernel(Kernel):
             y = y + weights.b2.float()[sorted_expert]
         if spec.router_weight_placement is RouterWeightPlacement.OUTPUT:
             y = y * route_w
-        y = y * valid[order].unsqueeze(1)
+        # Pairs of other ranks ran on local expert 0 (a placeholder): drop them by selection, not by a
+        # multiplication by 0, which turns an inf of that stand-in expert (fp16) into a NaN row.
+        y = y.masked_fill(~valid[order].unsqueeze(1), 0.0)
         unsorted = torch.empty_like(y)
         unsorted[order] = y
         return unsorted.view(num_tokens, k, spec.H).sum(dim=1).to(spec.act_dtype)

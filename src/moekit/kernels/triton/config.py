@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from moekit.errors import SpecError
-from moekit.formats.mxfp4_words import rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
 from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS as WGMMA_BF16_ALIGNMENT_ROWS
 from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
@@ -26,7 +25,7 @@ from moekit.kernels.triton.wgmma_w4a8 import BLOCK_M as W4A8_BLOCK_M
 from moekit.kernels.triton.wgmma_w4a8 import STAGES as W4A8_STAGES
 from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_reason
 from moekit.kernels.triton.wgmma_words import BLOCK_MS as WGMMA_WORDS_BLOCK_MS
-from moekit.kernels.triton.wgmma_words import wgmma_words_reason
+from moekit.kernels.triton.wgmma_words import wgmma_words_reason, words_rows_reason
 from moekit.kernels.triton.words_decode import BLOCK_MS as MMA_WORDS_DECODE_BLOCK_MS
 from moekit.kernels.triton.words_decode import DEPTHS as MMA_WORDS_DECODE_DEPTHS
 from moekit.kernels.triton.words_decode import share_reason, words_decode_reason
@@ -98,11 +97,7 @@ def words_reason(spec: MoESpec) -> str | None:
         return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
     if spec.act_quant is not ActivationQuant.NONE:
         return "W4A8 decodes the checkpoint bytes into FP8 operands, not words into bf16 ones"
-    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
-        reason = rows_reason(rows)
-        if reason is not None:
-            return f"{name}: {reason}"
-    return None
+    return words_rows_reason(spec)
 
 
 class MatmulEngine(enum.Enum):

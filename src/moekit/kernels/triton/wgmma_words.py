@@ -69,6 +69,17 @@ def _kernels() -> tuple | None:
     return wgmma_words._gemm1, wgmma_words._gemm2
 
 
+def words_rows_reason(spec: MoESpec) -> str | None:
+    """None if every weight tile a GEMM reads starts on a 16-row block of MXFP4_MMA_WORDS, else why not:
+    w2's H rows, and each half of w13 (I rows: with CONCAT rows the up half starts at row I, and a tile
+    starting inside a block decodes another block's rows), as the packing's docs say (H and I)."""
+    for name, rows in (("w13 (each gate/up half of I rows)", spec.I), ("w2", spec.H)):
+        reason = rows_reason(rows)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
 def gluon_words_reason(spec: MoESpec) -> str | None:
     """None if `spec` is what every Gluon kernel on the word-packed weights computes: MXFP4 W4A16 with bf16
     activations (their decode writes bf16 operands), weight rows in whole 16-row blocks of the words."""
@@ -76,10 +87,8 @@ def gluon_words_reason(spec: MoESpec) -> str | None:
         return "it is the MXFP4 weight path with bf16 activations (W4A16)"
     if spec.act_dtype is not torch.bfloat16:
         return f"its decode writes bf16 MMA operands, activations are {spec.act_dtype}"
-    for name, rows in (("w13", 2 * spec.I), ("w2", spec.H)):
-        reason = rows_reason(rows)
-        if reason is not None:
-            return f"it reads MXFP4_MMA_WORDS weights: {name}: {reason}"
+    if (reason := words_rows_reason(spec)) is not None:
+        return f"it reads MXFP4_MMA_WORDS weights: {reason}"
     return None
 
 
