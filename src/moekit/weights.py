@@ -42,7 +42,7 @@ from moekit.formats import (
     quantize_mxfp4,
 )
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
-from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, num_runs, unpack_mma_words
+from moekit.formats.mxfp4_words import CHUNKS_PER_RUN, layer_rows_reason, num_runs, unpack_mma_words
 from moekit.spec import Fp8Scale, GateLayout, MoESpec, WeightFormat
 
 
@@ -243,6 +243,13 @@ class ExpertWeights:
                 f"spec.has_bias={spec.has_bias} but weights {'have' if self.has_bias else 'lack'} biases"
             )
         e, h, i = spec.E_local, spec.H, spec.I
+        if self.packing is WeightPacking.MXFP4_MMA_WORDS and (
+            why := layer_rows_reason(intermediate=i, hidden=h)
+        ):
+            raise LayoutMismatchError(
+                f"MXFP4_MMA_WORDS weights cannot hold this layer ({why}): a tile would start inside a 16-row "
+                "block; keep CHECKPOINT packing (moekit.prepare_weights does for this spec)"
+            )
         for name, shape in self.expected_shapes(num_experts=e, hidden=h, intermediate=i).items():
             t = getattr(self, name)
             if tuple(t.shape) != shape:

@@ -20,6 +20,7 @@ from moekit import (  # noqa: E402
     ActivationSpec,
     DeviceError,
     GateLayout,
+    LayoutMismatchError,
     RouterWeightPlacement,
     SpecError,
     WeightFormat,
@@ -49,6 +50,7 @@ from moekit.kernels.triton.wgmma_words import (  # noqa: E402
 )
 from moekit.presets import preset_at  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
+from moekit.weights import WeightPacking  # noqa: E402
 
 GPT_OSS = preset("gpt-oss-120b")
 MIXTRAL_LIKE = preset_at("gpt-oss-120b@8x2x4096x14336")  # GPT-OSS's math at Mixtral's shape
@@ -218,3 +220,20 @@ def test_half_wide_needs_int32_row_offsets():
     big = preset_at("gpt-oss-120b@16x4x2880x2880")
     big_tokens = 2**31 // (big.K * big.I) + 1  # T x K x I just past 2^31 (h's offsets)
     assert big_tokens * big.H < 2**31 and not runs_half_wide(big, big_tokens, 128, big.H)
+
+
+@pytest.mark.parametrize("layout", [GateLayout.CONCAT, GateLayout.INTERLEAVED], ids=["concat", "interleaved"])
+def test_words_packed_weights_are_refused_for_a_layer_whose_halves_split_a_block(layout) -> None:
+    # Word-packed weights handed straight to a spec with I % 16 = 8: the up half of CONCAT rows would start
+    # inside a 16-row block. `prepare_weights` keeps such layers in CHECKPOINT packing; `validate` refuses
+    # words built for another I (2I = 80 rows still counts whole blocks, so the shapes alone would pass).
+    from moekit.synthetic import random_layer
+
+    spec = replace(
+        preset("gpt-oss-20b"), num_experts=4, hidden_size=64, intermediate_size=48, gate_layout=layout
+    )
+    words = TritonFusedKernel().prepare_weights(random_layer(spec, seed=3).weights, spec)
+    assert words.packing is WeightPacking.MXFP4_MMA_WORDS
+    words.validate(spec)
+    with pytest.raises(LayoutMismatchError, match=r"w13 \(each gate/up half of I rows\): rows \(40\)"):
+        words.validate(replace(spec, intermediate_size=40))

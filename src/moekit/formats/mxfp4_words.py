@@ -87,6 +87,17 @@ def rows_reason(n_rows: int) -> str | None:
     return None
 
 
+def layer_rows_reason(*, intermediate: int, hidden: int) -> str | None:
+    """None if a layer's weight tiles all start on 16-row blocks of the word packing, else why not: w2's
+    H rows, and each half of w13 (I rows: with CONCAT rows the up half starts at row I, and a tile
+    starting inside a block would decode another block's rows)."""
+    for name, rows in (("w13 (each gate/up half of I rows)", intermediate), ("w2", hidden)):
+        reason = rows_reason(rows)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
 def scales_reason(scales: Tensor) -> str | None:
     """None if every E8M0 byte of `scales` is one the word decode applies exactly, else why not (a data
     fact). Reads every scale byte (a host sync): call once at load time."""

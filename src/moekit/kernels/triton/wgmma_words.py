@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from moekit.formats.mxfp4_words import rows_reason
+from moekit.formats.mxfp4_words import layer_rows_reason
 from moekit.kernels.triton._details.codes import ACTIVATION_CODE
 from moekit.kernels.triton.align import align_routing, max_blocks_bound
 from moekit.kernels.triton.sum_k import sum_top_k
@@ -70,14 +70,9 @@ def _kernels() -> tuple | None:
 
 
 def words_rows_reason(spec: MoESpec) -> str | None:
-    """None if every weight tile a GEMM reads starts on a 16-row block of MXFP4_MMA_WORDS, else why not:
-    w2's H rows, and each half of w13 (I rows: with CONCAT rows the up half starts at row I, and a tile
-    starting inside a block decodes another block's rows), as the packing's docs say (H and I)."""
-    for name, rows in (("w13 (each gate/up half of I rows)", spec.I), ("w2", spec.H)):
-        reason = rows_reason(rows)
-        if reason is not None:
-            return f"{name}: {reason}"
-    return None
+    """None if every weight tile a GEMM reads starts on a 16-row block of MXFP4_MMA_WORDS, else why not
+    (`mxfp4_words.layer_rows_reason`: H, and I for each half of w13)."""
+    return layer_rows_reason(intermediate=spec.I, hidden=spec.H)
 
 
 def gluon_words_reason(spec: MoESpec) -> str | None:
