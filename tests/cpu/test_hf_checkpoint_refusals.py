@@ -165,3 +165,17 @@ def test_paths_devices_and_fused_experts(tmp_path, reads) -> None:
     with pytest.raises(CheckpointError, match=r"stores its experts as fused tensors .*experts.down_proj"):
         load_hf_moe_layer(fused, layer=0)
     assert reads == []
+
+
+def test_moekit_run_takes_a_per_expert_models_safetensors_file_with_its_folders_config(
+    tmp_path, capsys
+) -> None:
+    from moekit.app.cli import main
+
+    _write(tmp_path, QWEN3, layers=1)
+    file = str(tmp_path / "model.safetensors")
+    assert main(["run", "--checkpoint", file, "--layer", "0", "--tokens", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "(qwen3_moe, routed experts only)" in report["source"] and report["check_passed"]
+    assert main(["run", "--checkpoint", file, "--layer", "1"]) == 1  # not the GPT-OSS loader's key list
+    assert "layer 1 has no routed experts ('model.layers.1.mlp.experts.*')" in capsys.readouterr().err
