@@ -146,6 +146,14 @@ def test_paths_devices_and_fused_experts(tmp_path, reads) -> None:
     with pytest.raises(CheckpointError, match=r"checkpoint path .*nowhere does not exist"):
         load_hf_moe_layer(tmp_path / "nowhere", layer=0)  # not "is a file: pass config="
     config = _write(tmp_path, QWEN3, layers=1)
+    with pytest.raises(
+        CheckpointError, match=r"holds no tensor of experts \[4, 5\] \(2 of the E=6 config.json"
+    ):
+        load_hf_moe_layer(tmp_path, layer=0, config={**config, "num_experts": 6})
+    with pytest.raises(
+        CheckpointError, match=r"experts \[4, 5, 6, 7, 8, 9, 10, 11\]\.\.\. \(999999999996 of"
+    ):
+        load_hf_moe_layer(tmp_path, layer=0, config={**config, "num_experts": 10**12})  # no 3e12 key list
     whole = load_hf_moe_layer(tmp_path, layer=0, device="cpu:0", act_dtype=torch.float32)  # torch's cpu:0
     assert torch.equal(
         whole.weights.w2, load_hf_moe_layer(tmp_path, layer=0, act_dtype=torch.float32).weights.w2

@@ -23,6 +23,7 @@ Data flow:
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Mapping
@@ -369,11 +370,19 @@ def load_hf_moe_layer(
     if layer not in layers:
         raise _no_experts_error(files, family, layer, sorted(layers))
     num_experts = num_experts_of(family, config)
-    beyond = sorted(e for e in layers[layer] if e >= num_experts)
+    have = layers[layer]
+    beyond = sorted(e for e in have if e >= num_experts)
     if beyond:
         raise CheckpointError(
             f"layer {layer} holds experts {beyond[:8]} but config.json says E={num_experts}; the config "
             "and the checkpoint disagree"
+        )
+    if len(have) < num_experts:  # whole experts absent: one line, not E x 3 keys (E may be huge)
+        absent = list(itertools.islice((e for e in range(num_experts) if e not in have), 8))
+        more = "..." if num_experts - len(have) > len(absent) else ""
+        raise CheckpointError(
+            f"layer {layer} holds no tensor of experts {absent}{more} ({num_experts - len(have)} of the E="
+            f"{num_experts} config.json says) in {files.searched}; the config and the checkpoint disagree"
         )
     scaled = declares_fp8(config)
     templates, router_keys = _layer_keys(family, layer, scaled)
