@@ -97,6 +97,9 @@ def test_config_fields_of_an_odd_type_are_refused_by_name(tmp_path, capsys) -> N
     quant = {"quant_method": "fp8", "weight_block_size": 128}
     with pytest.raises(CheckpointError, match=r"'weight_block_size': 128\} is not one moekit reads"):
         load_hf_moe_layer(tmp_path, layer=1, config={**config, "quantization_config": quant})
+    quant = {**fp8_config(DEEPSEEK)["quantization_config"], "expert_dtype": "fp4"}  # DeepSeek-V4's packing
+    with pytest.raises(CheckpointError, match=r"'expert_dtype': 'fp4'\} is not one moekit reads"):
+        load_hf_moe_layer(tmp_path, layer=1, config={**config, "quantization_config": quant})
     for topk_group in (0, 2):  # one group: transformers fails (2) or masks every expert (0)
         with pytest.raises(SpecError, match=rf"topk_group={topk_group} with n_group=1"):
             load_hf_moe_layer(tmp_path, layer=1, config={**config, "topk_group": topk_group})

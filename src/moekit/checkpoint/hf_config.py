@@ -219,10 +219,13 @@ def declares_fp8(config: Mapping[str, object]) -> bool:
     method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
     block, scheme = quant.get("weight_block_size"), quant.get("activation_scheme", "dynamic")
     block_ok = isinstance(block, (list, tuple)) and list(block) == WEIGHT_BLOCK_SIZE  # an int is no grid
-    if method != "fp8" or fmt != "e4m3" or not block_ok or scheme != "dynamic":
+    # transformers' FineGrainedFP8Config: expert_dtype "fp4" packs the experts two codes a byte (DeepSeek-V4)
+    experts = quant.get("expert_dtype", "fp8")
+    if method != "fp8" or fmt != "e4m3" or not block_ok or scheme != "dynamic" or experts != "fp8":
         raise CheckpointError(
             f"quantization_config {dict(quant)} is not one moekit reads: it reads quant_method 'fp8', fmt "
-            f"'e4m3', weight_block_size {WEIGHT_BLOCK_SIZE}, activation_scheme 'dynamic' (DeepSeek-V3, "
+            f"'e4m3', weight_block_size {WEIGHT_BLOCK_SIZE}, activation_scheme 'dynamic', expert_dtype "
+            "'fp8' (DeepSeek-V3, "
             "Qwen3 -FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts with "
             "ExpertWeights.from_float"
         )
