@@ -152,11 +152,16 @@ def test_a_saved_hf_model_layer_computes_what_the_hf_block_computes(saved, famil
 
 def test_a_dense_layer_and_other_families_are_refused_with_where_to_go(saved, tmp_path) -> None:
     folder, _, _ = saved[HfCheckpointFamily.DEEPSEEK_V3]
-    with pytest.raises(CheckpointError, match=r"layer 0 has no routed experts .*MoE layers found: \[1\]"):
+    with pytest.raises(
+        CheckpointError, match=r"layer 0 is a dense MLP layer by config.json \(first_k_dense_rep"
+    ):
         load_hf_moe_layer(folder, layer=0)
     with pytest.raises(CheckpointError, match="pass config="):
         load_hf_moe_layer(folder / "model.safetensors", layer=1)
     config = json.loads((folder / "config.json").read_text())
+    unsaid = {k: v for k, v in config.items() if k != "first_k_dense_replace"}  # the files then decide
+    with pytest.raises(CheckpointError, match=r"layer 0 has no routed experts .*MoE layers found: \[1\]"):
+        load_hf_moe_layer(folder, layer=0, config=unsaid)
     with pytest.raises(CheckpointError, match="load_gpt_oss_layer"):
         load_hf_moe_layer(folder, layer=1, config={**config, "model_type": "gpt_oss"})
     with pytest.raises(SpecError, match="scoring_func='softmax'"):

@@ -116,8 +116,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         default=None,
-        help="start from the MoE layer a Hugging Face config.json describes (Mixtral, Qwen, DeepSeek-V3, "
-        "GLM-4.5; float or FP8 block-128), no tensors read",
+        help="start from the MoE layer a Hugging Face config.json (or a model folder's) describes (Mixtral, "
+        "Qwen, DeepSeek-V3, GLM-4.5; float or FP8 block-128), no tensors read",
     )
     explain.add_argument(
         "--tokens", type=int, default=None, help="tokens per forward, T (default: 1); not with --ep/--tp"

@@ -79,8 +79,12 @@ class _Layer:
 
 
 def _load_layer(*, preset_name: str, checkpoint: Path | None, layer: int, seed: int) -> _Layer:
-    if checkpoint is not None and per_expert_family(checkpoint) is not None:
-        hf = load_hf_moe_layer(checkpoint, layer=layer)
+    # A .safetensors file of a per-expert model takes its folder's config.json (not the GPT-OSS loader,
+    # whose missing-tensor list would name tensors the model never had).
+    folder = checkpoint.parent if checkpoint is not None and checkpoint.is_file() else checkpoint
+    if folder is not None and per_expert_family(folder) is not None:
+        config = folder / "config.json" if folder != checkpoint else None
+        hf = load_hf_moe_layer(checkpoint, layer=layer, config=config)
         source = f"checkpoint {checkpoint} layer {layer} ({hf.family.value}, routed experts only)"
         return _Layer(source, hf.spec, hf.weights, hf.router_weight, None, hf.correction_bias)
     if checkpoint is not None:

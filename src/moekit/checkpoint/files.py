@@ -35,8 +35,10 @@ class Files:
 
 def open_file(file: Path, *, device: str | torch.device = "cpu"):  # returns a safetensors handle
     """`safe_open` (reads the header only) with unreadable files reported as CheckpointError."""
+    where = torch.device(device)
+    where = "cpu" if where.type == "cpu" else str(where)  # safetensors refuses "cpu:0", which torch allows
     try:
-        return safe_open(str(file), framework="pt", device=str(device))
+        return safe_open(str(file), framework="pt", device=where)
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise CheckpointError(f"cannot read {file} as a safetensors file: {exc}") from exc
 

@@ -181,7 +181,8 @@ def _field(config: Mapping[str, object], name: str, *, kind: type = int) -> obje
     value = config.get(name)
     what, types = _KINDS[kind]
     if not isinstance(value, types) or (kind is not bool and isinstance(value, bool)):
-        raise CheckpointError(f"config.json field {name!r} must be {what}, got {value!r}")
+        got = f"got {value!r}" if name in config else "but config.json has no such field"
+        raise CheckpointError(f"config.json field {name!r} must be {what}, {got}")
     return value
 
 
@@ -217,10 +218,14 @@ def declares_fp8(config: Mapping[str, object]) -> bool:
         raise CheckpointError(f"config.json quantization_config must be an object, got {quant!r}")
     method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
     block, scheme = quant.get("weight_block_size"), quant.get("activation_scheme", "dynamic")
-    if method != "fp8" or fmt != "e4m3" or list(block or ()) != WEIGHT_BLOCK_SIZE or scheme != "dynamic":
+    block_ok = isinstance(block, (list, tuple)) and list(block) == WEIGHT_BLOCK_SIZE  # an int is no grid
+    # transformers' FineGrainedFP8Config: expert_dtype "fp4" packs the experts two codes a byte (DeepSeek-V4)
+    experts = quant.get("expert_dtype", "fp8")
+    if method != "fp8" or fmt != "e4m3" or not block_ok or scheme != "dynamic" or experts != "fp8":
         raise CheckpointError(
             f"quantization_config {dict(quant)} is not one moekit reads: it reads quant_method 'fp8', fmt "
-            f"'e4m3', weight_block_size {WEIGHT_BLOCK_SIZE}, activation_scheme 'dynamic' (DeepSeek-V3, "
+            f"'e4m3', weight_block_size {WEIGHT_BLOCK_SIZE}, activation_scheme 'dynamic', expert_dtype "
+            "'fp8' (DeepSeek-V3, "
             "Qwen3 -FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts with "
             "ExpertWeights.from_float"
         )
@@ -254,18 +259,21 @@ _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 
 
 def spec_from_config_file(file: Path, *, act_dtype: torch.dtype = torch.bfloat16) -> MoESpec:
-    """The MoE layer spec a per-expert checkpoint's config.json describes, without its tensors: the float
-    format from the config's `dtype` (`torch_dtype` in older configs) unless it declares FP8, for
-    planning (`moekit explain --config`); `load_hf_moe_layer` checks it against the tensors it reads."""
-    config = read_config(file)
+    """The MoE layer spec a per-expert checkpoint's config.json (or the config.json of the model folder
+    `file`) describes, without its tensors: the float format from the config's `dtype` (`torch_dtype` in
+    older configs) unless it declares FP8, for planning (`moekit explain --config`); `load_hf_moe_layer`
+    checks it against the tensors it reads."""
+    file = Path(file)
+    config = read_config(file / "config.json" if file.is_dir() else file)
     family = HfCheckpointFamily.of_config(config)
     name = config.get("dtype", config.get("torch_dtype"))
-    if not declares_fp8(config) and name not in _CONFIG_DTYPES:
+    dtype = _CONFIG_DTYPES.get(name) if isinstance(name, str) else None  # a list or object names none
+    if not declares_fp8(config) and dtype is None:
         raise CheckpointError(
             f"{file} names the weights' dtype {name!r} (field 'dtype' or 'torch_dtype'); one of "
             f"{sorted(_CONFIG_DTYPES)} is needed to know their format without reading them"
         )
-    stored = stored_format(config, _CONFIG_DTYPES.get(name))
+    stored = stored_format(config, dtype)
     return spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
 
 
@@ -283,11 +291,17 @@ def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> Routin
             "moekit's SIGMOID_GROUPED routing is DeepSeek-V3's (sigmoid, noaux_tc, renormalized top-k); "
             "other routings of this family are not supported"
         )
-    n_group = _field(config, "n_group")
+    n_group, topk_group = _field(config, "n_group"), _field(config, "topk_group")
+    if n_group == 1 and topk_group != 1:  # RoutingSpec checks 1 <= topk_group <= n_group for n_group > 1
+        raise SpecError(
+            f"config.json topk_group={topk_group} with n_group=1: the model keeps topk_group of its one "
+            "group, so only topk_group=1 is a routing (transformers fails or masks every expert otherwise); "
+            "set topk_group to 1"
+        )
     return RoutingSpec(
         RoutingMethod.SIGMOID_GROUPED,
         n_group=None if n_group == 1 else n_group,
-        topk_group=None if n_group == 1 else _field(config, "topk_group"),
+        topk_group=None if n_group == 1 else topk_group,
         has_correction_bias=True,
         routed_scaling_factor=float(_field(config, "routed_scaling_factor", kind=float)),
     )
@@ -302,17 +316,25 @@ def spec_from_checkpoint_config(
 ) -> MoESpec:
     """The `MoESpec` of one MoE layer of `config` (the whole layer: all E experts)."""
     layout = family.layout
-    activation = HF_ACTIVATIONS.get(config.get("hidden_act", "silu"))
+    name = config.get("hidden_act", "silu")
+    activation = HF_ACTIVATIONS.get(name) if isinstance(name, str) else None
     if activation is None:
         raise SpecError(
             f"config.json hidden_act={config.get('hidden_act')!r} has no moekit activation; known: "
             f"{list(HF_ACTIVATIONS)}"
         )
+    intermediate = _field(config, layout.intermediate_field)
+    if stored.weight_format is WeightFormat.FP8_E4M3 and intermediate % FP8_BLOCK:
+        raise CheckpointError(
+            f"{layout.intermediate_field}={intermediate} is not a multiple of {FP8_BLOCK}: the gate and up "
+            f"scale blocks cannot stack into one [2I] grid of {FP8_BLOCK}-row blocks; dequantize the experts "
+            "and quantize them again with ExpertWeights.from_float"
+        )
     return MoESpec(
         num_experts=num_experts_of(family, config),
         top_k=_field(config, "num_experts_per_tok"),
         hidden_size=_field(config, "hidden_size"),
-        intermediate_size=_field(config, layout.intermediate_field),
+        intermediate_size=intermediate,
         weight_format=stored.weight_format,
         fp8_scale=stored.fp8_scale,
         act_dtype=act_dtype,
@@ -321,3 +343,37 @@ def spec_from_checkpoint_config(
         gate_layout=GateLayout.CONCAT,
         routing=_routing(family, config),
     )
+
+
+_GROUPED_FAMILIES = (HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.GLM4_MOE)
+_QWEN_FAMILIES = (HfCheckpointFamily.QWEN2_MOE, HfCheckpointFamily.QWEN3_MOE, HfCheckpointFamily.QWEN3_NEXT)
+
+
+def dense_layer_reason(family: HfCheckpointFamily, config: Mapping[str, object], layer: int) -> str | None:
+    """Why config.json makes decoder layer `layer` a dense MLP (transformers builds no experts for it,
+    whatever tensors the files hold), or None. The rules are the families' decoder layers': DeepSeek-V3
+    and GLM-4.5 `layer >= first_k_dense_replace`; Qwen2-MoE, Qwen3-MoE and Qwen3-Next `layer not in
+    mlp_only_layers and (layer + 1) % decoder_sparse_step == 0`. A field config.json lacks is not
+    checked (the checkpoint's keys then decide)."""
+    if family in _GROUPED_FAMILIES and config.get("first_k_dense_replace") is not None:
+        first = _field(config, "first_k_dense_replace")
+        return f"first_k_dense_replace={first}: layers 0..{first - 1} are dense" if layer < first else None
+    if family not in _QWEN_FAMILIES:
+        return None
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in only):
+        raise CheckpointError(
+            f"config.json field 'mlp_only_layers' must be a list of layer ints, not {only!r}"
+        )
+    if layer in only:
+        return f"mlp_only_layers={only} lists it"
+    if config.get("decoder_sparse_step") is None:
+        return None
+    step = _field(config, "decoder_sparse_step")
+    if step < 1:
+        raise CheckpointError(
+            f"config.json decoder_sparse_step={step} must be >= 1 (1: every layer has experts)"
+        )
+    if (layer + 1) % step:
+        return f"decoder_sparse_step={step}: only layers l with (l + 1) % {step} == 0 have experts"
+    return None

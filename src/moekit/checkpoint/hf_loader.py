@@ -4,11 +4,13 @@
 
 Data flow:
   path (a folder with config.json and .safetensors files or an index; or a file, with config=)
-  -> config.json -> `HfCheckpointFamily` (key names) -> `files.resolve` (key -> file, headers only)
+  -> config.json -> `HfCheckpointFamily` (key names); a layer config.json makes dense is refused
+  -> `files.resolve` (key -> file, headers only)
   -> the layer's keys: E experts x (gate, up, down) [+ their `.weight_scale_inv`], the router
      `gate.weight` [+ `gate.e_score_correction_bias`]; a layer without experts, experts beyond the
      config's E, or other tensors in the block (not the shared experts) are refused
-  -> header pass: every key present, in one file, of the right dtype and of the shape config.json gives
+  -> header pass: the experts stored as quantization_config says (F8_E4M3 under FP8, else a float);
+     every key present, in one file, of the right dtype and of the shape config.json gives
   -> `spec_from_checkpoint_config` -> the whole layer's `MoESpec`
   -> [share (`moekit.parallel.RankShare`): `plan_shard` cuts the spec, refusals before any data]
   -> data pass: each `ExpertWeights` field is the per-expert tensors stacked (w13 = gate rows then up
@@ -21,6 +23,7 @@ Data flow:
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Mapping
@@ -35,6 +38,7 @@ from moekit.checkpoint.hf_config import (
     SCALE_SUFFIX,
     HfCheckpointFamily,
     declares_fp8,
+    dense_layer_reason,
     num_experts_of,
     read_config,
     spec_from_checkpoint_config,
@@ -91,7 +95,9 @@ class HfMoeLayer:
             raise SpecError(f"a correction_bias was given, but {spec.routing.method.name} routing has none")
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 router logits `[T, E]` = x @ router_weight^T (the HF routers compute them in fp32)."""
+        """fp32 router logits `[T, E]` = x @ router_weight^T. DeepSeek-V3's and GLM-4.5's HF routers compute
+        them in fp32 too; Mixtral's and Qwen's in the activations' dtype, so a bf16 HF model may pick
+        another expert for a token whose top scores nearly tie."""
         return torch.nn.functional.linear(x.float(), self.router_weight.float())
 
 
@@ -120,6 +126,11 @@ def _load_config(path: Path, config: object) -> Mapping[str, object]:
     if isinstance(config, Mapping):
         return config
     if config is None:
+        if not path.exists():
+            raise CheckpointError(
+                f"checkpoint path {path} does not exist; give the model's folder (its config.json and "
+                ".safetensors files)"
+            )
         if not path.is_dir():
             raise CheckpointError(
                 f"{path} is a file: pass config= (the model's config.json as a path or a dict), since "
@@ -138,6 +149,41 @@ def per_expert_family(path: str | os.PathLike) -> HfCheckpointFamily | None:
         return None
     model_type = _load_config(Path(path), None).get("model_type")
     return next((f for f in HfCheckpointFamily if f.value == model_type), None)
+
+
+def _no_experts_error(
+    files: Files, family: HfCheckpointFamily, layer: int, layers: list[int]
+) -> CheckpointError:
+    shown = f"{layers[0]}..{layers[-1]} ({len(layers)} layers)" if len(layers) > 4 else str(layers)
+    block = family.layout.prefix(layer)
+    fused = sorted(k for k in files.key_to_file if k.startswith(f"{block}.experts."))
+    why = (
+        f"the block stores its experts as fused tensors ({fused[:3]}), not one tensor per expert as "
+        f"{family.value} checkpoints do; save the model in its original per-expert format"
+        if fused
+        else "a dense layer, e.g. DeepSeek-V3's first first_k_dense_replace layers, has no experts to run"
+    )
+    return CheckpointError(
+        f"layer {layer} has no routed experts ('{block}.experts.*') in {files.searched}; MoE layers found: "
+        f"{shown} ({why})"
+    )
+
+
+def _check_declared_format(key: str, dtype: str, scaled: bool) -> None:
+    """The experts' stored dtype (of `key`) is the format config.json's quantization_config declares."""
+    if scaled and dtype not in _FP8:
+        raise CheckpointError(
+            f"config.json's quantization_config declares FP8 (F8_E4M3) experts with {SCALE_SUFFIX} scales, "
+            f"but tensor {key!r} is {dtype} (a dequantized checkpoint, or experts listed in "
+            "modules_to_not_convert?); to read float experts, pass config= without quantization_config"
+        )
+    if not scaled and dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(
+            f"tensor {key!r} is {dtype}, but config.json has no quantization_config to say how to decode it; "
+            f"moekit reads F32, BF16 or F16 experts as they are, and F8_E4M3 ones with {SCALE_SUFFIX} "
+            "128x128 block scales under quantization_config {quant_method 'fp8', weight_block_size "
+            "[128, 128]}: add the checkpoint's quantization_config"
+        )
 
 
 def _moe_layers(files: Files, family: HfCheckpointFamily) -> dict[int, set[int]]:
@@ -300,7 +346,8 @@ def load_hf_moe_layer(
 
     `share`: read only that rank's share (`moekit.parallel.RankShare`: the bytes `shard_for` would keep
     of the whole layer) and the whole router. Refused (CheckpointError) before any tensor data is read: a
-    layer without experts, experts missing or beyond the config's E, a tensor of the wrong dtype or
+    layer without experts or one config.json makes dense, experts missing or beyond the config's E,
+    experts stored in another format than quantization_config declares, a tensor of the wrong dtype or
     shape, a tensor in two files, and (unless `allow_extra_tensors`) tensors of the block that would not
     be read, other than the shared experts'."""
     check_type("path", path, (str, os.PathLike), fix="pass the checkpoint's folder as a str or Path")
@@ -312,22 +359,30 @@ def load_hf_moe_layer(
     dev = parse_device(device)
     config = _load_config(Path(path), config)
     family = HfCheckpointFamily.of_config(config)
+    dense = dense_layer_reason(family, config, layer)
+    if dense is not None:  # the model runs a dense MLP there, even if the files hold experts for it
+        raise CheckpointError(
+            f"layer {layer} is a dense MLP layer by config.json ({dense}), so the model routes no experts "
+            "there; pick a MoE layer"
+        )
     files = resolve(Path(path))
     layers = _moe_layers(files, family)
     if layer not in layers:
-        found = sorted(layers)
-        shown = f"{found[0]}..{found[-1]} ({len(found)} layers)" if len(found) > 4 else str(found)
-        raise CheckpointError(
-            f"layer {layer} has no routed experts ('{family.layout.prefix(layer)}.experts.*') in "
-            f"{files.searched}; MoE layers found: {shown} (a dense layer, e.g. DeepSeek-V3's first "
-            "first_k_dense_replace layers, has no experts to run)"
-        )
+        raise _no_experts_error(files, family, layer, sorted(layers))
     num_experts = num_experts_of(family, config)
-    beyond = sorted(e for e in layers[layer] if e >= num_experts)
+    have = layers[layer]
+    beyond = sorted(e for e in have if e >= num_experts)
     if beyond:
         raise CheckpointError(
             f"layer {layer} holds experts {beyond[:8]} but config.json says E={num_experts}; the config "
             "and the checkpoint disagree"
+        )
+    if len(have) < num_experts:  # whole experts absent: one line, not E x 3 keys (E may be huge)
+        absent = list(itertools.islice((e for e in range(num_experts) if e not in have), 8))
+        more = "..." if num_experts - len(have) > len(absent) else ""
+        raise CheckpointError(
+            f"layer {layer} holds no tensor of experts {absent}{more} ({num_experts - len(have)} of the E="
+            f"{num_experts} config.json says) in {files.searched}; the config and the checkpoint disagree"
         )
     scaled = declares_fp8(config)
     templates, router_keys = _layer_keys(family, layer, scaled)
@@ -337,6 +392,9 @@ def load_hf_moe_layer(
     shared = tuple(k for k in _block_tensors(files, family, layer) if k.startswith(shared_prefixes))
     extra = sorted(set(_block_tensors(files, family, layer)) - set(read) - set(shared))
     check_sources(files, [*read, *extra])
+    gate0 = templates["gate"].format(e=0)
+    stored_dtype = _headers(files, [gate0])[gate0][0]
+    _check_declared_format(gate0, stored_dtype, scaled)  # before the scales' absence or presence is judged
     headers = _headers(files, read)
     if extra and not allow_extra_tensors:
         raise CheckpointError(
@@ -344,15 +402,8 @@ def load_hf_moe_layer(
             f"{files.searched}; they would be silently ignored (another quantization's scales?). Remove "
             "them, or pass allow_extra_tensors=True to read only the experts and the router"
         )
-    gate0 = templates["gate"].format(e=0)
-    stored = stored_format(config, _FLOAT_DTYPES.get(headers[gate0][0]))
+    stored = stored_format(config, _FLOAT_DTYPES.get(stored_dtype))
     spec = spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
-    if scaled and spec.I % FP8_BLOCK:
-        raise CheckpointError(
-            f"{family.layout.intermediate_field}={spec.I} is not a multiple of {FP8_BLOCK}: the gate and up "
-            f"scale blocks cannot stack into one [2I] grid of {FP8_BLOCK}-row blocks; dequantize the experts "
-            "and quantize them again with ExpertWeights.from_float"
-        )
     expected = _expected_shapes(spec)
     sizes = (
         f"E = {spec.E}, H = hidden_size = {spec.H}, "
