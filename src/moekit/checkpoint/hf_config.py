@@ -93,7 +93,7 @@ class HfCheckpointFamily(enum.Enum):
     QWEN2_MOE = "qwen2_moe"
     QWEN3_MOE = "qwen3_moe"
     QWEN3_NEXT = "qwen3_next"
-    DEEPSEEK_V3 = "deepseek_v3"  # also Kimi K2 and Moonlight, which ship as deepseek_v3
+    DEEPSEEK_V3 = "deepseek_v3"
     GLM4_MOE = "glm4_moe"
 
     @property

@@ -1,5 +1,5 @@
 """One MoE layer of a Hugging Face checkpoint that stores each expert's projections as their own tensors
-(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 (Kimi K2), GLM-4.5; bf16/fp16/fp32, or FP8 with
+(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5; bf16/fp16/fp32, or FP8 with
 128x128 block scales).
 
 Data flow:
