@@ -357,3 +357,17 @@ def test_which_loader_a_folder_takes(tmp_path: Path, saved) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot read .*config.json as the model's config.json"):
         per_expert_family(tmp_path)
+
+
+def test_hf_moe_layers_lists_the_layers_with_experts_to_run(saved) -> None:
+    from moekit.checkpoint import hf_moe_layers
+
+    for family, (folder, _, layer) in saved.items():
+        config = json.loads((folder / "config.json").read_text())
+        first_dense = config.get("first_k_dense_replace", 0)  # DeepSeek-V3 and GLM-4.5: layer 0 dense
+        assert hf_moe_layers(folder) == list(range(first_dense, config["num_hidden_layers"])), family
+        assert layer in hf_moe_layers(folder)
+        # The config decides too: a layer it makes dense is not listed even where experts are on disk.
+        assert hf_moe_layers(folder, config={**config, "first_k_dense_replace": 5}) == (
+            [] if family in GROUPED else hf_moe_layers(folder)
+        )

@@ -10,7 +10,7 @@ Qwen3-Next, DeepSeek-V3, GLM-4.5)
 
 from moekit.checkpoint.files import INDEX_FILE
 from moekit.checkpoint.hf_config import HfCheckpointFamily, spec_from_checkpoint_config
-from moekit.checkpoint.hf_loader import HfMoeLayer, load_hf_moe_layer, per_expert_family
+from moekit.checkpoint.hf_loader import HfMoeLayer, hf_moe_layers, load_hf_moe_layer, per_expert_family
 from moekit.checkpoint.layer import (
     ROLES,
     CheckpointNaming,
@@ -32,6 +32,7 @@ __all__ = [
     "gpt_oss_layer_keys",
     "gpt_oss_layer_tensors",
     "gpt_oss_spec",
+    "hf_moe_layers",
     "spec_from_checkpoint_config",
     "load_gpt_oss_layer",
     "load_hf_moe_layer",

@@ -331,6 +331,18 @@ def _block_tensors(files: Files, family: HfCheckpointFamily, layer: int) -> list
     return sorted(k for k in files.key_to_file if k.startswith(prefix))
 
 
+def hf_moe_layers(
+    path: str | os.PathLike, *, config: Mapping[str, object] | str | os.PathLike | None = None
+) -> list[int]:
+    """The layers `load_hf_moe_layer` reads: those whose experts the files hold and config.json does not
+    make dense, from the headers only (to build every MoE layer of a model: one call a layer)."""
+    check_type("path", path, (str, os.PathLike), fix="pass the checkpoint's folder as a str or Path")
+    config = _load_config(Path(path), config)
+    family = HfCheckpointFamily.of_config(config)
+    layers = _moe_layers(resolve(Path(path)), family)
+    return sorted(layer for layer in layers if dense_layer_reason(family, config, layer) is None)
+
+
 def load_hf_moe_layer(
     path: str | os.PathLike,
     *,
