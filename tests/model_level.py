@@ -35,13 +35,16 @@ class Dims:
 
 # gpt-oss-20b's layer dimensions; Mixtral and Qwen3-MoE at qwen3-30b-a3b's expert shapes, fewer experts for
 # Mixtral's 8; Qwen2-MoE at Qwen1.5-MoE-A2.7B's (60 experts, top 4); DeepSeek-V3 at its own I and K with
-# H and E cut (7168 and 256 would not fit fp32 on one GPU), grouped 4 ways.
+# H and E cut (7168 and 256 would not fit fp32 on one GPU), grouped 4 ways; Qwen3-Next at its own expert
+# shapes (512 experts of I 512, top 10); GLM-4.5 at its own I and K with H and E cut as DeepSeek-V3's.
 GPU_DIMS = {
     Family.GPT_OSS: Dims(2880, 2880, 32, 4, 3, 64, 8, 64, 8192),
     Family.MIXTRAL: Dims(1024, 3584, 8, 2, 2, 16, 4, 64, 8192),
     Family.QWEN3_MOE: Dims(2048, 768, 128, 8, 2, 32, 4, 64, 8192),
     Family.QWEN2_MOE: Dims(2048, 1408, 60, 4, 2, 16, 16, 128, 8192),
     Family.DEEPSEEK_V3: Dims(2048, 2048, 64, 8, 2, 16, 16, 128, 8192),
+    Family.QWEN3_NEXT: Dims(2048, 512, 512, 10, 2, 16, 2, 128, 8192),
+    Family.GLM4_MOE: Dims(2048, 1536, 64, 8, 2, 16, 4, 128, 8192),
 }
 CPU_DIMS = {f: Dims(64, 48, 8, 2 if f is Family.MIXTRAL else 4, 2, 4, 2, 16, 128) for f in Family}
 
