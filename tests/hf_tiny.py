@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit.checkpoint.hf_config import CORRECTION_BIAS
 from moekit.integrations.transformers import Family
 
 
@@ -60,6 +61,16 @@ def shared_expert_config(
             **common,
         )
 
+    gated_shared = dict(  # Qwen2-MoE's MoE fields, which Qwen3-Next's config shares
+        moe_intermediate_size=intermediate,
+        shared_expert_intermediate_size=2 * intermediate,
+        intermediate_size=2 * intermediate,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        num_key_value_heads=kv_heads,
+        **common,
+    )
     if family is Family.DEEPSEEK_V3:
         return transformers.DeepseekV3Config(
             **grouped(),
@@ -71,16 +82,7 @@ def shared_expert_config(
             v_head_dim=head_dim,
         )
     if family is Family.QWEN2_MOE:
-        return transformers.Qwen2MoeConfig(
-            moe_intermediate_size=intermediate,
-            shared_expert_intermediate_size=2 * intermediate,
-            intermediate_size=2 * intermediate,
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            norm_topk_prob=norm_topk_prob,
-            num_key_value_heads=kv_heads,
-            **common,
-        )
+        return transformers.Qwen2MoeConfig(**gated_shared)
     if family is Family.GLM4_MOE:
         return transformers.Glm4MoeConfig(
             **grouped(),
@@ -89,16 +91,7 @@ def shared_expert_config(
         )
     if family is Family.QWEN3_NEXT:  # full attention only: the linear-attention layers are not under test
         return transformers.Qwen3NextConfig(
-            moe_intermediate_size=intermediate,
-            shared_expert_intermediate_size=2 * intermediate,
-            intermediate_size=2 * intermediate,
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            norm_topk_prob=norm_topk_prob,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            layer_types=["full_attention"] * layers,
-            **common,
+            **gated_shared, head_dim=head_dim, layer_types=["full_attention"] * layers
         )
     raise ValueError(f"{family} has no shared experts")
 
@@ -108,5 +101,5 @@ def randomize_correction_biases(model: torch.nn.Module, *, std: float = 0.1) -> 
     large enough to move some tokens' choices."""
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(CORRECTION_BIAS):
                 buffer.normal_(0.0, std)

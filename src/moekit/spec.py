@@ -36,6 +36,11 @@ class WeightFormat(enum.Enum):
         """The storage dtype of an unquantized format, else None."""
         return _UNQUANTIZED_DTYPES.get(self)
 
+    @classmethod
+    def of_float_dtype(cls, dtype: torch.dtype) -> WeightFormat | None:
+        """The unquantized format that stores `dtype`, else None (the inverse of `float_dtype`)."""
+        return next((f for f, d in _UNQUANTIZED_DTYPES.items() if d == dtype), None)
+
 
 _UNQUANTIZED_DTYPES = {
     WeightFormat.BF16: torch.bfloat16,

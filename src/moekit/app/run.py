@@ -16,6 +16,7 @@ import torch
 
 from moekit.app.timing import median_seconds
 from moekit.checkpoint import load_gpt_oss_layer, load_hf_moe_layer, per_expert_family
+from moekit.checkpoint.hf_config import CONFIG_FILE
 from moekit.errors import ShapeError, check_int
 from moekit.kernels.registry import default_registry
 from moekit.ops import fused_moe, prepare_weights, route
@@ -83,7 +84,7 @@ def _load_layer(*, preset_name: str, checkpoint: Path | None, layer: int, seed: 
     # whose missing-tensor list would name tensors the model never had).
     folder = checkpoint.parent if checkpoint is not None and checkpoint.is_file() else checkpoint
     if folder is not None and per_expert_family(folder) is not None:
-        config = folder / "config.json" if folder != checkpoint else None
+        config = folder / CONFIG_FILE if folder != checkpoint else None
         hf = load_hf_moe_layer(checkpoint, layer=layer, config=config)
         source = f"checkpoint {checkpoint} layer {layer} ({hf.family.value}, routed experts only)"
         return _Layer(source, hf.spec, hf.weights, hf.router_weight, None, hf.correction_bias)

@@ -5,12 +5,12 @@ Data flow: a .safetensors file, a folder of them, or a folder with an index -> `
 `layer.save_gpt_oss_layer`.
 A folder with config.json whose experts are stored one per tensor (Mixtral, Qwen2/3-MoE,
 Qwen3-Next, DeepSeek-V3, GLM-4.5)
--> `hf_loader.load_hf_moe_layer` -> `hf_loader.HfMoeLayer` (spec from `hf_config`).
+-> `hf_loader.load_hf_moe_layer` -> `hf_loader.HfCheckpointLayer` (spec from `hf_config`).
 """
 
 from moekit.checkpoint.files import INDEX_FILE
 from moekit.checkpoint.hf_config import HfCheckpointFamily, spec_from_checkpoint_config
-from moekit.checkpoint.hf_loader import HfMoeLayer, hf_moe_layers, load_hf_moe_layer, per_expert_family
+from moekit.checkpoint.hf_loader import HfCheckpointLayer, hf_moe_layers, load_hf_moe_layer, per_expert_family
 from moekit.checkpoint.layer import (
     ROLES,
     CheckpointNaming,
@@ -28,7 +28,7 @@ __all__ = [
     "CheckpointNaming",
     "GptOssLayer",
     "HfCheckpointFamily",
-    "HfMoeLayer",
+    "HfCheckpointLayer",
     "gpt_oss_layer_keys",
     "gpt_oss_layer_tensors",
     "gpt_oss_spec",

@@ -21,6 +21,8 @@ from moekit.errors import CheckpointError
 from moekit.parallel import Cut
 
 INDEX_FILE = "model.safetensors.index.json"
+# The safetensors dtype names of the float tensors the loaders accept (biases, routers, experts, scales).
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,32 @@ def check_sources(files: Files, keys: list[str]) -> None:
                 f"the index {files.index} {listed}, but tensor {key!r} is in {where[0]}; the index and the "
                 "shards disagree. Regenerate the index from the shards"
             )
+
+
+def read_headers(files: Files, keys: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Key -> (safetensors dtype name, shape) of every key, from the file headers only; a key no file
+    holds, a listed file that does not exist, or a file that lacks a key its index names is refused."""
+    missing = [k for k in keys if k not in files.key_to_file]
+    if missing:
+        shown = missing[:6] + (["..."] if len(missing) > 6 else [])
+        raise CheckpointError(f"{len(missing)} tensor(s) of the layer missing in {files.searched}: {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(files.key_to_file[key], []).append(key)
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file, listed in by_file.items():
+        if not file.is_file():
+            raise CheckpointError(f"{file} (listed for {listed[:3]} in {files.searched}) does not exist")
+        with open_file(file) as f:
+            present = set(f.keys())
+            for key in listed:
+                if key not in present:
+                    raise CheckpointError(
+                        f"missing tensor {key!r}: the index names {file} but the file lacks it"
+                    )
+                meta = f.get_slice(key)
+                found[key] = (meta.get_dtype(), tuple(meta.get_shape()))
+    return found
 
 
 def read_cut(  # noqa: ANN001 - a safetensors handle and a device

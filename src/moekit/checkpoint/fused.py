@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,19 @@ from moekit.errors import check_type
 from moekit.parallel import Parallel, RankShare
 from moekit.parallel.build import refused_in_construction
 from moekit.planning.options import PlanOptions
+from moekit.spec import MoESpec
+from moekit.weights import ExpertWeights
+
+
+@dataclass(frozen=True)
+class CheckpointTensors:
+    """What a checkpoint gives a layer: the whole layer's spec, the (share of the) weights, the router."""
+
+    spec: MoESpec
+    weights: ExpertWeights
+    router_weight: torch.Tensor
+    router_bias: torch.Tensor | None
+    correction_bias: torch.Tensor | None
 
 
 def _share(parallel: Parallel | None) -> RankShare | None:
@@ -31,8 +45,34 @@ def _share(parallel: Parallel | None) -> RankShare | None:
     return None if parallel is None else RankShare.of(parallel)
 
 
-def gpt_oss_checkpoint_layer(
+def _built(
     cls: type[torch.nn.Module],  # FusedMoE (not imported: it imports this module)
+    read: Callable[[RankShare | None], CheckpointTensors],
+    *,
+    device: torch.device | str,
+    options: PlanOptions | None,
+    parallel: Parallel | None,
+) -> torch.nn.Module:
+    """The layer from what `read` returns for this rank's share; a rank whose read is refused (a file
+    missing on its node) makes every rank of the group raise."""
+    share = _share(parallel)
+    with refused_in_construction(parallel):
+        t = read(share)
+    return cls(
+        spec=t.spec,
+        weights=t.weights,
+        router_weight=t.router_weight,
+        router_bias=t.router_bias,
+        correction_bias=t.correction_bias,
+        device=device,
+        options=options,
+        parallel=parallel,
+        presharded=parallel is not None,
+    )
+
+
+def gpt_oss_checkpoint_layer(
+    cls: type[torch.nn.Module],
     path: str | Path,
     layer: int,
     *,
@@ -43,24 +83,16 @@ def gpt_oss_checkpoint_layer(
     options: PlanOptions | None,
     parallel: Parallel | None,
 ) -> torch.nn.Module:
-    share = _share(parallel)
-    with refused_in_construction(parallel):  # e.g. a file missing on one node: every rank raises
+    def read(share: RankShare | None) -> CheckpointTensors:
         loaded = load_gpt_oss_layer(path, layer=layer, naming=naming, device=device, share=share)
         spec = loaded.spec_for(top_k=top_k, act_dtype=act_dtype)
-    return cls(
-        spec=spec,
-        weights=loaded.weights,
-        router_weight=loaded.router_weight,
-        router_bias=loaded.router_bias,
-        device=device,
-        options=options,
-        parallel=parallel,
-        presharded=parallel is not None,
-    )
+        return CheckpointTensors(spec, loaded.weights, loaded.router_weight, loaded.router_bias, None)
+
+    return _built(cls, read, device=device, options=options, parallel=parallel)
 
 
 def hf_checkpoint_layer(
-    cls: type[torch.nn.Module],  # FusedMoE (not imported: it imports this module)
+    cls: type[torch.nn.Module],
     path: str | os.PathLike,
     layer: int,
     *,
@@ -70,18 +102,12 @@ def hf_checkpoint_layer(
     options: PlanOptions | None,
     parallel: Parallel | None,
 ) -> torch.nn.Module:
-    share = _share(parallel)
-    with refused_in_construction(parallel):  # e.g. a file missing on one node: every rank raises
+    def read(share: RankShare | None) -> CheckpointTensors:
         loaded = load_hf_moe_layer(
             path, layer=layer, config=config, device=device, act_dtype=act_dtype, share=share
         )
-    return cls(
-        spec=loaded.spec,
-        weights=loaded.weights,
-        router_weight=loaded.router_weight,
-        correction_bias=loaded.correction_bias,
-        device=device,
-        options=options,
-        parallel=parallel,
-        presharded=parallel is not None,
-    )
+        return CheckpointTensors(
+            loaded.spec, loaded.weights, loaded.router_weight, None, loaded.correction_bias
+        )
+
+    return _built(cls, read, device=device, options=options, parallel=parallel)

@@ -60,13 +60,10 @@ HF_ACTIVATIONS: dict[str, Activation] = {
     "gelu": Activation.GELU,  # exact erf GELU
     "gelu_pytorch_tanh": Activation.GELU_TANH,
 }
+CONFIG_FILE = "config.json"  # beside the .safetensors files of a model folder
 WEIGHT_BLOCK_SIZE = [FP8_BLOCK, FP8_BLOCK]  # the only `weight_block_size` moekit's FP8 format stores
 SCALE_SUFFIX = ".weight_scale_inv"  # beside each FP8 projection's ".weight"
-_FLOAT_FORMATS = {
-    torch.float32: WeightFormat.FP32,
-    torch.bfloat16: WeightFormat.BF16,
-    torch.float16: WeightFormat.FP16,
-}
+CORRECTION_BIAS = "e_score_correction_bias"  # the router's [E] buffer (`{block}.gate.` in a checkpoint)
 
 
 @dataclass(frozen=True)
@@ -225,9 +222,8 @@ def declares_fp8(config: Mapping[str, object]) -> bool:
         raise CheckpointError(
             f"quantization_config {dict(quant)} is not one moekit reads: it reads quant_method 'fp8', fmt "
             f"'e4m3', weight_block_size {WEIGHT_BLOCK_SIZE}, activation_scheme 'dynamic', expert_dtype "
-            "'fp8' (DeepSeek-V3, "
-            "Qwen3 -FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts with "
-            "ExpertWeights.from_float"
+            "'fp8' (DeepSeek-V3, Qwen3 -FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts "
+            "with ExpertWeights.from_float"
         )
     return True
 
@@ -236,12 +232,13 @@ def stored_format(config: Mapping[str, object], float_dtype: torch.dtype | None)
     """The format `quantization_config` declares; without one, the float dtype the tensors hold."""
     if declares_fp8(config):
         return StoredFormat(WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128)
-    if float_dtype not in _FLOAT_FORMATS:
+    weight_format = None if float_dtype is None else WeightFormat.of_float_dtype(float_dtype)
+    if weight_format is None:
         raise CheckpointError(
             f"config.json has no quantization_config, so the experts must be float32, bfloat16 or "
             f"float16, but they are {float_dtype}; a quantized checkpoint needs its quantization_config"
         )
-    return StoredFormat(_FLOAT_FORMATS[float_dtype], None, ActivationQuant.NONE)
+    return StoredFormat(weight_format, None, ActivationQuant.NONE)
 
 
 def read_config(file: Path) -> dict[str, object]:
@@ -264,7 +261,7 @@ def spec_from_config_file(file: Path, *, act_dtype: torch.dtype = torch.bfloat16
     older configs) unless it declares FP8, for planning (`moekit explain --config`); `load_hf_moe_layer`
     checks it against the tensors it reads."""
     file = Path(file)
-    config = read_config(file / "config.json" if file.is_dir() else file)
+    config = read_config(file / CONFIG_FILE if file.is_dir() else file)
     family = HfCheckpointFamily.of_config(config)
     name = config.get("dtype", config.get("torch_dtype"))
     dtype = _CONFIG_DTYPES.get(name) if isinstance(name, str) else None  # a list or object names none
@@ -277,6 +274,26 @@ def spec_from_config_file(file: Path, *, act_dtype: torch.dtype = torch.bfloat16
     return spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
 
 
+def sigmoid_grouped_routing(
+    *, n_group: int, topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool, source: str
+) -> RoutingSpec:
+    """DeepSeek-V3's routing (and GLM-4.5's) as moekit's SIGMOID_GROUPED, from the fields a config or a
+    router holds; one group is no grouping (the spec holds it as None). `source` names what is refused
+    in messages ("a block", "a config")."""
+    if not norm_topk_prob:
+        raise SpecError(
+            f"norm_topk_prob={norm_topk_prob!r}: moekit's SIGMOID_GROUPED routing always renormalizes the "
+            f"top-k weights (DeepSeek-V3's norm_topk_prob=True); {source} that does not is not supported"
+        )
+    return RoutingSpec(
+        RoutingMethod.SIGMOID_GROUPED,
+        n_group=None if n_group == 1 else n_group,
+        topk_group=None if n_group == 1 else topk_group,
+        has_correction_bias=True,
+        routed_scaling_factor=float(routed_scaling_factor),
+    )
+
+
 def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> RoutingSpec:
     layout = family.layout
     if layout.routing_method is RoutingMethod.SOFTMAX_TOPK:
@@ -284,26 +301,25 @@ def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> Routin
         renormalize = True if field is None else bool(_field(config, field, kind=bool))
         return RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=renormalize)
     scoring, method = config.get("scoring_func", "sigmoid"), config.get("topk_method", "noaux_tc")
-    normalized = config.get("norm_topk_prob", True)
-    if scoring != "sigmoid" or method != "noaux_tc" or normalized is not True:
+    if scoring != "sigmoid" or method != "noaux_tc":
         raise SpecError(
-            f"config.json scoring_func={scoring!r}, topk_method={method!r}, norm_topk_prob={normalized!r}: "
-            "moekit's SIGMOID_GROUPED routing is DeepSeek-V3's (sigmoid, noaux_tc, renormalized top-k); "
-            "other routings of this family are not supported"
+            f"config.json scoring_func={scoring!r}, topk_method={method!r}: moekit's SIGMOID_GROUPED "
+            "routing is DeepSeek-V3's (sigmoid, noaux_tc, renormalized top-k); other routings of this "
+            "family are not supported"
         )
     n_group, topk_group = _field(config, "n_group"), _field(config, "topk_group")
     if n_group == 1 and topk_group != 1:  # RoutingSpec checks 1 <= topk_group <= n_group for n_group > 1
         raise SpecError(
-            f"config.json topk_group={topk_group} with n_group=1: the model keeps topk_group of its one "
-            "group, so only topk_group=1 is a routing (transformers fails or masks every expert otherwise); "
-            "set topk_group to 1"
+            f"topk_group={topk_group} with n_group=1: the model keeps topk_group of its one group, so "
+            "only topk_group=1 is a routing (transformers fails or masks every expert otherwise); set "
+            "topk_group to 1"
         )
-    return RoutingSpec(
-        RoutingMethod.SIGMOID_GROUPED,
-        n_group=None if n_group == 1 else n_group,
-        topk_group=None if n_group == 1 else topk_group,
-        has_correction_bias=True,
-        routed_scaling_factor=float(_field(config, "routed_scaling_factor", kind=float)),
+    return sigmoid_grouped_routing(
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=_field(config, "routed_scaling_factor", kind=float),
+        norm_topk_prob=config.get("norm_topk_prob", True) is True,
+        source="a config",
     )
 
 

@@ -17,7 +17,7 @@ Data flow:
      rows, CONCAT; w2 = down), read piece by piece with `get_slice` into one preallocated tensor, only
      the rows and columns the share's `Cut` keeps: an expert-parallel rank reads its experts' tensors and
      no other, a tensor-parallel rank its I/N rows of gate and up and I/N columns of down
-  -> FP8 scales checked finite and > 0 -> `HfMoeLayer` (spec, weights, router, correction bias, and
+  -> FP8 scales checked finite and > 0 -> `HfCheckpointLayer` (spec, weights, router, correction bias, and
      the names of the shared-expert tensors the model adds beside the routed experts).
 """
 
@@ -33,8 +33,10 @@ from pathlib import Path
 
 import torch
 
-from moekit.checkpoint.files import Files, check_sources, open_file, resolve
+from moekit.checkpoint.files import FLOAT_DTYPES, Files, check_sources, open_file, read_headers, resolve
 from moekit.checkpoint.hf_config import (
+    CONFIG_FILE,
+    CORRECTION_BIAS,
     SCALE_SUFFIX,
     HfCheckpointFamily,
     declares_fp8,
@@ -46,24 +48,17 @@ from moekit.checkpoint.hf_config import (
 )
 from moekit.checks import check_router_tensor
 from moekit.errors import ArgumentError, CheckpointError, FormatError, SpecError, check_bool, check_type
-from moekit.formats import check_fp8_scales
+from moekit.formats import check_fp8_scales, fp8_weight_scale_shape
 from moekit.kernels.base import DeviceInfo, parse_device
 from moekit.parallel import Cut, RankShare, plan_shard
-from moekit.parallel.shard import FP8_BLOCK
-from moekit.spec import GateLayout, MoESpec
+from moekit.spec import Fp8Scale, GateLayout, MoESpec
 from moekit.weights import ExpertWeights
 
-CONFIG_FILE = "config.json"
-_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _FP8 = {"F8_E4M3": torch.float8_e4m3fn}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
-class HfMoeLayer:
+class HfCheckpointLayer:
     """One MoE layer of a per-expert Hugging Face checkpoint: the routed experts and their router.
 
     `spec` is the whole layer's (all E experts, the full I); with `share`, `weights` are that rank's
@@ -80,9 +75,15 @@ class HfMoeLayer:
     share: RankShare | None = None
 
     def __post_init__(self) -> None:
-        check_type("HfMoeLayer.spec", self.spec, MoESpec, fix="build it with spec_from_checkpoint_config")
-        check_type("HfMoeLayer.weights", self.weights, ExpertWeights, fix="read it with load_hf_moe_layer")
-        check_type("HfMoeLayer.share", self.share, RankShare, optional=True, fix="pass a RankShare or None")
+        check_type(
+            "HfCheckpointLayer.spec", self.spec, MoESpec, fix="build it with spec_from_checkpoint_config"
+        )
+        check_type(
+            "HfCheckpointLayer.weights", self.weights, ExpertWeights, fix="read it with load_hf_moe_layer"
+        )
+        check_type(
+            "HfCheckpointLayer.share", self.share, RankShare, optional=True, fix="pass a RankShare or None"
+        )
         local = self.spec
         if self.share is not None:  # the share's spec: E_r experts or I/N
             local = plan_shard(self.share, self.spec, stores_floats=self.weights.stores_floats).spec
@@ -177,7 +178,7 @@ def _check_declared_format(key: str, dtype: str, scaled: bool) -> None:
             f"but tensor {key!r} is {dtype} (a dequantized checkpoint, or experts listed in "
             "modules_to_not_convert?); to read float experts, pass config= without quantization_config"
         )
-    if not scaled and dtype not in _FLOAT_DTYPES:
+    if not scaled and dtype not in FLOAT_DTYPES:
         raise CheckpointError(
             f"tensor {key!r} is {dtype}, but config.json has no quantization_config to say how to decode it; "
             f"moekit reads F32, BF16 or F16 experts as they are, and F8_E4M3 ones with {SCALE_SUFFIX} "
@@ -202,10 +203,10 @@ def _layer_keys(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(expert templates by role, router keys by role) of the layer; templates hold `{e}`."""
     prefix = family.layout.prefix(layer)
-    gate, up, down = family.layout.projections
+    roles = ("gate", "up", "down")
     experts = {
         role: f"{prefix}.experts.{{e}}.{name}.weight"
-        for role, name in zip(("gate", "up", "down"), (gate, up, down), strict=True)
+        for role, name in zip(roles, family.layout.projections, strict=True)
     }
     if scaled:
         experts.update(
@@ -213,44 +214,24 @@ def _layer_keys(
         )
     router = {"router_weight": f"{prefix}.gate.weight"}
     if family.layout.correction_bias:
-        router["correction_bias"] = f"{prefix}.gate.e_score_correction_bias"
+        router["correction_bias"] = f"{prefix}.gate.{CORRECTION_BIAS}"
     return experts, router
 
 
-def _headers(files: Files, keys: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Key -> (safetensors dtype, shape), from the file headers only."""
-    missing = [k for k in keys if k not in files.key_to_file]
-    if missing:
-        shown = missing[:6] + (["..."] if len(missing) > 6 else [])
-        raise CheckpointError(f"{len(missing)} tensor(s) of the layer missing in {files.searched}: {shown}")
-    by_file: dict[Path, list[str]] = {}
-    for key in keys:
-        by_file.setdefault(files.key_to_file[key], []).append(key)
-    found: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for file, listed in by_file.items():
-        if not file.is_file():
-            raise CheckpointError(f"{file} (listed for {listed[:3]} in {files.searched}) does not exist")
-        with open_file(file) as f:
-            present = set(f.keys())
-            for key in listed:
-                if key not in present:
-                    raise CheckpointError(
-                        f"missing tensor {key!r}: the index names {file} but the file lacks it"
-                    )
-                meta = f.get_slice(key)
-                found[key] = (meta.get_dtype(), tuple(meta.get_shape()))
-    return found
-
-
 def _expected_shapes(spec: MoESpec) -> dict[str, tuple[int, ...]]:
-    h, i, b = spec.H, spec.I, FP8_BLOCK
+    """Role -> shape of one expert's tensor (or the router's), as `spec` has them stored."""
+    h, i = spec.H, spec.I
+
+    def scales(n: int, k: int) -> tuple[int, ...]:  # an [n, k] projection's 128x128 block scales
+        return fp8_weight_scale_shape(lead=(), n=n, k=k, granularity=Fp8Scale.BLOCK_128)
+
     return {
         "gate": (i, h),
         "up": (i, h),
         "down": (h, i),
-        "gate_scale": (_cdiv(i, b), _cdiv(h, b)),
-        "up_scale": (_cdiv(i, b), _cdiv(h, b)),
-        "down_scale": (_cdiv(h, b), _cdiv(i, b)),
+        "gate_scale": scales(i, h),
+        "up_scale": scales(i, h),
+        "down_scale": scales(h, i),
         "router_weight": (spec.E, h),
         "correction_bias": (spec.E,),
     }
@@ -352,7 +333,7 @@ def load_hf_moe_layer(
     act_dtype: torch.dtype = torch.bfloat16,
     share: RankShare | None = None,
     allow_extra_tensors: bool = False,
-) -> HfMoeLayer:
+) -> HfCheckpointLayer:
     """Read the routed experts and the router of MoE layer `layer` (and nothing else) of a per-expert
     Hugging Face checkpoint (module docstring); `config` defaults to the folder's config.json.
 
@@ -401,43 +382,44 @@ def load_hf_moe_layer(
     expert_keys = [t.format(e=e) for e in range(num_experts) for t in templates.values()]
     read = [*expert_keys, *router_keys.values()]
     shared_prefixes = tuple(family.layout.prefix(layer) + "." + p for p in family.layout.shared_prefixes)
-    shared = tuple(k for k in _block_tensors(files, family, layer) if k.startswith(shared_prefixes))
-    extra = sorted(set(_block_tensors(files, family, layer)) - set(read) - set(shared))
+    block = _block_tensors(files, family, layer)
+    shared = tuple(k for k in block if k.startswith(shared_prefixes))
+    extra = sorted(set(block) - set(read) - set(shared))
     check_sources(files, [*read, *extra])
     gate0 = templates["gate"].format(e=0)
-    stored_dtype = _headers(files, [gate0])[gate0][0]
+    stored_dtype = read_headers(files, [gate0])[gate0][0]
     _check_declared_format(gate0, stored_dtype, scaled)  # before the scales' absence or presence is judged
-    headers = _headers(files, read)
+    headers = read_headers(files, read)
     if extra and not allow_extra_tensors:
         raise CheckpointError(
             f"layer {layer} holds tensors the loader would not read: {extra[:8]} ({len(extra)} in all) in "
             f"{files.searched}; they would be silently ignored (another quantization's scales?). Remove "
             "them, or pass allow_extra_tensors=True to read only the experts and the router"
         )
-    stored = stored_format(config, _FLOAT_DTYPES.get(stored_dtype))
+    stored = stored_format(config, FLOAT_DTYPES.get(stored_dtype))
     spec = spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
     expected = _expected_shapes(spec)
     sizes = (
         f"E = {spec.E}, H = hidden_size = {spec.H}, "
         f"I = {family.layout.intermediate_field} = {spec.I} in config.json"
     )
-    weight_dtypes = _FP8 if scaled else {headers[gate0][0]: _FLOAT_DTYPES[headers[gate0][0]]}
+    weight_dtypes = _FP8 if scaled else {stored_dtype: FLOAT_DTYPES[stored_dtype]}
     dtypes: dict[str, torch.dtype] = {}
     for role, template in templates.items():
-        allowed = _FLOAT_DTYPES if role.endswith("_scale") else weight_dtypes
+        allowed = FLOAT_DTYPES if role.endswith("_scale") else weight_dtypes
         for e in range(num_experts):
             key = template.format(e=e)
             dtypes[role] = _check_header(role, key, headers[key], expected[role], dtypes=allowed, sizes=sizes)
     for role, key in router_keys.items():
         dtypes[role] = _check_header(
-            role, key, headers[key], expected[role], dtypes=_FLOAT_DTYPES, sizes=sizes
+            role, key, headers[key], expected[role], dtypes=FLOAT_DTYPES, sizes=sizes
         )
     # The share's refusals come here, before any data is read.
     cuts = {} if share is None else plan_shard(share, spec, stores_floats=not scaled).cuts
     experts = list(range(num_experts))
     if "w13" in cuts and cuts["w13"].dim == 0:  # expert parallelism: this rank's experts only
         experts = [e for start, n in cuts["w13"].segments for e in range(start, start + n)]
-    fields = _fields(templates, spec, dtypes["gate"], scaled)
+    fields = _fields(templates, expected, dtypes["gate"], scaled)
     with ExitStack() as stack:
         tensors = {
             name: _read_stacked(stack, files, field, experts, _within(cuts.get(name)), dev)
@@ -456,7 +438,7 @@ def load_hf_moe_layer(
         fp8_scale=spec.fp8_scale,
         **tensors,
     )
-    return HfMoeLayer(
+    return HfCheckpointLayer(
         family=family,
         layer=layer,
         spec=spec,
@@ -474,16 +456,17 @@ def _within(cut: Cut | None) -> Cut | None:
 
 
 def _fields(
-    templates: dict[str, str], spec: MoESpec, weight_dtype: torch.dtype, scaled: bool
+    templates: dict[str, str], expected: dict[str, tuple[int, ...]], weight_dtype: torch.dtype, scaled: bool
 ) -> dict[str, _Stacked]:
-    h, i, b = spec.H, spec.I, FP8_BLOCK
-    fields = {
-        "w13": _Stacked(((templates["gate"], i), (templates["up"], i)), h, weight_dtype),
-        "w2": _Stacked(((templates["down"], h),), i, weight_dtype),
-    }
+    """Each `ExpertWeights` field as the rows of its per-expert pieces (`expected`: one expert's shapes):
+    w13 = gate rows then up rows (CONCAT), w2 = down; their scales alike."""
+
+    def stacked(roles: tuple[str, ...], dtype: torch.dtype) -> _Stacked:
+        pieces = tuple((templates[role], expected[role][0]) for role in roles)
+        return _Stacked(pieces, expected[roles[0]][1], dtype)
+
+    fields = {"w13": stacked(("gate", "up"), weight_dtype), "w2": stacked(("down",), weight_dtype)}
     if scaled:
-        fields["w13_scale"] = _Stacked(
-            ((templates["gate_scale"], i // b), (templates["up_scale"], i // b)), _cdiv(h, b), torch.float32
-        )
-        fields["w2_scale"] = _Stacked(((templates["down_scale"], _cdiv(h, b)),), _cdiv(i, b), torch.float32)
+        fields["w13_scale"] = stacked(("gate_scale", "up_scale"), torch.float32)
+        fields["w2_scale"] = stacked(("down_scale",), torch.float32)
     return fields

@@ -10,7 +10,7 @@ Data flow:
      sizes E, H, I taken by majority over the eight tensors so the one wrong tensor is the one named
   -> [share (`moekit.parallel.RankShare`): `plan_shard` cuts the global spec (refusals here, before any
      data is read)]
-  -> data pass: `safeopen_file(...).get_tensor` for exactly these eight keys, nothing else; with a share,
+  -> data pass: `safe_open(...).get_tensor` for exactly these eight keys, nothing else; with a share,
      `get_slice(key)[cut]` for the expert tensors, so only this rank's bytes are read and held (1/N:
      its experts, or its I/N rows and columns), a zero b2 off rank 0 made without reading, the router
      whole. From a memory-mapped file the OS reads whole pages: an expert cut and w13's row cut are
@@ -34,7 +34,15 @@ from pathlib import Path
 
 import torch
 
-from moekit.checkpoint.files import Files, check_sources, open_file, read_cut, resolve
+from moekit.checkpoint.files import (
+    FLOAT_DTYPES,
+    Files,
+    check_sources,
+    open_file,
+    read_cut,
+    read_headers,
+    resolve,
+)
 from moekit.checkpoint.layer import (
     LAYER_PATTERNS,
     ROLES,
@@ -51,7 +59,6 @@ from moekit.spec import GateLayout, WeightFormat
 from moekit.weights import ExpertWeights
 
 _UINT8_ROLES = frozenset({"w13", "w13_scale", "w2", "w2_scale"})
-_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def _unexpected(files: Files, keys: dict[str, str], naming: CheckpointNaming, layer: int) -> list[str]:
@@ -148,26 +155,11 @@ def _check_headers(
                 "ExpertWeights.from_float or moekit.integrations.transformers.convert."
             )
         raise CheckpointError(f"missing tensor(s) {missing} in {files.searched}.{hint}")
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    by_file: dict[Path, list[str]] = {}
-    for role, key in keys.items():
-        by_file.setdefault(files.key_to_file[key], []).append(role)
-    for file, roles in by_file.items():
-        if not file.is_file():
-            listed = [keys[r] for r in roles]
-            raise CheckpointError(f"{file} (listed for {listed} in {files.searched}) does not exist")
-        with open_file(file) as f:
-            present = set(f.keys())
-            for role in roles:
-                key = keys[role]
-                if key not in present:
-                    raise CheckpointError(
-                        f"missing tensor {key!r}: the index names {file} but the file lacks it"
-                    )
-                meta = f.get_slice(key)
-                dtypes[role] = _check_dtype(role, key, meta.get_dtype(), file)
-                shapes[role] = tuple(meta.get_shape())
+    headers = read_headers(files, list(keys.values()))
+    shapes = {role: headers[key][1] for role, key in keys.items()}
+    dtypes = {
+        role: _check_dtype(role, key, headers[key][0], files.key_to_file[key]) for role, key in keys.items()
+    }
     expected = _expected_shapes(shapes)
     e, two_i, h = expected["b13"] + expected["b2"][1:]
     for role in ROLES:
@@ -186,11 +178,11 @@ def _check_dtype(role: str, key: str, dtype: str, file: Path) -> torch.dtype:
             return torch.uint8
         why = "blocks hold two E2M1 codes per byte" if role in ("w13", "w2") else "scales are E8M0 bytes"
         raise CheckpointError(f"tensor {key!r} in {file} has dtype {dtype}, expected U8 (uint8): MXFP4 {why}")
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise CheckpointError(
-            f"tensor {key!r} in {file} has dtype {dtype}, expected a float: one of {sorted(_FLOAT_DTYPES)}"
+            f"tensor {key!r} in {file} has dtype {dtype}, expected a float: one of {sorted(FLOAT_DTYPES)}"
         )
-    return _FLOAT_DTYPES[dtype]
+    return FLOAT_DTYPES[dtype]
 
 
 def _share_plan(share: RankShare, shapes: dict[str, tuple[int, ...]]) -> ShardPlan:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.checkpoint.hf_config import HF_ACTIVATIONS
+from moekit.checkpoint.hf_config import HF_ACTIVATIONS, sigmoid_grouped_routing
 from moekit.errors import DTypeError, FormatError, ShapeError, SpecError
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
 from moekit.integrations.transformers.families import Family, HfFamily
@@ -40,12 +40,6 @@ from moekit.spec import (
     WeightFormat,
 )
 from moekit.weights import ExpertWeights, gate_layout_permutation
-
-_FLOAT_FORMATS = {
-    torch.float32: WeightFormat.FP32,
-    torch.bfloat16: WeightFormat.BF16,
-    torch.float16: WeightFormat.FP16,
-}
 
 
 def _activation(config: object, hf: HfFamily) -> ActivationSpec:
@@ -72,18 +66,12 @@ def _routing(config: object, hf: HfFamily) -> RoutingSpec:
     missing = [field for _, field in hf.router_fields if getattr(config, field, None) is None]
     if missing:
         raise SpecError(f"the {config.model_type} config has no {missing}: its grouped routing is unknown")
-    if not config.norm_topk_prob:
-        raise SpecError(
-            f"norm_topk_prob={config.norm_topk_prob!r}: moekit's SIGMOID_GROUPED routing always renormalizes "
-            "the top-k weights (DeepSeek-V3's norm_topk_prob=True); a block that does not is not supported"
-        )
-    n_group = int(config.n_group)  # one group is no grouping: the spec holds it as None
-    return RoutingSpec(
-        RoutingMethod.SIGMOID_GROUPED,
-        n_group=None if n_group == 1 else n_group,
-        topk_group=None if n_group == 1 else int(config.topk_group),
-        has_correction_bias=hf.correction_bias is not None,
-        routed_scaling_factor=float(config.routed_scaling_factor),
+    return sigmoid_grouped_routing(
+        n_group=int(config.n_group),
+        topk_group=int(config.topk_group),
+        routed_scaling_factor=config.routed_scaling_factor,
+        norm_topk_prob=config.norm_topk_prob,
+        source="a block",
     )
 
 
@@ -209,7 +197,7 @@ def from_hf_experts(
     w13 = w13.index_select(1, perm)  # index_select copies: the result never aliases the HF parameter
     b13 = None if b13 is None else b13.index_select(1, perm)
     if format is None:
-        format = _FLOAT_FORMATS.get(w13.dtype)  # noqa: A001
+        format = WeightFormat.of_float_dtype(w13.dtype)  # noqa: A001
         if format is None:
             choices = [f.name for f in WeightFormat]
             raise DTypeError(f"cannot keep dtype {w13.dtype}; pass format= (one of {choices})")

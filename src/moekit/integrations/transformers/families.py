@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.checkpoint.hf_config import LAYOUTS, HfCheckpointFamily
+from moekit.checkpoint.hf_config import CORRECTION_BIAS, LAYOUTS, HfCheckpointFamily
 from moekit.errors import SpecError
 from moekit.spec import GateLayout, RoutingMethod
 
@@ -151,7 +151,7 @@ def _from_layout(family: HfCheckpointFamily, block_module: str, block_class: str
         has_bias=False,
         legacy_expert_names=layout.projections,
         router_fields=_GROUPED_ROUTER_FIELDS if grouped else (),
-        correction_bias="e_score_correction_bias" if layout.correction_bias else None,
+        correction_bias=CORRECTION_BIAS if layout.correction_bias else None,
         shared=SharedExperts.of_layout(family),
     )
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moekit.errors import SpecError
+from moekit.formats.mxfp4_words import layer_rows_reason
 from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConfig
 from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS as WGMMA_BF16_ALIGNMENT_ROWS
 from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
@@ -25,7 +26,7 @@ from moekit.kernels.triton.wgmma_w4a8 import BLOCK_M as W4A8_BLOCK_M
 from moekit.kernels.triton.wgmma_w4a8 import STAGES as W4A8_STAGES
 from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_reason
 from moekit.kernels.triton.wgmma_words import BLOCK_MS as WGMMA_WORDS_BLOCK_MS
-from moekit.kernels.triton.wgmma_words import wgmma_words_reason, words_rows_reason
+from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.kernels.triton.words_decode import BLOCK_MS as MMA_WORDS_DECODE_BLOCK_MS
 from moekit.kernels.triton.words_decode import DEPTHS as MMA_WORDS_DECODE_DEPTHS
 from moekit.kernels.triton.words_decode import share_reason, words_decode_reason
@@ -97,7 +98,7 @@ def words_reason(spec: MoESpec) -> str | None:
         return f"the word decode writes bf16 or fp32 operands, activations are {spec.act_dtype}"
     if spec.act_quant is not ActivationQuant.NONE:
         return "W4A8 decodes the checkpoint bytes into FP8 operands, not words into bf16 ones"
-    return words_rows_reason(spec)
+    return layer_rows_reason(intermediate=spec.I, hidden=spec.H)
 
 
 class MatmulEngine(enum.Enum):

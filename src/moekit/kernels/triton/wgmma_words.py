@@ -69,12 +69,6 @@ def _kernels() -> tuple | None:
     return wgmma_words._gemm1, wgmma_words._gemm2
 
 
-def words_rows_reason(spec: MoESpec) -> str | None:
-    """None if every weight tile a GEMM reads starts on a 16-row block of MXFP4_MMA_WORDS, else why not
-    (`mxfp4_words.layer_rows_reason`: H, and I for each half of w13)."""
-    return layer_rows_reason(intermediate=spec.I, hidden=spec.H)
-
-
 def gluon_words_reason(spec: MoESpec) -> str | None:
     """None if `spec` is what every Gluon kernel on the word-packed weights computes: MXFP4 W4A16 with bf16
     activations (their decode writes bf16 operands), weight rows in whole 16-row blocks of the words."""
@@ -82,7 +76,7 @@ def gluon_words_reason(spec: MoESpec) -> str | None:
         return "it is the MXFP4 weight path with bf16 activations (W4A16)"
     if spec.act_dtype is not torch.bfloat16:
         return f"its decode writes bf16 MMA operands, activations are {spec.act_dtype}"
-    if (reason := words_rows_reason(spec)) is not None:
+    if (reason := layer_rows_reason(intermediate=spec.I, hidden=spec.H)) is not None:
         return f"it reads MXFP4_MMA_WORDS weights: {reason}"
     return None
 
