@@ -1,22 +1,25 @@
 """One MoE layer of a Hugging Face checkpoint that stores each expert's projections as their own tensors
-(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5; bf16/fp16/fp32, or FP8 with
-128x128 block scales).
+(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5; bf16/fp16/fp32, or FP8: 128x128
+`.weight_scale_inv` blocks (quant_method "fp8"), or llm-compressor's `.weight_scale` per channel, per
+tensor or per 128x128 block (quant_method "compressed-tensors")).
 
 Data flow:
   path (a folder with config.json and .safetensors files or an index; or a file, with config=)
   -> config.json -> `HfCheckpointFamily` (key names); a layer config.json makes dense is refused
   -> `files.resolve` (key -> file, headers only)
-  -> the layer's keys: E experts x (gate, up, down) [+ their `.weight_scale_inv`], the router
+  -> `hf_config.expert_quantization`: how quantization_config stores this layer's experts (None: float)
+  -> the layer's keys: E experts x (gate, up, down) [+ their scales], the router
      `gate.weight` [+ `gate.e_score_correction_bias`]; a layer without experts, experts beyond the
      config's E, or other tensors in the block (not the shared experts) are refused
-  -> header pass: the experts stored as quantization_config says (F8_E4M3 under FP8, else a float);
-     every key present, in one file, of the right dtype and of the shape config.json gives
+  -> header pass: the experts stored as quantization_config says (F8_E4M3 under FP8, else a float), the
+     router float; every key present, in one file, of the right dtype and of the shape config.json gives
   -> `spec_from_checkpoint_config` -> the whole layer's `MoESpec`
   -> [share (`moekit.parallel.RankShare`): `plan_shard` cuts the spec, refusals before any data]
-  -> data pass: each `ExpertWeights` field is the per-expert tensors stacked (w13 = gate rows then up
-     rows, CONCAT; w2 = down), read piece by piece with `get_slice` into one preallocated tensor, only
-     the rows and columns the share's `Cut` keeps: an expert-parallel rank reads its experts' tensors and
-     no other, a tensor-parallel rank its I/N rows of gate and up and I/N columns of down
+  -> data pass (`hf_stacked`): each `ExpertWeights` field is the per-expert tensors stacked (w13 = gate
+     rows then up rows, CONCAT; w2 = down), read piece by piece with `get_slice` into one preallocated
+     tensor, only the rows and columns the share's `Cut` keeps: an expert-parallel rank reads its
+     experts' tensors and no other, a tensor-parallel rank its I/N rows of gate and up (and their
+     per-row scales) and I/N columns of down; per-channel and per-tensor scales become PER_CHANNEL [E, N]
   -> FP8 scales checked finite and > 0 -> `HfCheckpointLayer` (spec, weights, router, correction bias, and
      the names of the shared-expert tensors the model adds beside the routed experts).
 """
