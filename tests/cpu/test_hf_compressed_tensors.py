@@ -339,3 +339,51 @@ def test_a_quantized_router_and_a_misshapen_scale_are_refused(tmp_path, reads) -
     with pytest.raises(CheckpointError, match=rf"'{key}' has shape \[64\], expected \[64, 1\]"):
         load_hf_moe_layer(tmp_path, layer=LAYER)
     assert reads == []
+
+
+ACCEPTED = [  # (weights, activations) strategies -> (Fp8Scale, ActivationQuant): every pair MoESpec takes
+    ("channel", "token", Fp8Scale.PER_CHANNEL, ActivationQuant.FP8_PER_TOKEN),
+    ("channel", None, Fp8Scale.PER_CHANNEL, ActivationQuant.NONE),
+    ("tensor", "token", Fp8Scale.PER_CHANNEL, ActivationQuant.FP8_PER_TOKEN),
+    ("tensor", None, Fp8Scale.PER_CHANNEL, ActivationQuant.NONE),
+    ("block", "group", Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128),
+    ("block", "token", Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_TOKEN),
+    ("block", None, Fp8Scale.BLOCK_128, ActivationQuant.NONE),
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "act", "scale", "act_quant"), ACCEPTED, ids=[f"{a[0]}-{a[1]}" for a in ACCEPTED]
+)
+def test_each_supported_scheme_maps_onto_one_moekit_format(tmp_path, strategy, act, scale, act_quant) -> None:
+    from moekit.checkpoint.hf_config import spec_from_config_file
+
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(ct_config(DEEPSEEK, strategy, act)))
+    spec = spec_from_config_file(file)
+    assert (spec.weight_format, spec.fp8_scale, spec.act_quant) == (WeightFormat.FP8_E4M3, scale, act_quant)
+
+
+def test_the_spellings_compressed_tensors_accepts_are_read(tmp_path) -> None:
+    """A null strategy is group_size's (-1: channel); "RxC" block strings; a mixed-precision config's group
+    format; upper-case enum values (QuantizationArgs lowercases them)."""
+    from moekit.checkpoint.hf_config import spec_from_config_file
+
+    file = tmp_path / "config.json"
+    config = ct_config(QWEN3, "channel", "token")
+    _group(config)["weights"] |= {"strategy": None, "group_size": -1, "type": "FLOAT"}
+    config["quantization_config"]["format"] = "mixed-precision"
+    _group(config)["format"] = "float-quantized"
+    file.write_text(json.dumps(config))
+    assert spec_from_config_file(file).fp8_scale is Fp8Scale.PER_CHANNEL
+    _group(config)["weights"] |= {"strategy": None, "group_size": None}  # none: per tensor
+    file.write_text(json.dumps(config))
+    assert spec_from_config_file(file).fp8_scale is Fp8Scale.PER_CHANNEL  # per-tensor, read per channel
+    config = ct_config(DEEPSEEK, "block", "group")
+    _group(config)["weights"] |= {"strategy": "BLOCK", "block_structure": "128x128"}
+    file.write_text(json.dumps(config))
+    assert spec_from_config_file(file).fp8_scale is Fp8Scale.BLOCK_128
+    _group(config)["weights"]["block_structure"] = "128x64"
+    file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"block_structure='128x64': moekit's block-scaled FP8"):
+        spec_from_config_file(file)
