@@ -178,8 +178,11 @@ def test_a_dense_layer_and_other_families_are_refused_with_where_to_go(saved, tm
     ):
         load_hf_moe_layer(folder, layer=1, config=wrong)
     compressed = {**config, "quantization_config": {"quant_method": "compressed-tensors"}}
-    with pytest.raises(CheckpointError, match="is not one moekit reads"):
+    with pytest.raises(CheckpointError, match=r"quantization_config.config_groups=None: must be an object"):
         load_hf_moe_layer(folder, layer=1, config=compressed)
+    awq = {**config, "quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(CheckpointError, match="quant_method='awq' is not one moekit reads"):
+        load_hf_moe_layer(folder, layer=1, config=awq)
 
 
 # ----- FP8 block-128 checkpoints (DeepSeek-V3 and Qwen3 -FP8 layout) -------------------------------------

@@ -3,8 +3,8 @@ and the `MoESpec` its `config.json` describes.
 
 Data flow: `config.json` (a dict) -> `HfCheckpointFamily.of_config` (by `model_type`) -> `.layout` (the
 family's key names) and `spec_from_checkpoint_config` (E, K, H, I, activation, routing, the weight
-format from `quantization_config`) -> `hf_loader.load_hf_moe_layer` reads one layer's tensors by these
-names.
+format from `quantization_config`: `expert_quantization`, with `hf_quant` and `compressed_tensors`) ->
+`hf_loader.load_hf_moe_layer` reads one layer's tensors by these names.
 
 Facts, read from transformers 5.24's `models/*/modeling_*.py` and configuration classes and from what
 its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny models of each family):
@@ -27,6 +27,10 @@ its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny
   activation_scheme "dynamic", weight_block_size [128, 128]}: each projection is float8_e4m3fn with a
   `.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] that multiplies the codes (the name
   notwithstanding), and activations are quantized per token and 128-column group at run time.
+- llm-compressor's FP8 releases (RedHatAI's Qwen3-30B-A3B-FP8-dynamic, Mixtral-8x7B FP8) carry
+  quantization_config {quant_method "compressed-tensors", format "float-quantized", config_groups,
+  ignore (the routers among them)}: each quantized projection is float8_e4m3fn with a `.weight_scale`
+  per output channel, per tensor or per 128x128 block (`compressed_tensors`, where its facts are sourced).
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ from pathlib import Path
 
 import torch
 
+from moekit.checkpoint.compressed_tensors import compressed_tensors_experts
+from moekit.checkpoint.hf_quant import (
+    CT_METHOD,
+    FP8_BLOCK_QUANT,
+    FP8_METHOD,
+    ExpertQuantization,
+    check_fp8_method,
+)
 from moekit.errors import CheckpointError, SpecError
 from moekit.parallel.shard import FP8_BLOCK
 from moekit.spec import (
@@ -61,8 +73,6 @@ HF_ACTIVATIONS: dict[str, Activation] = {
     "gelu_pytorch_tanh": Activation.GELU_TANH,
 }
 CONFIG_FILE = "config.json"  # beside the .safetensors files of a model folder
-WEIGHT_BLOCK_SIZE = [FP8_BLOCK, FP8_BLOCK]  # the only `weight_block_size` moekit's FP8 format stores
-SCALE_SUFFIX = ".weight_scale_inv"  # beside each FP8 projection's ".weight"
 CORRECTION_BIAS = "e_score_correction_bias"  # the router's [E] buffer (`{block}.gate.` in a checkpoint)
 
 
@@ -205,38 +215,52 @@ class StoredFormat:
     act_quant: ActivationQuant
 
 
-def declares_fp8(config: Mapping[str, object]) -> bool:
-    """Whether `quantization_config` declares FP8 block-128 experts (False: none, float experts); any
-    other quantization is refused here, before the checkpoint's tensors are looked at."""
+def expert_modules(family: HfCheckpointFamily, config: Mapping[str, object], layer: int) -> list[str]:
+    """The module names of layer `layer`'s expert projections (`{block}.experts.{e}.{proj}`), which a
+    compressed-tensors config's targets and `ignore` match."""
+    prefix = family.layout.prefix(layer)
+    return [
+        f"{prefix}.experts.{e}.{proj}"
+        for e in range(num_experts_of(family, config))
+        for proj in family.layout.projections
+    ]
+
+
+def expert_quantization(
+    family: HfCheckpointFamily, config: Mapping[str, object], layer: int
+) -> ExpertQuantization | None:
+    """How `quantization_config` says layer `layer`'s experts are stored; None: float experts (no
+    quantization_config, or one whose `ignore` leaves them float). Any other quantization is refused here,
+    before the checkpoint's tensors are looked at."""
     quant = config.get("quantization_config")
     if quant is None:
-        return False
+        return None
     if not isinstance(quant, Mapping):
         raise CheckpointError(f"config.json quantization_config must be an object, got {quant!r}")
-    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
-    block, scheme = quant.get("weight_block_size"), quant.get("activation_scheme", "dynamic")
-    block_ok = isinstance(block, (list, tuple)) and list(block) == WEIGHT_BLOCK_SIZE  # an int is no grid
-    # transformers' FineGrainedFP8Config: expert_dtype "fp4" packs the experts two codes a byte (DeepSeek-V4)
-    experts = quant.get("expert_dtype", "fp8")
-    if method != "fp8" or fmt != "e4m3" or not block_ok or scheme != "dynamic" or experts != "fp8":
+    method = quant.get("quant_method")
+    if method == CT_METHOD:
+        return compressed_tensors_experts(quant, expert_modules(family, config, layer))
+    if method != FP8_METHOD:
         raise CheckpointError(
-            f"quantization_config {dict(quant)} is not one moekit reads: it reads quant_method 'fp8', fmt "
-            f"'e4m3', weight_block_size {WEIGHT_BLOCK_SIZE}, activation_scheme 'dynamic', expert_dtype "
-            "'fp8' (DeepSeek-V3, Qwen3 -FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts "
-            "with ExpertWeights.from_float"
+            f"quantization_config quant_method={method!r} is not one moekit reads: it reads "
+            f"{FP8_METHOD!r} (DeepSeek-V3, Qwen3 -FP8: 128x128 block scales) and {CT_METHOD!r} "
+            "(llm-compressor FP8). Dequantize the checkpoint to bf16, or quantize bf16 experts with "
+            "ExpertWeights.from_float"
         )
-    return True
+    check_fp8_method(quant)
+    return FP8_BLOCK_QUANT
 
 
-def stored_format(config: Mapping[str, object], float_dtype: torch.dtype | None) -> StoredFormat:
-    """The format `quantization_config` declares; without one, the float dtype the tensors hold."""
-    if declares_fp8(config):
-        return StoredFormat(WeightFormat.FP8_E4M3, Fp8Scale.BLOCK_128, ActivationQuant.FP8_PER_GROUP_128)
+def stored_format(quant: ExpertQuantization | None, float_dtype: torch.dtype | None) -> StoredFormat:
+    """The format `quant` declares; without one, the float dtype the tensors hold."""
+    if quant is not None:
+        return StoredFormat(WeightFormat.FP8_E4M3, quant.fp8_scale, quant.act_quant)
     weight_format = None if float_dtype is None else WeightFormat.of_float_dtype(float_dtype)
     if weight_format is None:
         raise CheckpointError(
-            f"config.json has no quantization_config, so the experts must be float32, bfloat16 or "
-            f"float16, but they are {float_dtype}; a quantized checkpoint needs its quantization_config"
+            "config.json declares no quantization of these experts (no quantization_config, or one whose "
+            f"'ignore' lists them), so they must be float32, bfloat16 or float16, but they are "
+            f"{float_dtype}; a quantized checkpoint needs its quantization_config"
         )
     return StoredFormat(weight_format, None, ActivationQuant.NONE)
 
@@ -258,19 +282,21 @@ _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 def spec_from_config_file(file: Path, *, act_dtype: torch.dtype = torch.bfloat16) -> MoESpec:
     """The MoE layer spec a per-expert checkpoint's config.json (or the config.json of the model folder
     `file`) describes, without its tensors: the float format from the config's `dtype` (`torch_dtype` in
-    older configs) unless it declares FP8, for planning (`moekit explain --config`); `load_hf_moe_layer`
+    older configs) unless it declares FP8 (for the first layer with experts: a compressed-tensors config
+    may leave some layers' experts float), for planning (`moekit explain --config`); `load_hf_moe_layer`
     checks it against the tensors it reads."""
     file = Path(file)
     config = read_config(file / CONFIG_FILE if file.is_dir() else file)
     family = HfCheckpointFamily.of_config(config)
     name = config.get("dtype", config.get("torch_dtype"))
     dtype = _CONFIG_DTYPES.get(name) if isinstance(name, str) else None  # a list or object names none
-    if not declares_fp8(config) and dtype is None:
+    quant = expert_quantization(family, config, first_moe_layer(family, config))
+    if quant is None and dtype is None:
         raise CheckpointError(
             f"{file} names the weights' dtype {name!r} (field 'dtype' or 'torch_dtype'); one of "
             f"{sorted(_CONFIG_DTYPES)} is needed to know their format without reading them"
         )
-    stored = stored_format(config, dtype)
+    stored = stored_format(quant, dtype)
     return spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
 
 
@@ -340,7 +366,7 @@ def spec_from_checkpoint_config(
             f"{list(HF_ACTIVATIONS)}"
         )
     intermediate = _field(config, layout.intermediate_field)
-    if stored.weight_format is WeightFormat.FP8_E4M3 and intermediate % FP8_BLOCK:
+    if stored.fp8_scale is Fp8Scale.BLOCK_128 and intermediate % FP8_BLOCK:
         raise CheckpointError(
             f"{layout.intermediate_field}={intermediate} is not a multiple of {FP8_BLOCK}: the gate and up "
             f"scale blocks cannot stack into one [2I] grid of {FP8_BLOCK}-row blocks; dequantize the experts "
@@ -393,3 +419,10 @@ def dense_layer_reason(family: HfCheckpointFamily, config: Mapping[str, object],
     if (layer + 1) % step:
         return f"decoder_sparse_step={step}: only layers l with (l + 1) % {step} == 0 have experts"
     return None
+
+
+def first_moe_layer(family: HfCheckpointFamily, config: Mapping[str, object]) -> int:
+    """The first layer config.json does not make dense (0 when it says nothing of the layers)."""
+    count = config.get("num_hidden_layers")
+    count = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
+    return next((layer for layer in range(count) if dense_layer_reason(family, config, layer) is None), 0)

@@ -1,22 +1,25 @@
 """One MoE layer of a Hugging Face checkpoint that stores each expert's projections as their own tensors
-(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5; bf16/fp16/fp32, or FP8 with
-128x128 block scales).
+(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5; bf16/fp16/fp32, or FP8: 128x128
+`.weight_scale_inv` blocks (quant_method "fp8"), or llm-compressor's `.weight_scale` per channel, per
+tensor or per 128x128 block (quant_method "compressed-tensors")).
 
 Data flow:
   path (a folder with config.json and .safetensors files or an index; or a file, with config=)
   -> config.json -> `HfCheckpointFamily` (key names); a layer config.json makes dense is refused
   -> `files.resolve` (key -> file, headers only)
-  -> the layer's keys: E experts x (gate, up, down) [+ their `.weight_scale_inv`], the router
+  -> `hf_config.expert_quantization`: how quantization_config stores this layer's experts (None: float)
+  -> the layer's keys: E experts x (gate, up, down) [+ their scales], the router
      `gate.weight` [+ `gate.e_score_correction_bias`]; a layer without experts, experts beyond the
      config's E, or other tensors in the block (not the shared experts) are refused
-  -> header pass: the experts stored as quantization_config says (F8_E4M3 under FP8, else a float);
-     every key present, in one file, of the right dtype and of the shape config.json gives
+  -> header pass: the experts stored as quantization_config says (F8_E4M3 under FP8, else a float), the
+     router float; every key present, in one file, of the right dtype and of the shape config.json gives
   -> `spec_from_checkpoint_config` -> the whole layer's `MoESpec`
   -> [share (`moekit.parallel.RankShare`): `plan_shard` cuts the spec, refusals before any data]
-  -> data pass: each `ExpertWeights` field is the per-expert tensors stacked (w13 = gate rows then up
-     rows, CONCAT; w2 = down), read piece by piece with `get_slice` into one preallocated tensor, only
-     the rows and columns the share's `Cut` keeps: an expert-parallel rank reads its experts' tensors and
-     no other, a tensor-parallel rank its I/N rows of gate and up and I/N columns of down
+  -> data pass (`hf_stacked`): each `ExpertWeights` field is the per-expert tensors stacked (w13 = gate
+     rows then up rows, CONCAT; w2 = down), read piece by piece with `get_slice` into one preallocated
+     tensor, only the rows and columns the share's `Cut` keeps: an expert-parallel rank reads its
+     experts' tensors and no other, a tensor-parallel rank its I/N rows of gate and up (and their
+     per-row scales) and I/N columns of down; per-channel and per-tensor scales become PER_CHANNEL [E, N]
   -> FP8 scales checked finite and > 0 -> `HfCheckpointLayer` (spec, weights, router, correction bias, and
      the names of the shared-expert tensors the model adds beside the routed experts).
 """
@@ -37,21 +40,21 @@ from moekit.checkpoint.files import FLOAT_DTYPES, Files, check_sources, open_fil
 from moekit.checkpoint.hf_config import (
     CONFIG_FILE,
     CORRECTION_BIAS,
-    SCALE_SUFFIX,
     HfCheckpointFamily,
-    declares_fp8,
     dense_layer_reason,
+    expert_quantization,
     num_experts_of,
     read_config,
     spec_from_checkpoint_config,
     stored_format,
 )
+from moekit.checkpoint.hf_quant import ExpertQuantization
+from moekit.checkpoint.hf_stacked import check_scales, per_row, read_stacked, stacked_fields
 from moekit.checks import check_router_tensor
-from moekit.errors import ArgumentError, CheckpointError, FormatError, SpecError, check_bool, check_type
-from moekit.formats import check_fp8_scales, fp8_weight_scale_shape
+from moekit.errors import ArgumentError, CheckpointError, SpecError, check_bool, check_type
 from moekit.kernels.base import DeviceInfo, parse_device
 from moekit.parallel import Cut, RankShare, plan_shard
-from moekit.spec import Fp8Scale, GateLayout, MoESpec
+from moekit.spec import GateLayout, MoESpec
 from moekit.weights import ExpertWeights
 
 _FP8 = {"F8_E4M3": torch.float8_e4m3fn}
@@ -102,27 +105,6 @@ class HfCheckpointLayer:
         return torch.nn.functional.linear(x.float(), self.router_weight.float())
 
 
-@dataclass(frozen=True)
-class _Stacked:
-    """One `ExpertWeights` field assembled from per-expert tensors: for expert e, the rows of each
-    piece's key (`template.format(e=e)`) one after the other, `cols` columns, `dtype`."""
-
-    pieces: tuple[tuple[str, int], ...]  # (key template, rows), in row order
-    cols: int
-    dtype: torch.dtype
-
-    @property
-    def rows(self) -> int:
-        return sum(rows for _, rows in self.pieces)
-
-    def key_at(self, expert: int, row: int) -> str:
-        for template, rows in self.pieces:
-            if row < rows:
-                return template.format(e=expert)
-            row -= rows
-        raise IndexError(row)
-
-
 def _load_config(path: Path, config: object) -> Mapping[str, object]:
     if isinstance(config, Mapping):
         return config
@@ -170,20 +152,22 @@ def _no_experts_error(
     )
 
 
-def _check_declared_format(key: str, dtype: str, scaled: bool) -> None:
+def _check_declared_format(key: str, dtype: str, quant: ExpertQuantization | None) -> None:
     """The experts' stored dtype (of `key`) is the format config.json's quantization_config declares."""
-    if scaled and dtype not in _FP8:
+    if quant is not None and dtype not in _FP8:
         raise CheckpointError(
-            f"config.json's quantization_config declares FP8 (F8_E4M3) experts with {SCALE_SUFFIX} scales, "
-            f"but tensor {key!r} is {dtype} (a dequantized checkpoint, or experts listed in "
-            "modules_to_not_convert?); to read float experts, pass config= without quantization_config"
+            f"config.json's quantization_config ({quant.method}) declares FP8 (F8_E4M3) experts with "
+            f"{quant.scale_suffix} scales, but tensor {key!r} is {dtype} (a dequantized checkpoint, or "
+            "experts listed in modules_to_not_convert?); to read float experts, pass config= without "
+            "quantization_config"
         )
-    if not scaled and dtype not in FLOAT_DTYPES:
+    if quant is None and dtype not in FLOAT_DTYPES:
         raise CheckpointError(
-            f"tensor {key!r} is {dtype}, but config.json has no quantization_config to say how to decode it; "
-            f"moekit reads F32, BF16 or F16 experts as they are, and F8_E4M3 ones with {SCALE_SUFFIX} "
-            "128x128 block scales under quantization_config {quant_method 'fp8', weight_block_size "
-            "[128, 128]}: add the checkpoint's quantization_config"
+            f"tensor {key!r} is {dtype}, but config.json has no quantization_config that quantizes it "
+            "(none, or one whose 'ignore' leaves these experts float) to say how to decode it; moekit reads "
+            "F32, BF16 or F16 experts as they are, and F8_E4M3 ones under "
+            "quantization_config {quant_method 'fp8', weight_block_size [128, 128]} (.weight_scale_inv) or "
+            "quant_method 'compressed-tensors' (.weight_scale): add the checkpoint's quantization_config"
         )
 
 
@@ -199,7 +183,7 @@ def _moe_layers(files: Files, family: HfCheckpointFamily) -> dict[int, set[int]]
 
 
 def _layer_keys(
-    family: HfCheckpointFamily, layer: int, scaled: bool
+    family: HfCheckpointFamily, layer: int, quant: ExpertQuantization | None
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(expert templates by role, router keys by role) of the layer; templates hold `{e}`."""
     prefix = family.layout.prefix(layer)
@@ -208,40 +192,36 @@ def _layer_keys(
         role: f"{prefix}.experts.{{e}}.{name}.weight"
         for role, name in zip(roles, family.layout.projections, strict=True)
     }
-    if scaled:
-        experts.update(
-            {f"{r}_scale": t.removesuffix(".weight") + SCALE_SUFFIX for r, t in list(experts.items())}
-        )
+    if quant is not None:
+        suffix = quant.scale_suffix
+        experts.update({f"{r}_scale": t.removesuffix(".weight") + suffix for r, t in list(experts.items())})
     router = {"router_weight": f"{prefix}.gate.weight"}
     if family.layout.correction_bias:
         router["correction_bias"] = f"{prefix}.gate.{CORRECTION_BIAS}"
     return experts, router
 
 
-def _expected_shapes(spec: MoESpec) -> dict[str, tuple[int, ...]]:
-    """Role -> shape of one expert's tensor (or the router's), as `spec` has them stored."""
-    h, i = spec.H, spec.I
+def _weight_shapes(spec: MoESpec) -> dict[str, tuple[int, int]]:
+    """Role -> one expert's [out, in] projection."""
+    return {"gate": (spec.I, spec.H), "up": (spec.I, spec.H), "down": (spec.H, spec.I)}
 
-    def scales(n: int, k: int) -> tuple[int, ...]:  # an [n, k] projection's 128x128 block scales
-        return fp8_weight_scale_shape(lead=(), n=n, k=k, granularity=Fp8Scale.BLOCK_128)
 
-    return {
-        "gate": (i, h),
-        "up": (i, h),
-        "down": (h, i),
-        "gate_scale": scales(i, h),
-        "up_scale": scales(i, h),
-        "down_scale": scales(h, i),
-        "router_weight": (spec.E, h),
-        "correction_bias": (spec.E,),
-    }
+def _expected_shapes(
+    spec: MoESpec, quant: ExpertQuantization | None
+) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Role -> the shapes one expert's tensor (or the router's) may have as stored."""
+    weights = _weight_shapes(spec)
+    shapes = {role: (shape,) for role, shape in weights.items()}
+    if quant is not None:
+        shapes |= {f"{role}_scale": quant.stored.shapes(*shape) for role, shape in weights.items()}
+    return shapes | {"router_weight": ((spec.E, spec.H),), "correction_bias": ((spec.E,),)}
 
 
 def _check_header(
     role: str,
     key: str,
     header: tuple[str, tuple[int, ...]],
-    want: tuple[int, ...],
+    want: tuple[tuple[int, ...], ...],
     *,
     dtypes: dict[str, torch.dtype],
     sizes: str,
@@ -249,62 +229,10 @@ def _check_header(
     dtype, shape = header
     if dtype not in dtypes:
         raise CheckpointError(f"tensor {key!r} has dtype {dtype}, expected one of {sorted(dtypes)}")
-    if shape != want:
-        raise CheckpointError(f"tensor {key!r} has shape {list(shape)}, expected {list(want)} ({sizes})")
+    if shape not in want:
+        shown = " or ".join(str(list(w)) for w in want)
+        raise CheckpointError(f"tensor {key!r} has shape {list(shape)}, expected {shown} ({sizes})")
     return dtypes[dtype]
-
-
-def _read_stacked(
-    stack: ExitStack, files: Files, field: _Stacked, experts: list[int], cut: Cut | None, device: torch.device
-) -> torch.Tensor:
-    """`field` for `experts`, cut along its rows (dim 1) or columns (dim 2) as `cut` says, read piece by
-    piece into one tensor: only the bytes kept are read, and no stacked copy of the whole is made."""
-    row_segments = cut.segments if cut is not None and cut.dim == 1 else ((0, field.rows),)
-    col_segments = cut.segments if cut is not None and cut.dim == 2 else ((0, field.cols),)
-    rows, cols = sum(n for _, n in row_segments), sum(n for _, n in col_segments)
-    out = torch.empty((len(experts), rows, cols), dtype=field.dtype, device=device)
-    handles: dict[Path, object] = {}
-    for slot, expert in enumerate(experts):
-        out_row = 0
-        for start, length in row_segments:
-            offset = 0
-            for template, piece_rows in field.pieces:
-                lo, hi = max(start, offset), min(start + length, offset + piece_rows)
-                if lo < hi:
-                    key = template.format(e=expert)
-                    file = files.key_to_file[key]
-                    if file not in handles:
-                        handles[file] = stack.enter_context(open_file(file, device=device))
-                    view = handles[file].get_slice(key)
-                    out_col = 0
-                    for col_start, col_length in col_segments:
-                        rows_out = slice(out_row + lo - start, out_row + hi - start)
-                        part = view[lo - offset : hi - offset, col_start : col_start + col_length]
-                        out[slot, rows_out, out_col : out_col + col_length].copy_(part)
-                        out_col += col_length
-                offset += piece_rows
-            out_row += length
-    return out
-
-
-def _check_scales(field: _Stacked, scales: torch.Tensor, experts: list[int], cut: Cut | None) -> None:
-    try:
-        check_fp8_scales(scales, name="scales")
-    except FormatError:
-        bad = ~(torch.isfinite(scales) & (scales > 0))
-        slot, row, _ = (int(i) for i in bad.nonzero()[0])
-        if cut is not None and cut.dim == 1:  # the row in the stored tensor, not in the share
-            for start, length in cut.segments:
-                if row < length:
-                    row += start
-                    break
-                row -= length
-        key = field.key_at(experts[slot], row)
-        raise CheckpointError(
-            f"{int(bad.sum())} FP8 weight scale(s) read from this layer are not finite and > 0, first in "
-            f"{key!r}: {scales[bad][0].item()!r}; the checkpoint is "
-            "damaged, and those blocks would decode to NaN or inf: restore the file"
-        ) from None
 
 
 def _block_tensors(files: Files, family: HfCheckpointFamily, layer: int) -> list[str]:
@@ -377,8 +305,8 @@ def load_hf_moe_layer(
             f"layer {layer} holds no tensor of experts {absent}{more} ({num_experts - len(have)} of the E="
             f"{num_experts} config.json says) in {files.searched}; the config and the checkpoint disagree"
         )
-    scaled = declares_fp8(config)
-    templates, router_keys = _layer_keys(family, layer, scaled)
+    quant = expert_quantization(family, config, layer)
+    templates, router_keys = _layer_keys(family, layer, quant)
     expert_keys = [t.format(e=e) for e in range(num_experts) for t in templates.values()]
     read = [*expert_keys, *router_keys.values()]
     shared_prefixes = tuple(family.layout.prefix(layer) + "." + p for p in family.layout.shared_prefixes)
@@ -388,22 +316,29 @@ def load_hf_moe_layer(
     check_sources(files, [*read, *extra])
     gate0 = templates["gate"].format(e=0)
     stored_dtype = read_headers(files, [gate0])[gate0][0]
-    _check_declared_format(gate0, stored_dtype, scaled)  # before the scales' absence or presence is judged
+    _check_declared_format(gate0, stored_dtype, quant)  # before the scales' absence or presence is judged
     headers = read_headers(files, read)
+    router_dtype = headers[router_keys["router_weight"]][0]
+    if router_dtype in _FP8:
+        raise CheckpointError(
+            f"the router {router_keys['router_weight']!r} is stored {router_dtype}: moekit reads the router "
+            "as float (llm-compressor keeps it so when quantization_config's 'ignore' lists it, e.g. "
+            "'re:.*mlp.gate$'); quantize the model again with the router ignored"
+        )
     if extra and not allow_extra_tensors:
         raise CheckpointError(
             f"layer {layer} holds tensors the loader would not read: {extra[:8]} ({len(extra)} in all) in "
             f"{files.searched}; they would be silently ignored (another quantization's scales?). Remove "
             "them, or pass allow_extra_tensors=True to read only the experts and the router"
         )
-    stored = stored_format(config, FLOAT_DTYPES.get(stored_dtype))
+    stored = stored_format(quant, FLOAT_DTYPES.get(stored_dtype))
     spec = spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
-    expected = _expected_shapes(spec)
+    expected = _expected_shapes(spec, quant)
     sizes = (
         f"E = {spec.E}, H = hidden_size = {spec.H}, "
         f"I = {family.layout.intermediate_field} = {spec.I} in config.json"
     )
-    weight_dtypes = _FP8 if scaled else {stored_dtype: FLOAT_DTYPES[stored_dtype]}
+    weight_dtypes = _FP8 if quant is not None else {stored_dtype: FLOAT_DTYPES[stored_dtype]}
     dtypes: dict[str, torch.dtype] = {}
     for role, template in templates.items():
         allowed = FLOAT_DTYPES if role.endswith("_scale") else weight_dtypes
@@ -415,23 +350,24 @@ def load_hf_moe_layer(
             role, key, headers[key], expected[role], dtypes=FLOAT_DTYPES, sizes=sizes
         )
     # The share's refusals come here, before any data is read.
-    cuts = {} if share is None else plan_shard(share, spec, stores_floats=not scaled).cuts
+    cuts = {} if share is None else plan_shard(share, spec, stores_floats=quant is None).cuts
     experts = list(range(num_experts))
     if "w13" in cuts and cuts["w13"].dim == 0:  # expert parallelism: this rank's experts only
         experts = [e for start, n in cuts["w13"].segments for e in range(start, start + n)]
-    fields = _fields(templates, expected, dtypes["gate"], scaled)
+    fields = stacked_fields(templates, _weight_shapes(spec), dtypes["gate"], quant)
     with ExitStack() as stack:
         tensors = {
-            name: _read_stacked(stack, files, field, experts, _within(cuts.get(name)), dev)
+            name: read_stacked(stack, files, field, experts, _within(cuts.get(name)), dev)
             for name, field in fields.items()
         }
         router = {}
         for role, key in router_keys.items():
             handle = stack.enter_context(open_file(files.key_to_file[key], device=dev))
             router[role] = handle.get_tensor(key)
-    if scaled:
+    if quant is not None:
         for name in ("w13_scale", "w2_scale"):
-            _check_scales(fields[name], tensors[name], experts, _within(cuts.get(name)))
+            check_scales(fields[name], tensors[name], experts, _within(cuts.get(name)))
+            tensors[name] = per_row(tensors[name], quant)
     weights = ExpertWeights(
         format=spec.weight_format,
         gate_layout=GateLayout.CONCAT,
@@ -451,22 +387,5 @@ def load_hf_moe_layer(
 
 
 def _within(cut: Cut | None) -> Cut | None:
-    """The cut within each expert (expert parallelism picks experts, `_read_stacked` reads them whole)."""
+    """The cut within each expert (expert parallelism picks experts, `read_stacked` reads them whole)."""
     return None if cut is None or cut.dim == 0 else cut
-
-
-def _fields(
-    templates: dict[str, str], expected: dict[str, tuple[int, ...]], weight_dtype: torch.dtype, scaled: bool
-) -> dict[str, _Stacked]:
-    """Each `ExpertWeights` field as the rows of its per-expert pieces (`expected`: one expert's shapes):
-    w13 = gate rows then up rows (CONCAT), w2 = down; their scales alike."""
-
-    def stacked(roles: tuple[str, ...], dtype: torch.dtype) -> _Stacked:
-        pieces = tuple((templates[role], expected[role][0]) for role in roles)
-        return _Stacked(pieces, expected[roles[0]][1], dtype)
-
-    fields = {"w13": stacked(("gate", "up"), weight_dtype), "w2": stacked(("down",), weight_dtype)}
-    if scaled:
-        fields["w13_scale"] = stacked(("gate_scale", "up_scale"), torch.float32)
-        fields["w2_scale"] = stacked(("down_scale",), torch.float32)
-    return fields
