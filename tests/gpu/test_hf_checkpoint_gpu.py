@@ -47,3 +47,36 @@ def test_an_fp8_checkpoint_read_onto_the_gpu_runs_as_the_reference_says(tmp_path
         ref = fused_moe_reference(x, on_cpu.weights, routing, spec=spec)
         assert torch.isfinite(got).all()
         assert relative_l2_error(got, ref.float()) <= tolerance(spec), (tokens, layer.plans)
+
+
+CT_CASES = [
+    (HfCheckpointFamily.QWEN3_MOE, "channel", "token"),
+    (HfCheckpointFamily.QWEN3_MOE, "channel", None),
+    (HfCheckpointFamily.MIXTRAL, "tensor", "token"),
+    (HfCheckpointFamily.DEEPSEEK_V3, "block", "group"),
+]
+
+
+@pytest.mark.parametrize("family,strategy,act", CT_CASES, ids=[f"{f.value}-{s}-{a}" for f, s, a in CT_CASES])
+def test_a_compressed_tensors_checkpoint_runs_on_the_gpu_as_the_reference_says(
+    tmp_path: Path, family, strategy, act
+) -> None:
+    """llm-compressor's FP8 schemes (per-channel / per-tensor / block weight scales, per-token / per-group
+    / no activation quantization) read onto CUDA, planned, and checked against the CPU-read reference."""
+    from hf_compressed import LAYER, write_ct_checkpoint
+
+    write_ct_checkpoint(tmp_path, family, strategy, act, seed=5)
+    on_cpu = load_hf_moe_layer(tmp_path, layer=LAYER)
+    layer = FusedMoE.from_hf_checkpoint(tmp_path, LAYER, device="cuda")
+    for name, t in on_cpu.weights.tensors().items():
+        assert torch.equal(getattr(layer.weights, name).cpu(), t), name
+    spec = on_cpu.spec
+    for tokens in (1, 9, 333):
+        x = torch.randn(tokens, spec.H, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        got = layer(x.cuda()).float().cpu()
+        routing = route(
+            on_cpu.router_logits(x), top_k=spec.K, spec=spec.routing, correction_bias=on_cpu.correction_bias
+        )
+        ref = fused_moe_reference(x, on_cpu.weights, routing, spec=spec)
+        assert torch.isfinite(got).all()
+        assert relative_l2_error(got, ref.float()) <= tolerance(spec), (tokens, layer.plans)
