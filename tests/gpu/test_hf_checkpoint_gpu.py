@@ -19,7 +19,8 @@ from gpu_only import skip_unless_compiled_gpu
 
 skip_unless_compiled_gpu()
 
-from hf_checkpoints import FP8_H, write_fp8_checkpoint  # noqa: E402
+from hf_checkpoints import write_fp8_checkpoint  # noqa: E402
+from hf_compressed import LAYER, write_ct_checkpoint  # noqa: E402
 from moekit import fused_moe_reference, route  # noqa: E402
 from moekit.checkpoint import HfCheckpointFamily, load_hf_moe_layer  # noqa: E402
 from moekit.layer import FusedMoE  # noqa: E402
@@ -32,21 +33,27 @@ FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE]
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.value for f in FAMILIES])
 def test_an_fp8_checkpoint_read_onto_the_gpu_runs_as_the_reference_says(tmp_path: Path, family) -> None:
     write_fp8_checkpoint(tmp_path, family, seed=11)
-    on_cpu = load_hf_moe_layer(tmp_path, layer=3)
-    layer = FusedMoE.from_hf_checkpoint(tmp_path, 3, device="cuda")
+    _check_on_the_gpu(tmp_path, 3, tokens=(1, 7, 300))
+
+
+def _check_on_the_gpu(folder: Path, layer_index: int, *, tokens: tuple[int, ...]) -> None:
+    """The layer read onto CUDA holds the CPU-read weights bit for bit, and its planned kernels match
+    `fused_moe_reference` of the CPU-read layer on fresh random bf16 tokens, at each token count."""
+    on_cpu = load_hf_moe_layer(folder, layer=layer_index)
+    layer = FusedMoE.from_hf_checkpoint(folder, layer_index, device="cuda")
     assert layer.weights.w13.device.type == "cuda"
     for name, t in on_cpu.weights.tensors().items():
         assert torch.equal(getattr(layer.weights, name).cpu(), t), name
     spec = on_cpu.spec
-    for tokens in (1, 7, 300):
-        x = torch.randn(tokens, FP8_H, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    for count in tokens:
+        x = torch.randn(count, spec.H, generator=torch.Generator().manual_seed(count)).bfloat16()
         got = layer(x.cuda()).float().cpu()
         routing = route(
             on_cpu.router_logits(x), top_k=spec.K, spec=spec.routing, correction_bias=on_cpu.correction_bias
         )
         ref = fused_moe_reference(x, on_cpu.weights, routing, spec=spec)
         assert torch.isfinite(got).all()
-        assert relative_l2_error(got, ref.float()) <= tolerance(spec), (tokens, layer.plans)
+        assert relative_l2_error(got, ref.float()) <= tolerance(spec), (count, layer.plans)
 
 
 CT_CASES = [
@@ -63,20 +70,5 @@ def test_a_compressed_tensors_checkpoint_runs_on_the_gpu_as_the_reference_says(
 ) -> None:
     """llm-compressor's FP8 schemes (per-channel / per-tensor / block weight scales, per-token / per-group
     / no activation quantization) read onto CUDA, planned, and checked against the CPU-read reference."""
-    from hf_compressed import LAYER, write_ct_checkpoint
-
     write_ct_checkpoint(tmp_path, family, strategy, act, seed=5)
-    on_cpu = load_hf_moe_layer(tmp_path, layer=LAYER)
-    layer = FusedMoE.from_hf_checkpoint(tmp_path, LAYER, device="cuda")
-    for name, t in on_cpu.weights.tensors().items():
-        assert torch.equal(getattr(layer.weights, name).cpu(), t), name
-    spec = on_cpu.spec
-    for tokens in (1, 9, 333):
-        x = torch.randn(tokens, spec.H, generator=torch.Generator().manual_seed(tokens)).bfloat16()
-        got = layer(x.cuda()).float().cpu()
-        routing = route(
-            on_cpu.router_logits(x), top_k=spec.K, spec=spec.routing, correction_bias=on_cpu.correction_bias
-        )
-        ref = fused_moe_reference(x, on_cpu.weights, routing, spec=spec)
-        assert torch.isfinite(got).all()
-        assert relative_l2_error(got, ref.float()) <= tolerance(spec), (tokens, layer.plans)
+    _check_on_the_gpu(tmp_path, LAYER, tokens=(1, 9, 333))
