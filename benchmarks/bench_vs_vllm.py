@@ -17,7 +17,10 @@ poisoned with NaN first), at moekit's tolerance for the spec.
 
 Presets: vLLM's names. `gpt-oss-120b` is BF16 on the vLLM side (its MXFP4 path is triton_kernels,
 `peers/bench_triton_kernels.py`), so moekit runs it in BF16 too. `name@ExKxHxI` runs a preset's math at
-another shape (vLLM then looks up its tuned configs for that E and N, or its defaults).
+another shape (vLLM then looks up its tuned configs for that E and N, or its defaults). A "+fp8-channel"
+suffix (e.g. `qwen3-30b-a3b+fp8-channel`) runs the preset with FP8 weights scaled per output row and FP8
+activations scaled per token on both sides, as llm-compressor's "FP8-dynamic" checkpoints are served
+(`vllm_channel.py` builds vLLM's side).
 """
 
 import argparse
@@ -27,10 +30,12 @@ import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 VLLM_PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-120b")
+CHANNEL_SUFFIX = "+fp8-channel"
 
 
 def _load_peer(path: Path):
@@ -64,8 +69,9 @@ class SideBySide:
 
 
 def _shapes(peer, label: str, tiny: bool) -> tuple[str, dict]:
-    """(vLLM preset name, its shape dict) for `label` ("name" or "name@ExKxHxI")."""
-    name, _, shape = label.partition("@")
+    """(vLLM preset name, its shape dict) for `label` ("name" or "name@ExKxHxI", either with
+    CHANNEL_SUFFIX)."""
+    name, _, shape = label.removesuffix(CHANNEL_SUFFIX).partition("@")
     if name not in VLLM_PRESETS:
         sys.exit(f"unknown preset {name!r}: the vLLM side has {', '.join(VLLM_PRESETS)}")
     dims = dict(peer.PRESETS[name])
@@ -77,11 +83,18 @@ def _shapes(peer, label: str, tiny: bool) -> tuple[str, dict]:
     return name, dims
 
 
-def _moekit_spec(name: str, dims: dict, act_dtype: torch.dtype):
+def _moekit_spec(name: str, dims: dict, act_dtype: torch.dtype, per_channel: bool):
     from moekit.presets import preset, reshaped
-    from moekit.spec import WeightFormat
+    from moekit.spec import ActivationQuant, Fp8Scale, WeightFormat
 
     spec = reshaped(preset(name), f"{dims['E']}x{dims['K']}x{dims['H']}x{dims['I']}")
+    if per_channel:
+        spec = replace(
+            spec,
+            weight_format=WeightFormat.FP8_E4M3,
+            fp8_scale=Fp8Scale.PER_CHANNEL,
+            act_quant=ActivationQuant.FP8_PER_TOKEN,
+        )
     if spec.weight_format is WeightFormat.MXFP4:  # vLLM's gpt-oss-120b preset is its BF16 path
         spec = replace(spec, weight_format=WeightFormat.BF16)
     if act_dtype != spec.act_dtype:  # --dry-run: fp32 (the interpreter's bf16 arithmetic is broken)
@@ -103,8 +116,18 @@ def _run_preset(peer, label: str, tokens, args, device, ceilings) -> list[SideBy
 
     name, dims = _shapes(peer, label, args.dry_run)
     act_dtype = torch.float32 if args.dry_run else torch.bfloat16
-    spec = _moekit_spec(name, dims, act_dtype)
-    shared = peer.Weights(dims, device, act_dtype, seed=0)
+    per_channel = label.endswith(CHANNEL_SUFFIX)
+    if per_channel and dims["bias"]:
+        sys.exit(f"{label}: the per-channel FP8 comparison has no biases; pick a preset without them")
+    spec = _moekit_spec(name, dims, act_dtype, per_channel)
+    if per_channel:
+        from vllm_channel import channel_experts, channel_weights
+
+        shared = SimpleNamespace(**channel_weights(peer, dims, device, seed=0), b13=None, b2=None)
+        moe = channel_experts(peer, vars(shared), dims)
+    else:
+        shared = peer.Weights(dims, device, act_dtype, seed=0)
+        moe = peer.make_moe(shared, dims)
     weights = ExpertWeights(
         format=spec.weight_format,
         gate_layout=spec.gate_layout,
@@ -116,7 +139,6 @@ def _run_preset(peer, label: str, tokens, args, device, ceilings) -> list[SideBy
         b2=shared.b2,
         fp8_scale=spec.fp8_scale,
     )
-    moe = peer.make_moe(shared, dims)
     info = DeviceInfo.of(device)
     flush = torch.empty(256 << 20 if device.type == "cuda" else 1, dtype=torch.int8, device=device)
     prepared = {}
