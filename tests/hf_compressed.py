@@ -134,8 +134,8 @@ def write_ct_checkpoint(
     written = CtFile(family, strategy)
     prefix = family.layout.prefix(LAYER)
     written.tensors[written.router_key] = torch.randn(E, h, generator=g).to(torch.bfloat16)
-    if family.layout.correction_bias_key is not None:
-        written.tensors[f"{prefix}.{family.layout.correction_bias_key}"] = torch.randn(E, generator=g) * 0.1
+    if family.layout.correction_bias:
+        written.tensors[f"{prefix}.gate.e_score_correction_bias"] = torch.randn(E, generator=g) * 0.1
     for e in range(E):
         for role, (out, inp) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
             codes = _codes(out, inp, g)

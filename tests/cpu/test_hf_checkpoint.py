@@ -35,13 +35,10 @@ from spawn_ranks import run_on_ranks
 transformers = pytest.importorskip("transformers")
 
 H, I_FLOAT, E = 64, 96, 6  # I/2 and I/3 whole; E divisible by neither 4 nor 5 ranks
-SIGMOID = (  # sigmoid scores + correction bias
+GROUPED = (
     HfCheckpointFamily.DEEPSEEK_V3,
     HfCheckpointFamily.GLM4_MOE,
-    HfCheckpointFamily.MINIMAX_M2,
-)
-# An ungated shared-experts MLP, and dense layers before `first_k_dense_replace`.
-FIRST_DENSE = (HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.GLM4_MOE, HfCheckpointFamily.DEEPSEEK_V2)
+)  # sigmoid + correction, shared experts
 GATED_SHARED = (HfCheckpointFamily.QWEN2_MOE, HfCheckpointFamily.QWEN3_NEXT)  # a gated shared expert
 
 
@@ -85,29 +82,6 @@ def _tiny(family: HfCheckpointFamily):  # -> (transformers model, MoE layer inde
             num_experts=E, layer_types=["full_attention"],
         )  # fmt: skip
         return transformers.Qwen3NextForCausalLM(cfg), 0
-    if family is HfCheckpointFamily.OLMOE:
-        cfg = transformers.OlmoeConfig(
-            **common,
-            intermediate_size=I_FLOAT,
-            num_hidden_layers=1,
-            num_key_value_heads=1,
-            num_experts=E,
-        )  # fmt: skip  (norm_topk_prob False, as OLMoE releases)
-        return transformers.OlmoeForCausalLM(cfg), 0
-    if family is HfCheckpointFamily.MINIMAX_M2:
-        cfg = transformers.MiniMaxM2Config(
-            **common, intermediate_size=I_FLOAT, num_hidden_layers=1, num_key_value_heads=1, head_dim=32,
-            num_local_experts=E,
-        )  # fmt: skip
-        return transformers.MiniMaxM2ForCausalLM(cfg), 0
-    if family is HfCheckpointFamily.DEEPSEEK_V2:  # V2-Lite's routing: greedy top-k, scaled, not renormalized
-        cfg = transformers.DeepseekV2Config(
-            **common, intermediate_size=128, moe_intermediate_size=I_FLOAT, num_hidden_layers=2,
-            first_k_dense_replace=1, num_key_value_heads=2, n_routed_experts=E, n_shared_experts=1,
-            routed_scaling_factor=1.5, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8,
-        )  # fmt: skip
-        return transformers.DeepseekV2ForCausalLM(cfg), 1
     if family is HfCheckpointFamily.GLM4_MOE:
         cfg = transformers.Glm4MoeConfig(
             **common, intermediate_size=128, moe_intermediate_size=I_FLOAT, num_hidden_layers=2,
@@ -134,9 +108,7 @@ def saved(tmp_path_factory) -> dict[HfCheckpointFamily, tuple[Path, torch.nn.Mod
             for name, p in model.named_parameters():
                 p.copy_(torch.randn_like(p) * (1.0 if "gate.weight" in name else 0.2))
             block = model.model.layers[layer].mlp
-            if family is HfCheckpointFamily.MINIMAX_M2:  # the block holds it, not the router
-                block.e_score_correction_bias.copy_(torch.rand(E) * 0.2)
-            elif family in SIGMOID:
+            if family in GROUPED:
                 block.gate.e_score_correction_bias.copy_(torch.rand(E) * 0.2)
         folder = tmp_path_factory.mktemp(family.value)
         model.save_pretrained(folder)
@@ -149,7 +121,7 @@ def _routed_output(family: HfCheckpointFamily, block: torch.nn.Module, x: torch.
     with torch.no_grad():
         y = block(x[None])
         y = (y[0] if isinstance(y, tuple) else y)[0]
-        if family in FIRST_DENSE:
+        if family in GROUPED:
             y = y - block.shared_experts(x)
         if family in GATED_SHARED:
             y = y - torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
@@ -162,13 +134,10 @@ def test_a_saved_hf_model_layer_computes_what_the_hf_block_computes(saved, famil
     loaded = load_hf_moe_layer(folder, layer=layer, act_dtype=torch.float32)
     spec = loaded.spec
     assert (spec.E, spec.K, spec.H, spec.I, spec.weight_format) == (E, 2, H, I_FLOAT, WeightFormat.FP32)
-    assert (spec.routing.method is RoutingMethod.SIGMOID_GROUPED) == (family in SIGMOID)
-    assert spec.routing.has_correction_bias == (family in SIGMOID)
+    assert (spec.routing.method is RoutingMethod.SIGMOID_GROUPED) == (family in GROUPED)
     config = json.loads((folder / "config.json").read_text())
-    # Qwen2-MoE's, OLMoE's and DeepSeek-V2's are False
-    assert spec.routing.renormalize == config.get("norm_topk_prob", True)
-    assert spec.routing.routed_scaling_factor == config.get("routed_scaling_factor", 1.0)
-    shared = 3 if family in FIRST_DENSE else 4 if family in GATED_SHARED else 0
+    assert spec.routing.renormalize == config.get("norm_topk_prob", True)  # Qwen2-MoE's is False
+    shared = 3 if family in GROUPED else 4 if family in GATED_SHARED else 0
     assert len(loaded.shared_expert_keys) == shared
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(5))
     want = _routed_output(family, block, x)
@@ -216,41 +185,25 @@ def test_a_dense_layer_and_other_families_are_refused_with_where_to_go(saved, tm
         load_hf_moe_layer(folder, layer=1, config=awq)
 
 
-def test_routings_moekit_cannot_run_exactly_are_refused_naming_the_field(saved) -> None:
-    v2, _, layer = saved[HfCheckpointFamily.DEEPSEEK_V2]
-    config = json.loads((v2 / "config.json").read_text())
-    full_v2 = {**config, "topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2}
-    with pytest.raises(SpecError, match=r"topk_method='group_limited_greedy' with n_group=3, topk_group=2"):
-        load_hf_moe_layer(v2, layer=layer, config=full_v2)
-    one_group = {**config, "topk_method": "group_limited_greedy", "n_group": 1, "topk_group": 1}
-    assert load_hf_moe_layer(v2, layer=layer, config=one_group).spec.routing.renormalize is False
-    with pytest.raises(SpecError, match=r"norm_topk_prob=True: transformers' DeepSeek-V2 router never"):
-        load_hf_moe_layer(v2, layer=layer, config={**config, "norm_topk_prob": True})
-    with pytest.raises(SpecError, match=r"scoring_func='sigmoid': moekit reads this family's softmax"):
-        load_hf_moe_layer(v2, layer=layer, config={**config, "scoring_func": "sigmoid"})
-    with pytest.raises(CheckpointError, match=r"'routed_scaling_factor' must be a number, got '2'"):
-        load_hf_moe_layer(v2, layer=layer, config={**config, "routed_scaling_factor": "2"})
-    minimax, _, layer = saved[HfCheckpointFamily.MINIMAX_M2]
-    config = json.loads((minimax / "config.json").read_text())
-    assert load_hf_moe_layer(minimax, layer=layer, config={**config, "scoring_func": "sigmoid"}).spec.E == E
-    with pytest.raises(SpecError, match=r"scoring_func='softmax': moekit reads this family's sigmoid"):
-        load_hf_moe_layer(minimax, layer=layer, config={**config, "scoring_func": "softmax"})
-
-
 # ----- FP8 block-128 checkpoints (DeepSeek-V3 and Qwen3 -FP8 layout) -------------------------------------
-FP8_FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE, HfCheckpointFamily.MINIMAX_M2]
+FP8_FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE]
 
 
 @pytest.mark.parametrize("family", FP8_FAMILIES, ids=[f.value for f in FP8_FAMILIES])
 def test_an_fp8_checkpoint_is_read_bit_for_bit_and_runs(tmp_path, family) -> None:
-    bf16_scales = family is HfCheckpointFamily.QWEN3_MOE
     synthetic = write_fp8_checkpoint(
-        tmp_path, family, scale_dtype=torch.bfloat16 if bf16_scales else torch.float32
+        tmp_path,
+        family,
+        scale_dtype=torch.bfloat16 if family is HfCheckpointFamily.QWEN3_MOE else torch.float32,
     )
     loaded = load_hf_moe_layer(tmp_path, layer=3, act_dtype=torch.float32)
     assert loaded.spec == fp8_spec(family)
     for name, t in synthetic.weights.tensors().items():
-        expect = t if name not in ("w13_scale", "w2_scale") or not bf16_scales else t.bfloat16().float()
+        expect = (
+            t
+            if name not in ("w13_scale", "w2_scale") or family is HfCheckpointFamily.DEEPSEEK_V3
+            else t.bfloat16().float()
+        )
         assert torch.equal(getattr(loaded.weights, name), expect), name
     layer = FusedMoE.from_hf_checkpoint(tmp_path, 3, act_dtype=torch.float32)
     x = torch.randn(29, FP8_H, generator=torch.Generator().manual_seed(1))
@@ -414,10 +367,10 @@ def test_hf_moe_layers_lists_the_layers_with_experts_to_run(saved) -> None:
 
     for family, (folder, _, layer) in saved.items():
         config = json.loads((folder / "config.json").read_text())
-        first_dense = config.get("first_k_dense_replace", 0)  # DeepSeek-V2/V3, GLM-4.5: layer 0 dense
+        first_dense = config.get("first_k_dense_replace", 0)  # DeepSeek-V3 and GLM-4.5: layer 0 dense
         assert hf_moe_layers(folder) == list(range(first_dense, config["num_hidden_layers"])), family
         assert layer in hf_moe_layers(folder)
         # The config decides too: a layer it makes dense is not listed even where experts are on disk.
         assert hf_moe_layers(folder, config={**config, "first_k_dense_replace": 5}) == (
-            [] if family in FIRST_DENSE else hf_moe_layers(folder)
+            [] if family in GROUPED else hf_moe_layers(folder)
         )

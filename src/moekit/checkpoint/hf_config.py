@@ -10,25 +10,19 @@ Facts, read from transformers 5.24's `models/*/modeling_*.py` and configuration 
 its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny models of each family):
 - On disk every family keeps one tensor per expert and projection, `[out, in]` as `nn.Linear` does:
   `{block}.experts.{e}.{gate,up,down}.weight`, with the block `model.layers.{l}.block_sparse_moe`
-  (Mixtral, MiniMax-M2; projections `w1` gate, `w3` up, `w2` down) or `model.layers.{l}.mlp` (Qwen2-MoE,
-  Qwen3-MoE, Qwen3-Next, DeepSeek-V2, DeepSeek-V3, GLM-4.5, OLMoE; `gate_proj`, `up_proj`, `down_proj`).
-  The router is `{block}.gate.weight [E, H]`, no bias. OLMoE's E is `num_experts` and its expert size
-  `intermediate_size`; DeepSeek-V2's are `n_routed_experts` and `moe_intermediate_size`.
+  (Mixtral; projections `w1` gate, `w3` up, `w2` down) or `model.layers.{l}.mlp` (Qwen2-MoE, Qwen3-MoE,
+  Qwen3-Next, DeepSeek-V3, GLM-4.5; `gate_proj`, `up_proj`, `down_proj`). The router is
+  `{block}.gate.weight [E, H]`, no bias.
 - DeepSeek-V3 and GLM-4.5 add `{block}.gate.e_score_correction_bias [E]` (fp32), and shared experts
   `{block}.shared_experts.*` that the model adds to the routed output; Qwen2-MoE and Qwen3-Next have
-  `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`; DeepSeek-V2 has `shared_experts`
-  and no correction bias. MiniMax-M2 keeps its correction bias on the block,
-  `{block}.e_score_correction_bias [E]` (transformers' weight conversion moves it to the live block's
-  `mlp.e_score_correction_bias`; its `save_pretrained` writes it back there). A moekit layer computes the
-  routed experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not
-  read.
+  `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`. A moekit layer computes the routed
+  experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not read.
 - DeepSeek-V3 (and GLM-4.5, with one group) routing: sigmoid scores, top `topk_group` of `n_group`
   groups by the sum of each group's best two biased scores, top-K within them, weights the unbiased
   scores renormalized over the K, times `routed_scaling_factor` (moekit's SIGMOID_GROUPED);
   `scoring_func` "sigmoid" and `topk_method` "noaux_tc" in DeepSeek's own config (absent from configs
   transformers writes, which assume them).
-  Its first `first_k_dense_replace` layers are dense MLPs without experts, as DeepSeek-V2's are. The
-  routing of each family from its config fields: `hf_routing`.
+  Its first `first_k_dense_replace` layers are dense MLPs without experts.
 - FP8 releases (DeepSeek-V3, Qwen3 "-FP8") carry `quantization_config` {quant_method "fp8", fmt "e4m3",
   activation_scheme "dynamic", weight_block_size [128, 128]}: each projection is float8_e4m3fn with a
   `.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] that multiplies the codes (the name
@@ -57,7 +51,6 @@ from moekit.checkpoint.hf_quant import (
     ExpertQuantization,
     check_fp8_method,
 )
-from moekit.checkpoint.hf_routing import RouterRule, config_field, routing_of_config
 from moekit.errors import CheckpointError, SpecError
 from moekit.parallel.shard import FP8_BLOCK
 from moekit.spec import (
@@ -68,6 +61,7 @@ from moekit.spec import (
     GateLayout,
     MoESpec,
     RoutingMethod,
+    RoutingSpec,
     WeightFormat,
 )
 
@@ -91,16 +85,12 @@ class CheckpointLayout:
     num_experts_fields: tuple[str, ...]  # config fields that may hold E (HF writes its alias)
     intermediate_field: str
     renormalize_field: str | None  # None: SOFTMAX_TOPK always renormalizes (Mixtral) or N/A
-    router_rule: RouterRule  # which config fields make the routing (`hf_routing`)
-    correction_bias_key: str | None  # block-relative key of the `[E]` correction bias, if the router has one
+    routing_method: RoutingMethod
+    correction_bias: bool  # `{block}.gate.e_score_correction_bias [E]`
     shared_prefixes: tuple[str, ...]  # block-relative prefixes of tensors the model adds beside the experts
 
     def prefix(self, layer: int) -> str:
         return self.block.format(l=layer)
-
-    @property
-    def routing_method(self) -> RoutingMethod:
-        return self.router_rule.method
 
 
 class HfCheckpointFamily(enum.Enum):
@@ -112,9 +102,6 @@ class HfCheckpointFamily(enum.Enum):
     QWEN3_NEXT = "qwen3_next"
     DEEPSEEK_V3 = "deepseek_v3"
     GLM4_MOE = "glm4_moe"
-    DEEPSEEK_V2 = "deepseek_v2"
-    OLMOE = "olmoe"
-    MINIMAX_M2 = "minimax_m2"
 
     @property
     def layout(self) -> CheckpointLayout:
@@ -146,8 +133,8 @@ _QWEN_SHARED = CheckpointLayout(  # Qwen2-MoE, Qwen3-Next: a gated shared expert
     num_experts_fields=("num_experts", "num_local_experts"),
     intermediate_field="moe_intermediate_size",
     renormalize_field="norm_topk_prob",
-    router_rule=RouterRule.SOFTMAX,
-    correction_bias_key=None,
+    routing_method=RoutingMethod.SOFTMAX_TOPK,
+    correction_bias=False,
     shared_prefixes=("shared_expert.", "shared_expert_gate."),
 )
 _SIGMOID_GROUPED = CheckpointLayout(  # DeepSeek-V3, GLM-4.5: corrected sigmoid scores, shared experts
@@ -156,8 +143,8 @@ _SIGMOID_GROUPED = CheckpointLayout(  # DeepSeek-V3, GLM-4.5: corrected sigmoid 
     num_experts_fields=("n_routed_experts", "num_local_experts"),
     intermediate_field="moe_intermediate_size",
     renormalize_field=None,
-    router_rule=RouterRule.SIGMOID_GROUPED,
-    correction_bias_key=f"gate.{CORRECTION_BIAS}",
+    routing_method=RoutingMethod.SIGMOID_GROUPED,
+    correction_bias=True,
     shared_prefixes=("shared_experts.",),
 )
 
@@ -168,8 +155,8 @@ LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
         num_experts_fields=("num_local_experts",),
         intermediate_field="intermediate_size",
         renormalize_field=None,
-        router_rule=RouterRule.SOFTMAX,
-        correction_bias_key=None,
+        routing_method=RoutingMethod.SOFTMAX_TOPK,
+        correction_bias=False,
         shared_prefixes=(),
     ),
     HfCheckpointFamily.QWEN3_MOE: CheckpointLayout(
@@ -178,45 +165,32 @@ LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
         num_experts_fields=("num_experts", "num_local_experts"),
         intermediate_field="moe_intermediate_size",
         renormalize_field="norm_topk_prob",
-        router_rule=RouterRule.SOFTMAX,
-        correction_bias_key=None,
+        routing_method=RoutingMethod.SOFTMAX_TOPK,
+        correction_bias=False,
         shared_prefixes=(),
     ),
     HfCheckpointFamily.QWEN2_MOE: _QWEN_SHARED,
     HfCheckpointFamily.QWEN3_NEXT: _QWEN_SHARED,
     HfCheckpointFamily.DEEPSEEK_V3: _SIGMOID_GROUPED,
     HfCheckpointFamily.GLM4_MOE: _SIGMOID_GROUPED,
-    HfCheckpointFamily.DEEPSEEK_V2: CheckpointLayout(
-        block=_MLP_BLOCK,
-        projections=_PROJ,
-        num_experts_fields=("n_routed_experts",),
-        intermediate_field="moe_intermediate_size",
-        renormalize_field=None,
-        router_rule=RouterRule.SOFTMAX_SCALED,
-        correction_bias_key=None,
-        shared_prefixes=("shared_experts.",),
-    ),
-    HfCheckpointFamily.OLMOE: CheckpointLayout(
-        block=_MLP_BLOCK,
-        projections=_PROJ,
-        num_experts_fields=("num_experts",),
-        intermediate_field="intermediate_size",
-        renormalize_field="norm_topk_prob",
-        router_rule=RouterRule.SOFTMAX,
-        correction_bias_key=None,
-        shared_prefixes=(),
-    ),
-    HfCheckpointFamily.MINIMAX_M2: CheckpointLayout(  # Mixtral's names; the bias sits on the block
-        block="model.layers.{l}.block_sparse_moe",
-        projections=("w1", "w3", "w2"),
-        num_experts_fields=("num_local_experts",),
-        intermediate_field="intermediate_size",
-        renormalize_field=None,
-        router_rule=RouterRule.SIGMOID_BIASED,
-        correction_bias_key=CORRECTION_BIAS,
-        shared_prefixes=(),
-    ),
 }
+
+
+_KINDS: dict[type, tuple[str, tuple[type, ...]]] = {
+    int: ("an int", (int,)),
+    float: ("a number", (int, float)),
+    bool: ("true or false", (bool,)),
+}
+
+
+def _field(config: Mapping[str, object], name: str, *, kind: type = int) -> object:
+    """`config[name]`, refused unless it is of `kind` (a bool is not taken for a number)."""
+    value = config.get(name)
+    what, types = _KINDS[kind]
+    if not isinstance(value, types) or (kind is not bool and isinstance(value, bool)):
+        got = f"got {value!r}" if name in config else "but config.json has no such field"
+        raise CheckpointError(f"config.json field {name!r} must be {what}, {got}")
+    return value
 
 
 def num_experts_of(family: HfCheckpointFamily, config: Mapping[str, object]) -> int:
@@ -226,7 +200,7 @@ def num_experts_of(family: HfCheckpointFamily, config: Mapping[str, object]) -> 
     present = {name: config[name] for name in names if config.get(name) is not None}
     if not present:
         raise CheckpointError(f"config.json holds none of {list(names)}, so E is unknown")
-    values = {config_field(config, name) for name in present}
+    values = {_field(config, name) for name in present}
     if len(values) > 1:
         raise CheckpointError(f"config.json fields {present} disagree on E; keep one")
     return values.pop()
@@ -326,6 +300,55 @@ def spec_from_config_file(file: Path, *, act_dtype: torch.dtype = torch.bfloat16
     return spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
 
 
+def sigmoid_grouped_routing(
+    *, n_group: int, topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool, source: str
+) -> RoutingSpec:
+    """DeepSeek-V3's routing (and GLM-4.5's) as moekit's SIGMOID_GROUPED, from the fields a config or a
+    router holds; one group is no grouping (the spec holds it as None). `source` names what is refused
+    in messages ("a block", "a config")."""
+    if not norm_topk_prob:
+        raise SpecError(
+            f"norm_topk_prob={norm_topk_prob!r}: moekit's SIGMOID_GROUPED routing always renormalizes the "
+            f"top-k weights (DeepSeek-V3's norm_topk_prob=True); {source} that does not is not supported"
+        )
+    return RoutingSpec(
+        RoutingMethod.SIGMOID_GROUPED,
+        n_group=None if n_group == 1 else n_group,
+        topk_group=None if n_group == 1 else topk_group,
+        has_correction_bias=True,
+        routed_scaling_factor=float(routed_scaling_factor),
+    )
+
+
+def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> RoutingSpec:
+    layout = family.layout
+    if layout.routing_method is RoutingMethod.SOFTMAX_TOPK:
+        field = layout.renormalize_field
+        renormalize = True if field is None else bool(_field(config, field, kind=bool))
+        return RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=renormalize)
+    scoring, method = config.get("scoring_func", "sigmoid"), config.get("topk_method", "noaux_tc")
+    if scoring != "sigmoid" or method != "noaux_tc":
+        raise SpecError(
+            f"config.json scoring_func={scoring!r}, topk_method={method!r}: moekit's SIGMOID_GROUPED "
+            "routing is DeepSeek-V3's (sigmoid, noaux_tc, renormalized top-k); other routings of this "
+            "family are not supported"
+        )
+    n_group, topk_group = _field(config, "n_group"), _field(config, "topk_group")
+    if n_group == 1 and topk_group != 1:  # RoutingSpec checks 1 <= topk_group <= n_group for n_group > 1
+        raise SpecError(
+            f"topk_group={topk_group} with n_group=1: the model keeps topk_group of its one group, so "
+            "only topk_group=1 is a routing (transformers fails or masks every expert otherwise); set "
+            "topk_group to 1"
+        )
+    return sigmoid_grouped_routing(
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=_field(config, "routed_scaling_factor", kind=float),
+        norm_topk_prob=config.get("norm_topk_prob", True) is True,
+        source="a config",
+    )
+
+
 def spec_from_checkpoint_config(
     family: HfCheckpointFamily,
     config: Mapping[str, object],
@@ -342,7 +365,7 @@ def spec_from_checkpoint_config(
             f"config.json hidden_act={config.get('hidden_act')!r} has no moekit activation; known: "
             f"{list(HF_ACTIVATIONS)}"
         )
-    intermediate = config_field(config, layout.intermediate_field)
+    intermediate = _field(config, layout.intermediate_field)
     if stored.fp8_scale is Fp8Scale.BLOCK_128 and intermediate % FP8_BLOCK:
         raise CheckpointError(
             f"{layout.intermediate_field}={intermediate} is not a multiple of {FP8_BLOCK}: the gate and up "
@@ -351,8 +374,8 @@ def spec_from_checkpoint_config(
         )
     return MoESpec(
         num_experts=num_experts_of(family, config),
-        top_k=config_field(config, "num_experts_per_tok"),
-        hidden_size=config_field(config, "hidden_size"),
+        top_k=_field(config, "num_experts_per_tok"),
+        hidden_size=_field(config, "hidden_size"),
         intermediate_size=intermediate,
         weight_format=stored.weight_format,
         fp8_scale=stored.fp8_scale,
@@ -360,26 +383,22 @@ def spec_from_checkpoint_config(
         act_quant=stored.act_quant,
         activation=ActivationSpec(activation),
         gate_layout=GateLayout.CONCAT,
-        routing=routing_of_config(layout.router_rule, layout.renormalize_field, config),
+        routing=_routing(family, config),
     )
 
 
-_FIRST_DENSE_FAMILIES = (  # the first `first_k_dense_replace` layers are dense MLPs
-    HfCheckpointFamily.DEEPSEEK_V3,
-    HfCheckpointFamily.GLM4_MOE,
-    HfCheckpointFamily.DEEPSEEK_V2,
-)
+_GROUPED_FAMILIES = (HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.GLM4_MOE)
 _QWEN_FAMILIES = (HfCheckpointFamily.QWEN2_MOE, HfCheckpointFamily.QWEN3_MOE, HfCheckpointFamily.QWEN3_NEXT)
 
 
 def dense_layer_reason(family: HfCheckpointFamily, config: Mapping[str, object], layer: int) -> str | None:
     """Why config.json makes decoder layer `layer` a dense MLP (transformers builds no experts for it,
-    whatever tensors the files hold), or None. The rules are the families' decoder layers': DeepSeek-V3,
-    DeepSeek-V2 and GLM-4.5 `layer >= first_k_dense_replace`; OLMoE and MiniMax-M2 none; Qwen2-MoE,
-    Qwen3-MoE and Qwen3-Next `layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0`.
-    A field config.json lacks is not checked (the checkpoint's keys then decide)."""
-    if family in _FIRST_DENSE_FAMILIES and config.get("first_k_dense_replace") is not None:
-        first = config_field(config, "first_k_dense_replace")
+    whatever tensors the files hold), or None. The rules are the families' decoder layers': DeepSeek-V3
+    and GLM-4.5 `layer >= first_k_dense_replace`; Qwen2-MoE, Qwen3-MoE and Qwen3-Next `layer not in
+    mlp_only_layers and (layer + 1) % decoder_sparse_step == 0`. A field config.json lacks is not
+    checked (the checkpoint's keys then decide)."""
+    if family in _GROUPED_FAMILIES and config.get("first_k_dense_replace") is not None:
+        first = _field(config, "first_k_dense_replace")
         return f"first_k_dense_replace={first}: layers 0..{first - 1} are dense" if layer < first else None
     if family not in _QWEN_FAMILIES:
         return None
@@ -392,7 +411,7 @@ def dense_layer_reason(family: HfCheckpointFamily, config: Mapping[str, object],
         return f"mlp_only_layers={only} lists it"
     if config.get("decoder_sparse_step") is None:
         return None
-    step = config_field(config, "decoder_sparse_step")
+    step = _field(config, "decoder_sparse_step")
     if step < 1:
         raise CheckpointError(
             f"config.json decoder_sparse_step={step} must be >= 1 (1: every layer has experts)"

@@ -1,5 +1,5 @@
 """One MoE layer of a Hugging Face checkpoint that stores each expert's projections as their own tensors
-(Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3, GLM-4.5, OLMoE, MiniMax-M2; bf16/fp16/fp32, or FP8: 128x128
+(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5; bf16/fp16/fp32, or FP8: 128x128
 `.weight_scale_inv` blocks (quant_method "fp8"), or llm-compressor's `.weight_scale` per channel, per
 tensor or per 128x128 block (quant_method "compressed-tensors")).
 
@@ -39,6 +39,7 @@ import torch
 from moekit.checkpoint.files import FLOAT_DTYPES, Files, check_sources, open_file, read_headers, resolve
 from moekit.checkpoint.hf_config import (
     CONFIG_FILE,
+    CORRECTION_BIAS,
     HfCheckpointFamily,
     dense_layer_reason,
     expert_quantization,
@@ -195,8 +196,8 @@ def _layer_keys(
         suffix = quant.scale_suffix
         experts.update({f"{r}_scale": t.removesuffix(".weight") + suffix for r, t in list(experts.items())})
     router = {"router_weight": f"{prefix}.gate.weight"}
-    if family.layout.correction_bias_key is not None:
-        router["correction_bias"] = f"{prefix}.{family.layout.correction_bias_key}"
+    if family.layout.correction_bias:
+        router["correction_bias"] = f"{prefix}.gate.{CORRECTION_BIAS}"
     return experts, router
 
 

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.checkpoint.hf_config import HF_ACTIVATIONS
-from moekit.checkpoint.hf_routing import sigmoid_grouped_routing
+from moekit.checkpoint.hf_config import HF_ACTIVATIONS, sigmoid_grouped_routing
 from moekit.errors import DTypeError, FormatError, ShapeError, SpecError
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
 from moekit.integrations.transformers.families import Family, HfFamily

@@ -151,18 +151,9 @@ def _from_layout(family: HfCheckpointFamily, block_module: str, block_class: str
         has_bias=False,
         legacy_expert_names=layout.projections,
         router_fields=_GROUPED_ROUTER_FIELDS if grouped else (),
-        correction_bias=_router_buffer(layout.correction_bias_key),
+        correction_bias=CORRECTION_BIAS if layout.correction_bias else None,
         shared=SharedExperts.of_layout(family),
     )
-
-
-def _router_buffer(key: str | None) -> str | None:
-    """The router attribute holding the correction bias whose block-relative checkpoint key is `key`."""
-    if key is None:
-        return None
-    if key != f"gate.{CORRECTION_BIAS}":  # e.g. MiniMax-M2 keeps it on the block, not the router
-        raise SpecError(f"the correction bias {key!r} is not a router buffer; this block is not patched")
-    return CORRECTION_BIAS
 
 
 # `DeepseekV3TopkRouter`'s attributes and the config fields they are read from.
