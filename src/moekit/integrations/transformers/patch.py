@@ -87,7 +87,7 @@ def _config_of_module(module: torch.nn.Module, family: Family, *, config: object
         fields[hf.renormalize_field] = held[hf.renormalize_field]
     missing = [f"{attribute} ({field})" for attribute, field in hf.router_fields if field not in held]
     if missing:
-        raise SpecError(f"{type(router).__name__} has no {missing}: the block's grouped routing is unknown")
+        raise SpecError(f"{type(router).__name__} has no {missing}: the block's routing is unknown")
     fields |= {field: held[field] for _, field in hf.router_fields}
     return SimpleNamespace(**fields)
 
