@@ -202,8 +202,8 @@ def test_a_dense_layer_and_other_families_are_refused_with_where_to_go(saved, tm
         load_hf_moe_layer(folder, layer=1, config=awq)
 
 
-# ----- FP8 block-128 checkpoints (DeepSeek-V3 and Qwen3 -FP8 layout) -------------------------------------
-FP8_FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE]
+# ----- FP8 block-128 checkpoints (DeepSeek-V3, Qwen3 -FP8 and MiniMax-M2 layouts) -------------------------
+FP8_FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE, HfCheckpointFamily.MINIMAX_M2]
 
 
 @pytest.mark.parametrize("family", FP8_FAMILIES, ids=[f.value for f in FP8_FAMILIES])
@@ -218,7 +218,7 @@ def test_an_fp8_checkpoint_is_read_bit_for_bit_and_runs(tmp_path, family) -> Non
     for name, t in synthetic.weights.tensors().items():
         expect = (
             t
-            if name not in ("w13_scale", "w2_scale") or family is HfCheckpointFamily.DEEPSEEK_V3
+            if name not in ("w13_scale", "w2_scale") or family is not HfCheckpointFamily.QWEN3_MOE
             else t.bfloat16().float()
         )
         assert torch.equal(getattr(loaded.weights, name), expect), name

@@ -10,21 +10,25 @@ Facts, read from transformers 5.24's `models/*/modeling_*.py` and configuration 
 its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny models of each family):
 - On disk every family keeps one tensor per expert and projection, `[out, in]` as `nn.Linear` does:
   `{block}.experts.{e}.{gate,up,down}.weight`, with the block `model.layers.{l}.block_sparse_moe`
-  (Mixtral; projections `w1` gate, `w3` up, `w2` down) or `model.layers.{l}.mlp` (Qwen2-MoE, Qwen3-MoE,
-  Qwen3-Next, DeepSeek-V3, GLM-4.5; `gate_proj`, `up_proj`, `down_proj`). The router is
+  (Mixtral, MiniMax-M2; projections `w1` gate, `w3` up, `w2` down: conversion_mapping.py renames them
+  to the live `mlp.` on load) or `model.layers.{l}.mlp` (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE,
+  DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash, dots1; `gate_proj`, `up_proj`, `down_proj`). The router is
   `{block}.gate.weight [E, H]`, no bias.
-- DeepSeek-V3 and GLM-4.5 add `{block}.gate.e_score_correction_bias [E]` (fp32), and shared experts
-  `{block}.shared_experts.*` that the model adds to the routed output; Qwen2-MoE and Qwen3-Next have
-  `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`. A moekit layer computes the routed
-  experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not read.
-- DeepSeek-V3 (and GLM-4.5, with one group) routing: sigmoid scores, top `topk_group` of `n_group`
-  groups by the sum of each group's best two biased scores, top-K within them, weights the unbiased
-  scores renormalized over the K, times `routed_scaling_factor` (moekit's SIGMOID_GROUPED);
-  `scoring_func` "sigmoid" and `topk_method` "noaux_tc" in DeepSeek's own config (absent from configs
-  transformers writes, which assume them).
-  Its first `first_k_dense_replace` layers are dense MLPs without experts.
-- FP8 releases (DeepSeek-V3, Qwen3 "-FP8") carry `quantization_config` {quant_method "fp8", fmt "e4m3",
-  activation_scheme "dynamic", weight_block_size [128, 128]}: each projection is float8_e4m3fn with a
+- DeepSeek-V3, GLM-4.5, GLM-4.7-Flash and dots1 add `{block}.gate.e_score_correction_bias [E]` (fp32);
+  MiniMax-M2 keeps its correction bias on the block, `{block}.e_score_correction_bias [E]`. DeepSeek-V2/V3,
+  GLM-4.5/4.7-Flash and dots1 have shared experts `{block}.shared_experts.*` that the model adds to the
+  routed output; Qwen2-MoE and Qwen3-Next have `{block}.shared_expert.*` and
+  `{block}.shared_expert_gate.weight`. A moekit layer computes the routed experts only (as vLLM's fused
+  MoE does); the shared experts are named in the loaded layer, not read.
+- Each family's routing and dense-layer rule from its config fields: `hf_rules` (its docstring states
+  them, with DeepSeek-V3's grouped routing, which GLM-4.5, GLM-4.7-Flash and dots1 share; `scoring_func`
+  "sigmoid" and `topk_method` "noaux_tc" in DeepSeek's own config, absent from configs transformers
+  writes, which assume them). E is `n_routed_experts` (DeepSeek-V2/V3, GLM, dots1), `num_experts`
+  (Qwen, OLMoE) or `num_local_experts` (Mixtral, MiniMax-M2, and every family's alias); I is
+  `moe_intermediate_size`, except `intermediate_size` for Mixtral, OLMoE and MiniMax-M2.
+- FP8 releases (DeepSeek-V3, Qwen3 "-FP8"; MiniMax-M2's by its published config.json) carry
+  `quantization_config` {quant_method "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size
+  [128, 128]}: each projection is float8_e4m3fn with a
   `.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] that multiplies the codes (the name
   notwithstanding), and activations are quantized per token and 128-column group at run time.
 - llm-compressor's FP8 releases (RedHatAI's Qwen3-30B-A3B-FP8-dynamic, Mixtral-8x7B FP8) carry

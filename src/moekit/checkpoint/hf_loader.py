@@ -100,9 +100,10 @@ class HfCheckpointLayer:
             raise SpecError(f"a correction_bias was given, but {spec.routing.method.name} routing has none")
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 router logits `[T, E]` = x @ router_weight^T. DeepSeek-V3's and GLM-4.5's HF routers compute
-        them in fp32 too; Mixtral's and Qwen's in the activations' dtype, so a bf16 HF model may pick
-        another expert for a token whose top scores nearly tie."""
+        """fp32 router logits `[T, E]` = x @ router_weight^T. DeepSeek-V2/V3's, GLM-4.5/4.7-Flash's and
+        dots1's HF routers compute them in fp32 too; Mixtral's, Qwen's, OLMoE's and MiniMax-M2's in the
+        model's dtype, so a bf16 HF model may pick another expert for a token whose top scores nearly
+        tie."""
         return torch.nn.functional.linear(x.float(), self.router_weight.float())
 
 

@@ -160,7 +160,7 @@ class MoekitMoEBlock(torch.nn.Module):
         shared = self.family.hf.shared
         if shared is None:
             out = routed.reshape(shape)
-        elif shared.gate is None:  # DeepSeek-V3, GLM-4.5: routed + shared_experts(x)
+        elif shared.gate is None:  # DeepSeek-V2/V3, GLM-4.5/4.7-Flash, dots1: routed + shared_experts(x)
             out = routed.reshape(shape) + getattr(self, shared.mlp)(hidden_states)
         else:  # Qwen2-MoE, Qwen3-Next: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             mlp, gate = getattr(self, shared.mlp)(flat), getattr(self, shared.gate)(flat)

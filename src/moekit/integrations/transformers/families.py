@@ -29,6 +29,17 @@ The facts below were read from the installed transformers 5.24 source (`models/*
 - `Qwen2MoeSparseMoeBlock`: router `gate` as Qwen3-MoE's (`top_k`, `norm_topk_prob`), experts as Qwen3-MoE's,
   plus `shared_expert` (an MLP) and `shared_expert_gate` (`Linear(H, 1)`, no bias): output = routed +
   sigmoid(shared_expert_gate(x)) * shared_expert(x).
+- `Glm4MoeMoE`, `Dots1MoE`, `Glm4MoeLiteMoE` (GLM-4.7-Flash): DeepSeek-V3's router and block, code for
+  code; GLM-4.7-Flash's dense layers are those `mlp_layer_types` does not call "sparse".
+- `DeepseekV2Moe`: router `gate` (`DeepseekV2TopkRouter`: fp32 `weight [E, H]`, attributes `top_k`,
+  `topk_method`, `num_group`, `topk_group`, `routed_scaling_factor`; softmax over E, top-k, no
+  renormalization, times the factor for `topk_method` "greedy"), experts and `shared_experts` as
+  DeepSeek-V3's.
+- `OlmoeSparseMoeBlock`: Qwen3-MoE's router (`top_k`, `norm_topk_prob`) and experts; no shared experts.
+- `MiniMaxM2SparseMoeBlock`: router `gate` (`MiniMaxM2TopKRouter`: `weight [E, H]` in the model's dtype,
+  attribute `top_k`), experts as Mixtral's, and the block's own buffer `e_score_correction_bias [E]`,
+  which the block passes to the router's forward (sigmoid scores, choice by the biased scores, weights
+  the unbiased ones renormalized: SIGMOID_GROUPED without groups).
 Every family's router forward returns `(router_logits, router_scores, router_indices)`. moekit computes
 the routed experts; a block's shared experts stay HF modules, run by `block.MoekitMoEBlock`.
 """
@@ -108,9 +119,9 @@ class HfFamily:
 class Family(enum.Enum):
     """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s).
 
-    What moekit knows of each lives in its `HfFamily` row (`family.hf`). DeepSeek-V3 and Qwen2-MoE
-    blocks (and Qwen3-Next's, GLM-4.5's) add shared experts to the routed ones: moekit runs the routed
-    experts, the blocks' own modules the shared ones."""
+    What moekit knows of each lives in its `HfFamily` row (`family.hf`). DeepSeek-V2/V3 and Qwen2-MoE
+    blocks (and Qwen3-Next's, GLM-4.5's, GLM-4.7-Flash's, dots1's) add shared experts to the routed ones:
+    moekit runs the routed experts, the blocks' own modules the shared ones."""
 
     GPT_OSS = "gpt_oss"
     MIXTRAL = "mixtral"
@@ -142,8 +153,8 @@ class Family(enum.Enum):
         raise SpecError(f"unsupported HF model_type {model_type!r}; supported: {[f.value for f in cls]}")
 
 
-# The per-expert names, size fields, routing methods, renormalize flags and shared-expert modules of
-# Mixtral, Qwen2/3-MoE and DeepSeek-V3 are the checkpoint layouts' (`moekit.checkpoint.hf_config.LAYOUTS`):
+# The per-expert names, size fields, routings, renormalize flags, correction-bias places and shared-expert
+# modules of every family but GPT-OSS are the checkpoint layouts' (`moekit.checkpoint.hf_config.LAYOUTS`):
 # one statement of those facts for both readers.
 def _from_layout(family: HfCheckpointFamily, block_module: str, block_class: str) -> HfFamily:
     """A routed-expert family laid out as Mixtral's (`[out, in]`, CONCAT, no biases, `ACT2FN`, router
