@@ -123,7 +123,7 @@ def routed_only_config(
         vocab_size=vocab, intermediate_size=intermediate, num_experts_per_tok=top_k,
     )  # fmt: skip
     if family is Family.OLMOE:
-        return transformers.OlmoeConfig(**common, num_experts=experts, norm_topk_prob=True)
+        return transformers.OlmoeConfig(**common, num_experts=experts, norm_topk_prob=True, eos_token_id=None)
     if family is Family.MINIMAX_M2:
         return transformers.MiniMaxM2Config(
             **common, head_dim=head_dim, num_local_experts=experts, bos_token_id=None, eos_token_id=None

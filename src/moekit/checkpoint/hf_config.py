@@ -58,9 +58,11 @@ from moekit.checkpoint.hf_quant import (
 from moekit.checkpoint.hf_rules import (
     DenseRule,
     HfRouting,
-    config_field,
     dense_reason,
     routing_of_config,
+)
+from moekit.checkpoint.hf_rules import (
+    config_field as _field,
 )
 from moekit.errors import CheckpointError, SpecError
 from moekit.parallel.shard import FP8_BLOCK
@@ -149,9 +151,7 @@ class HfCheckpointFamily(enum.Enum):
 
 
 _MLP_BLOCK = "model.layers.{l}.mlp"
-_MIXTRAL_BLOCK = "model.layers.{l}.block_sparse_moe"
 _PROJ = ("gate_proj", "up_proj", "down_proj")
-_MIXTRAL_PROJ = ("w1", "w3", "w2")
 _QWEN_SHARED = CheckpointLayout(  # Qwen2-MoE, Qwen3-Next: a gated shared expert beside the routed ones
     block=_MLP_BLOCK,
     projections=_PROJ,
@@ -175,18 +175,20 @@ _SIGMOID_GROUPED = CheckpointLayout(  # DeepSeek-V3, GLM-4.5: corrected sigmoid 
     dense_rule=DenseRule.FIRST_K_DENSE_REPLACE,
 )
 
+_MIXTRAL = CheckpointLayout(
+    block="model.layers.{l}.block_sparse_moe",
+    projections=("w1", "w3", "w2"),
+    num_experts_fields=("num_local_experts",),
+    intermediate_field="intermediate_size",
+    renormalize_field=None,
+    routing=HfRouting.SOFTMAX,
+    correction_bias=None,
+    shared_prefixes=(),
+    dense_rule=DenseRule.NONE,
+)
+
 LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
-    HfCheckpointFamily.MIXTRAL: CheckpointLayout(
-        block=_MIXTRAL_BLOCK,
-        projections=_MIXTRAL_PROJ,
-        num_experts_fields=("num_local_experts",),
-        intermediate_field="intermediate_size",
-        renormalize_field=None,
-        routing=HfRouting.SOFTMAX,
-        correction_bias=None,
-        shared_prefixes=(),
-        dense_rule=DenseRule.NONE,
-    ),
+    HfCheckpointFamily.MIXTRAL: _MIXTRAL,
     HfCheckpointFamily.QWEN3_MOE: replace(_QWEN_SHARED, shared_prefixes=()),
     HfCheckpointFamily.QWEN2_MOE: _QWEN_SHARED,
     HfCheckpointFamily.QWEN3_NEXT: _QWEN_SHARED,
@@ -198,21 +200,12 @@ LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
     HfCheckpointFamily.OLMOE: replace(  # Qwen3-MoE's routing; I is `intermediate_size`, every layer MoE
         _QWEN_SHARED, intermediate_field="intermediate_size", shared_prefixes=(), dense_rule=DenseRule.NONE
     ),
-    HfCheckpointFamily.MINIMAX_M2: CheckpointLayout(  # Mixtral's names; the bias is the block's own
-        block=_MIXTRAL_BLOCK,
-        projections=_MIXTRAL_PROJ,
-        num_experts_fields=("num_local_experts",),
-        intermediate_field="intermediate_size",
-        renormalize_field=None,
-        routing=HfRouting.SIGMOID_CORRECTED,
-        correction_bias=CORRECTION_BIAS,
-        shared_prefixes=(),
-        dense_rule=DenseRule.NONE,
+    HfCheckpointFamily.MINIMAX_M2: replace(  # Mixtral's names; the correction bias is the block's own
+        _MIXTRAL, routing=HfRouting.SIGMOID_CORRECTED, correction_bias=CORRECTION_BIAS
     ),
     HfCheckpointFamily.DOTS1: replace(_SIGMOID_GROUPED, norm_topk_prob_if_missing=False),
     HfCheckpointFamily.GLM4_MOE_LITE: replace(_SIGMOID_GROUPED, dense_rule=DenseRule.MLP_LAYER_TYPES),
 }
-_field = config_field
 
 
 def num_experts_of(family: HfCheckpointFamily, config: Mapping[str, object]) -> int:
