@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_tiny import randomize_correction_biases, shared_expert_config
+from hf_tiny import randomize_correction_biases, routed_only_config, shared_expert_config
 from moekit.integrations.transformers.patch import Family, patch_model, unpatch
 
 
@@ -36,7 +36,10 @@ class Dims:
 # gpt-oss-20b's layer dimensions; Mixtral and Qwen3-MoE at qwen3-30b-a3b's expert shapes, fewer experts for
 # Mixtral's 8; Qwen2-MoE at Qwen1.5-MoE-A2.7B's (60 experts, top 4); DeepSeek-V3 at its own I and K with
 # H and E cut (7168 and 256 would not fit fp32 on one GPU), grouped 4 ways; Qwen3-Next at its own expert
-# shapes (512 experts of I 512, top 10); GLM-4.5 at its own I and K with H and E cut as DeepSeek-V3's.
+# shapes (512 experts of I 512, top 10); GLM-4.5 at its own I and K with H and E cut as DeepSeek-V3's;
+# DeepSeek-V2-Lite (H 2048, I 1408, 64 experts, top 6) and OLMoE-1B-7B (H 2048, I 1024, 64, top 8) at their
+# own shapes; MiniMax-M2 at its config class's H 3072, I 1536, top 8 with E cut to 64; dots.llm1 (I 1408,
+# top 6) and GLM-4.7-Flash (its config class's I 1536, top 4) with H and E cut as DeepSeek-V3's.
 GPU_DIMS = {
     Family.GPT_OSS: Dims(2880, 2880, 32, 4, 3, 64, 8, 64, 8192),
     Family.MIXTRAL: Dims(1024, 3584, 8, 2, 2, 16, 4, 64, 8192),
@@ -45,6 +48,11 @@ GPU_DIMS = {
     Family.DEEPSEEK_V3: Dims(2048, 2048, 64, 8, 2, 16, 16, 128, 8192),
     Family.QWEN3_NEXT: Dims(2048, 512, 512, 10, 2, 16, 2, 128, 8192),
     Family.GLM4_MOE: Dims(2048, 1536, 64, 8, 2, 16, 4, 128, 8192),
+    Family.DEEPSEEK_V2: Dims(2048, 1408, 64, 6, 2, 16, 16, 128, 8192),
+    Family.OLMOE: Dims(2048, 1024, 64, 8, 2, 16, 16, 128, 8192),
+    Family.MINIMAX_M2: Dims(3072, 1536, 64, 8, 2, 48, 8, 128, 8192),
+    Family.DOTS1: Dims(2048, 1408, 64, 6, 2, 32, 32, 128, 8192),
+    Family.GLM4_MOE_LITE: Dims(2048, 1536, 64, 4, 2, 16, 16, 128, 8192),
 }
 CPU_DIMS = {f: Dims(64, 48, 8, 2 if f is Family.MIXTRAL else 4, 2, 4, 2, 16, 128) for f in Family}
 
@@ -103,6 +111,11 @@ def _config(family: Family, d: Dims):
         head_dim=d.head_dim,
         vocab_size=d.vocab,
     )
+    if family in (Family.OLMOE, Family.MINIMAX_M2):
+        return routed_only_config(
+            family, hidden=d.hidden, intermediate=d.intermediate, experts=d.experts, top_k=d.top_k,
+            layers=d.layers, heads=d.heads, kv_heads=d.kv_heads, head_dim=d.head_dim, vocab=d.vocab,
+        )  # fmt: skip
     if family is Family.GPT_OSS:
         return transformers.GptOssConfig(
             intermediate_size=d.intermediate,

@@ -23,8 +23,10 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from hf_checkpoints import FP8_E, FP8_H, FP8_I, fp8_spec, write_fp8_checkpoint
+from hf_tiny import tiny_new_family_model
 from moekit import CheckpointError, FusedMoE, Parallel, SpecError, UnsupportedSpecError
 from moekit.checkpoint import HfCheckpointFamily, load_hf_moe_layer
+from moekit.checkpoint.hf_rules import DenseRule
 from moekit.ops import route
 from moekit.parallel import ParallelMode, RankShare, expert_shard, tensor_shard
 from moekit.reference import fused_moe_reference, relative_l2_error
@@ -38,8 +40,19 @@ H, I_FLOAT, E = 64, 96, 6  # I/2 and I/3 whole; E divisible by neither 4 nor 5 r
 GROUPED = (
     HfCheckpointFamily.DEEPSEEK_V3,
     HfCheckpointFamily.GLM4_MOE,
+    HfCheckpointFamily.DOTS1,
+    HfCheckpointFamily.GLM4_MOE_LITE,
 )  # sigmoid + correction, shared experts
 GATED_SHARED = (HfCheckpointFamily.QWEN2_MOE, HfCheckpointFamily.QWEN3_NEXT)  # a gated shared expert
+SHARED_EXPERTS = (*GROUPED, HfCheckpointFamily.DEEPSEEK_V2)  # `shared_experts` added as is
+BIASED = (*GROUPED, HfCheckpointFamily.MINIMAX_M2)  # a correction bias (MiniMax-M2's on the block)
+NEW_FAMILIES = {
+    HfCheckpointFamily.DEEPSEEK_V2,
+    HfCheckpointFamily.OLMOE,
+    HfCheckpointFamily.MINIMAX_M2,
+    HfCheckpointFamily.DOTS1,
+    HfCheckpointFamily.GLM4_MOE_LITE,
+}
 
 
 @pytest.fixture
@@ -48,6 +61,8 @@ def reads(monkeypatch) -> list[tuple[str, int]]:
 
 
 def _tiny(family: HfCheckpointFamily):  # -> (transformers model, MoE layer index)
+    if family in NEW_FAMILIES:
+        return tiny_new_family_model(family.value, hidden=H, intermediate=I_FLOAT, experts=E)
     common = dict(vocab_size=32, hidden_size=H, num_attention_heads=2, num_experts_per_tok=2)
     if family is HfCheckpointFamily.MIXTRAL:
         cfg = transformers.MixtralConfig(
@@ -108,8 +123,9 @@ def saved(tmp_path_factory) -> dict[HfCheckpointFamily, tuple[Path, torch.nn.Mod
             for name, p in model.named_parameters():
                 p.copy_(torch.randn_like(p) * (1.0 if "gate.weight" in name else 0.2))
             block = model.model.layers[layer].mlp
-            if family in GROUPED:
-                block.gate.e_score_correction_bias.copy_(torch.rand(E) * 0.2)
+            if family in BIASED:
+                owner = block if family is HfCheckpointFamily.MINIMAX_M2 else block.gate
+                owner.e_score_correction_bias.copy_(torch.rand(E) * 0.2)
         folder = tmp_path_factory.mktemp(family.value)
         model.save_pretrained(folder)
         out[family] = (folder, block.eval(), layer)
@@ -121,7 +137,7 @@ def _routed_output(family: HfCheckpointFamily, block: torch.nn.Module, x: torch.
     with torch.no_grad():
         y = block(x[None])
         y = (y[0] if isinstance(y, tuple) else y)[0]
-        if family in GROUPED:
+        if family in SHARED_EXPERTS:
             y = y - block.shared_experts(x)
         if family in GATED_SHARED:
             y = y - torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
@@ -134,10 +150,11 @@ def test_a_saved_hf_model_layer_computes_what_the_hf_block_computes(saved, famil
     loaded = load_hf_moe_layer(folder, layer=layer, act_dtype=torch.float32)
     spec = loaded.spec
     assert (spec.E, spec.K, spec.H, spec.I, spec.weight_format) == (E, 2, H, I_FLOAT, WeightFormat.FP32)
-    assert (spec.routing.method is RoutingMethod.SIGMOID_GROUPED) == (family in GROUPED)
+    assert (spec.routing.method is RoutingMethod.SIGMOID_GROUPED) == (family in BIASED)
+    assert spec.routing.has_correction_bias == (family in BIASED) == (loaded.correction_bias is not None)
     config = json.loads((folder / "config.json").read_text())
-    assert spec.routing.renormalize == config.get("norm_topk_prob", True)  # Qwen2-MoE's is False
-    shared = 3 if family in GROUPED else 4 if family in GATED_SHARED else 0
+    assert spec.routing.renormalize == config.get("norm_topk_prob", True)  # Qwen2-MoE's, OLMoE's False
+    shared = 3 if family in SHARED_EXPERTS else 4 if family in GATED_SHARED else 0
     assert len(loaded.shared_expert_keys) == shared
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(5))
     want = _routed_output(family, block, x)
@@ -185,8 +202,8 @@ def test_a_dense_layer_and_other_families_are_refused_with_where_to_go(saved, tm
         load_hf_moe_layer(folder, layer=1, config=awq)
 
 
-# ----- FP8 block-128 checkpoints (DeepSeek-V3 and Qwen3 -FP8 layout) -------------------------------------
-FP8_FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE]
+# ----- FP8 block-128 checkpoints (DeepSeek-V3, Qwen3 -FP8 and MiniMax-M2 layouts) -------------------------
+FP8_FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE, HfCheckpointFamily.MINIMAX_M2]
 
 
 @pytest.mark.parametrize("family", FP8_FAMILIES, ids=[f.value for f in FP8_FAMILIES])
@@ -201,7 +218,7 @@ def test_an_fp8_checkpoint_is_read_bit_for_bit_and_runs(tmp_path, family) -> Non
     for name, t in synthetic.weights.tensors().items():
         expect = (
             t
-            if name not in ("w13_scale", "w2_scale") or family is HfCheckpointFamily.DEEPSEEK_V3
+            if name not in ("w13_scale", "w2_scale") or family is not HfCheckpointFamily.QWEN3_MOE
             else t.bfloat16().float()
         )
         assert torch.equal(getattr(loaded.weights, name), expect), name
@@ -367,10 +384,10 @@ def test_hf_moe_layers_lists_the_layers_with_experts_to_run(saved) -> None:
 
     for family, (folder, _, layer) in saved.items():
         config = json.loads((folder / "config.json").read_text())
-        first_dense = config.get("first_k_dense_replace", 0)  # DeepSeek-V3 and GLM-4.5: layer 0 dense
-        assert hf_moe_layers(folder) == list(range(first_dense, config["num_hidden_layers"])), family
+        # The tiny models' MoE layers: all from `layer` on (DeepSeek-V2/V3, GLM-4.5/4.7-Flash, dots1: 1).
+        assert hf_moe_layers(folder) == list(range(layer, config["num_hidden_layers"])), family
         assert layer in hf_moe_layers(folder)
         # The config decides too: a layer it makes dense is not listed even where experts are on disk.
         assert hf_moe_layers(folder, config={**config, "first_k_dense_replace": 5}) == (
-            [] if family in GROUPED else hf_moe_layers(folder)
+            [] if family.layout.dense_rule is DenseRule.FIRST_K_DENSE_REPLACE else hf_moe_layers(folder)
         )

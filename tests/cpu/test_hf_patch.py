@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fake_kernels import CudaOnlyGroupedKernel  # noqa: E402
-from hf_tiny import randomize_correction_biases, shared_expert_config  # noqa: E402
+from hf_tiny import randomize_correction_biases, routed_only_config, shared_expert_config  # noqa: E402
 from moekit import MoekitError, RoutingMethod, SpecError, UnsupportedSpecError  # noqa: E402
 from moekit.errors import ArgumentError  # noqa: E402
 from moekit.integrations.transformers.patch import (  # noqa: E402
@@ -55,6 +55,11 @@ def _config(family: Family):
             vocab=VOCAB,
             norm_topk_prob=family.hf.routing_method is RoutingMethod.SIGMOID_GROUPED,
         )
+    if family in (Family.OLMOE, Family.MINIMAX_M2):
+        return routed_only_config(
+            family, hidden=H, intermediate=I, experts=E, top_k=4, layers=2, heads=4, kv_heads=2,
+            head_dim=16, vocab=VOCAB,
+        )  # fmt: skip
     if family is Family.GPT_OSS:
         return transformers.GptOssConfig(
             intermediate_size=I, num_local_experts=E, num_experts_per_tok=4, **_COMMON

@@ -1,6 +1,7 @@
-"""DeepSeek-V3 and Qwen2-MoE blocks (routed + shared experts) through moekit's Hugging Face integration.
+"""Blocks with shared experts (DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash, dots1, Qwen2-MoE, Qwen3-Next) through
+moekit's Hugging Face integration.
 
-Data flow: a tiny random `DeepseekV3ForCausalLM` / `Qwen2MoeForCausalLM` (fp32 unless said, CPU,
+Data flow: a tiny random `DeepseekV3ForCausalLM` / `Qwen2MoeForCausalLM` / ... (fp32 unless said, CPU,
 `hf_tiny.shared_expert_config`), its MoE weights redrawn at a useful size (experts, routers and shared
 experts, not HF's 0.02 init) and DeepSeek-V3's correction biases drawn nonzero -> the block's own forward
 against: `from_hf_moe_block` / `hf_layer_of` routing and `fused_moe_reference` plus the block's shared
@@ -38,7 +39,7 @@ from moekit.spec import WeightFormat  # noqa: E402
 H, I, E, K, VOCAB, T = 64, 48, 8, 4, 48, 40
 RTOL_FP32 = 1e-5  # test_hf_parity's fp32 bound
 IDS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
-SHARED = [f for f in Family if f.hf.shared is not None]  # DeepSeek-V3, GLM-4.5, Qwen2-MoE, Qwen3-Next
+SHARED = [f for f in Family if f.hf.shared is not None]  # DeepSeek-V2/V3, GLM-4.5/4.7-Flash, dots1, Qwen
 
 
 def _config(family: Family, *, norm: bool = True, layers: int = 2):
@@ -112,6 +113,11 @@ def test_routed_plus_shared_experts_match_the_block(family: Family, norm: bool, 
         object.__setattr__(unbiased, "correction_bias", torch.zeros_like(bias))
         moved = (unbiased.route(x).ids.sort(-1).values != layer.route(x).ids.sort(-1).values).any(-1)
         assert moved.sum() >= 3, "the correction bias must change some tokens' experts"
+    elif family is Family.DEEPSEEK_V2:  # greedy: not renormalized (norm_topk_prob ignored), scaled
+        assert spec.routing == RoutingSpec(
+            RoutingMethod.SOFTMAX_TOPK, renormalize=False, routed_scaling_factor=2.5
+        )
+        assert layer.correction_bias is None
     else:
         assert spec.routing == RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=norm)
         assert layer.correction_bias is None
@@ -152,6 +158,13 @@ MISMATCHES = [
     (Family.DEEPSEEK_V3, "moe_intermediate_size", 32, "moe_intermediate_size=32 but the block's experts"),
     (Family.DEEPSEEK_V3, "hidden_act", "gelu", "hidden_act='gelu' but the block's experts compute 'silu'"),
     (Family.QWEN2_MOE, "norm_topk_prob", False, "norm_topk_prob=False but the block's router has norm"),
+    (
+        Family.DEEPSEEK_V2,
+        "routed_scaling_factor",
+        1.0,
+        "routed_scaling_factor=1.0 but the block's router has routed_scaling_factor=2.5",
+    ),
+    (Family.DOTS1, "topk_group", 2, "topk_group=2 but the block's router has topk_group=3"),
     (Family.QWEN2_MOE, "num_experts_per_tok", 2, "num_experts_per_tok=2 but the block's router selects"),
     (Family.QWEN2_MOE, "num_experts", 4, "num_experts=4 but the block's experts hold E=8"),
     (Family.QWEN2_MOE, "moe_intermediate_size", 96, "moe_intermediate_size=96 but the block's experts"),

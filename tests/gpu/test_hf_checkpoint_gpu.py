@@ -27,7 +27,7 @@ from moekit.layer import FusedMoE  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE]
+FAMILIES = [HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.QWEN3_MOE, HfCheckpointFamily.MINIMAX_M2]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.value for f in FAMILIES])

@@ -88,7 +88,8 @@ def _build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="a GPT-OSS safetensors file or directory (OpenAI or Hugging Face naming), or a Hugging Face "
-        "folder with config.json and one tensor per expert (Mixtral, Qwen, DeepSeek-V3, GLM-4.5; float, FP8)",
+        "folder with config.json and one tensor per expert (Mixtral, Qwen, OLMoE, DeepSeek-V2/V3, GLM-4.5, "
+        "GLM-4.7-Flash, dots1, MiniMax-M2; float, FP8)",
     )
     run.add_argument(
         "--layer", type=int, default=None, help="layer index in --checkpoint (default: 0); needs --checkpoint"
@@ -117,7 +118,8 @@ def _build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="start from the MoE layer a Hugging Face config.json (or a model folder's) describes (Mixtral, "
-        "Qwen, DeepSeek-V3, GLM-4.5; float or FP8 block-128), no tensors read",
+        "Qwen, OLMoE, DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash, dots1, MiniMax-M2; float or FP8 block-128), no "
+        "tensors read",
     )
     explain.add_argument(
         "--tokens", type=int, default=None, help="tokens per forward, T (default: 1); not with --ep/--tp"

@@ -3,10 +3,11 @@
 Data flow: a .safetensors file, a folder of them, or a folder with an index -> `loader.load_gpt_oss_layer`
 (locate, check headers, read eight tensors, or a rank's share of them) -> `layer.GptOssLayer`; and back:
 `layer.save_gpt_oss_layer`.
-A folder with config.json whose experts are stored one per tensor (Mixtral, Qwen2/3-MoE,
-Qwen3-Next, DeepSeek-V3, GLM-4.5; float, FP8 block-128 "fp8", or llm-compressor "compressed-tensors" FP8)
--> `hf_loader.load_hf_moe_layer` -> `hf_loader.HfCheckpointLayer` (spec from `hf_config`, the stored
-format from `hf_quant` / `compressed_tensors`, the reads in `hf_stacked`).
+A folder with config.json whose experts are stored one per tensor (Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE,
+DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash, dots1, MiniMax-M2; float, FP8 block-128 "fp8", or llm-compressor
+"compressed-tensors" FP8) -> `hf_loader.load_hf_moe_layer` -> `hf_loader.HfCheckpointLayer` (spec from
+`hf_config` and `hf_rules`, the stored format from `hf_quant` / `compressed_tensors`, the reads in
+`hf_stacked`).
 """
 
 from moekit.checkpoint.files import INDEX_FILE

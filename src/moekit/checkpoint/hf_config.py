@@ -10,21 +10,25 @@ Facts, read from transformers 5.24's `models/*/modeling_*.py` and configuration 
 its `save_pretrained` writes (checked by tests/cpu/test_hf_checkpoint.py on tiny models of each family):
 - On disk every family keeps one tensor per expert and projection, `[out, in]` as `nn.Linear` does:
   `{block}.experts.{e}.{gate,up,down}.weight`, with the block `model.layers.{l}.block_sparse_moe`
-  (Mixtral; projections `w1` gate, `w3` up, `w2` down) or `model.layers.{l}.mlp` (Qwen2-MoE, Qwen3-MoE,
-  Qwen3-Next, DeepSeek-V3, GLM-4.5; `gate_proj`, `up_proj`, `down_proj`). The router is
+  (Mixtral, MiniMax-M2; projections `w1` gate, `w3` up, `w2` down: conversion_mapping.py renames them
+  to the live `mlp.` on load) or `model.layers.{l}.mlp` (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE,
+  DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash, dots1; `gate_proj`, `up_proj`, `down_proj`). The router is
   `{block}.gate.weight [E, H]`, no bias.
-- DeepSeek-V3 and GLM-4.5 add `{block}.gate.e_score_correction_bias [E]` (fp32), and shared experts
-  `{block}.shared_experts.*` that the model adds to the routed output; Qwen2-MoE and Qwen3-Next have
-  `{block}.shared_expert.*` and `{block}.shared_expert_gate.weight`. A moekit layer computes the routed
-  experts only (as vLLM's fused MoE does); the shared experts are named in the loaded layer, not read.
-- DeepSeek-V3 (and GLM-4.5, with one group) routing: sigmoid scores, top `topk_group` of `n_group`
-  groups by the sum of each group's best two biased scores, top-K within them, weights the unbiased
-  scores renormalized over the K, times `routed_scaling_factor` (moekit's SIGMOID_GROUPED);
-  `scoring_func` "sigmoid" and `topk_method` "noaux_tc" in DeepSeek's own config (absent from configs
-  transformers writes, which assume them).
-  Its first `first_k_dense_replace` layers are dense MLPs without experts.
-- FP8 releases (DeepSeek-V3, Qwen3 "-FP8") carry `quantization_config` {quant_method "fp8", fmt "e4m3",
-  activation_scheme "dynamic", weight_block_size [128, 128]}: each projection is float8_e4m3fn with a
+- DeepSeek-V3, GLM-4.5, GLM-4.7-Flash and dots1 add `{block}.gate.e_score_correction_bias [E]` (fp32);
+  MiniMax-M2 keeps its correction bias on the block, `{block}.e_score_correction_bias [E]`. DeepSeek-V2/V3,
+  GLM-4.5/4.7-Flash and dots1 have shared experts `{block}.shared_experts.*` that the model adds to the
+  routed output; Qwen2-MoE and Qwen3-Next have `{block}.shared_expert.*` and
+  `{block}.shared_expert_gate.weight`. A moekit layer computes the routed experts only (as vLLM's fused
+  MoE does); the shared experts are named in the loaded layer, not read.
+- Each family's routing and dense-layer rule from its config fields: `hf_rules` (its docstring states
+  them, with DeepSeek-V3's grouped routing, which GLM-4.5, GLM-4.7-Flash and dots1 share; `scoring_func`
+  "sigmoid" and `topk_method` "noaux_tc" in DeepSeek's own config, absent from configs transformers
+  writes, which assume them). E is `n_routed_experts` (DeepSeek-V2/V3, GLM, dots1), `num_experts`
+  (Qwen, OLMoE) or `num_local_experts` (Mixtral, MiniMax-M2, and every family's alias); I is
+  `moe_intermediate_size`, except `intermediate_size` for Mixtral, OLMoE and MiniMax-M2.
+- FP8 releases (DeepSeek-V3, Qwen3 "-FP8"; MiniMax-M2's by its published config.json) carry
+  `quantization_config` {quant_method "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size
+  [128, 128]}: each projection is float8_e4m3fn with a
   `.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] that multiplies the codes (the name
   notwithstanding), and activations are quantized per token and 128-column group at run time.
 - llm-compressor's FP8 releases (RedHatAI's Qwen3-30B-A3B-FP8-dynamic, Mixtral-8x7B FP8) carry
@@ -38,7 +42,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,6 +54,15 @@ from moekit.checkpoint.hf_quant import (
     FP8_METHOD,
     ExpertQuantization,
     check_fp8_method,
+)
+from moekit.checkpoint.hf_rules import (
+    DenseRule,
+    HfRouting,
+    dense_reason,
+    routing_of_config,
+)
+from moekit.checkpoint.hf_rules import (
+    config_field as _field,
 )
 from moekit.errors import CheckpointError, SpecError
 from moekit.parallel.shard import FP8_BLOCK
@@ -73,21 +86,28 @@ HF_ACTIVATIONS: dict[str, Activation] = {
     "gelu_pytorch_tanh": Activation.GELU_TANH,
 }
 CONFIG_FILE = "config.json"  # beside the .safetensors files of a model folder
-CORRECTION_BIAS = "e_score_correction_bias"  # the router's [E] buffer (`{block}.gate.` in a checkpoint)
+CORRECTION_BIAS = "e_score_correction_bias"  # the [E] buffer's name, on the router or on the block
+_ROUTER_BIAS = f"gate.{CORRECTION_BIAS}"  # DeepSeek-V3's: `{block}.gate.e_score_correction_bias`
 
 
 @dataclass(frozen=True)
 class CheckpointLayout:
-    """Where one family keeps a MoE layer's tensors, and which config fields give its sizes."""
+    """Where one family keeps a MoE layer's tensors, and which config fields give its sizes and routing."""
 
     block: str  # the MoE block's key prefix, with `{l}` for the layer
     projections: tuple[str, str, str]  # per-expert (gate, up, down) module names
     num_experts_fields: tuple[str, ...]  # config fields that may hold E (HF writes its alias)
     intermediate_field: str
-    renormalize_field: str | None  # None: SOFTMAX_TOPK always renormalizes (Mixtral) or N/A
-    routing_method: RoutingMethod
-    correction_bias: bool  # `{block}.gate.e_score_correction_bias [E]`
+    renormalize_field: str | None  # SOFTMAX: the renormalize flag; None: always renormalizes (Mixtral) or N/A
+    routing: HfRouting
+    correction_bias: str | None  # block-relative key of the `[E]` correction bias; None: the family has none
     shared_prefixes: tuple[str, ...]  # block-relative prefixes of tensors the model adds beside the experts
+    dense_rule: DenseRule
+    norm_topk_prob_if_missing: bool = True  # SIGMOID_GROUPED: the config class's default
+
+    @property
+    def routing_method(self) -> RoutingMethod:
+        return self.routing.method
 
     def prefix(self, layer: int) -> str:
         return self.block.format(l=layer)
@@ -102,6 +122,11 @@ class HfCheckpointFamily(enum.Enum):
     QWEN3_NEXT = "qwen3_next"
     DEEPSEEK_V3 = "deepseek_v3"
     GLM4_MOE = "glm4_moe"
+    DEEPSEEK_V2 = "deepseek_v2"
+    OLMOE = "olmoe"
+    MINIMAX_M2 = "minimax_m2"
+    DOTS1 = "dots1"
+    GLM4_MOE_LITE = "glm4_moe_lite"
 
     @property
     def layout(self) -> CheckpointLayout:
@@ -133,9 +158,10 @@ _QWEN_SHARED = CheckpointLayout(  # Qwen2-MoE, Qwen3-Next: a gated shared expert
     num_experts_fields=("num_experts", "num_local_experts"),
     intermediate_field="moe_intermediate_size",
     renormalize_field="norm_topk_prob",
-    routing_method=RoutingMethod.SOFTMAX_TOPK,
-    correction_bias=False,
+    routing=HfRouting.SOFTMAX,
+    correction_bias=None,
     shared_prefixes=("shared_expert.", "shared_expert_gate."),
+    dense_rule=DenseRule.QWEN_SPARSE_STEP,
 )
 _SIGMOID_GROUPED = CheckpointLayout(  # DeepSeek-V3, GLM-4.5: corrected sigmoid scores, shared experts
     block=_MLP_BLOCK,
@@ -143,54 +169,43 @@ _SIGMOID_GROUPED = CheckpointLayout(  # DeepSeek-V3, GLM-4.5: corrected sigmoid 
     num_experts_fields=("n_routed_experts", "num_local_experts"),
     intermediate_field="moe_intermediate_size",
     renormalize_field=None,
-    routing_method=RoutingMethod.SIGMOID_GROUPED,
-    correction_bias=True,
+    routing=HfRouting.SIGMOID_GROUPED,
+    correction_bias=_ROUTER_BIAS,
     shared_prefixes=("shared_experts.",),
+    dense_rule=DenseRule.FIRST_K_DENSE_REPLACE,
+)
+
+_MIXTRAL = CheckpointLayout(
+    block="model.layers.{l}.block_sparse_moe",
+    projections=("w1", "w3", "w2"),
+    num_experts_fields=("num_local_experts",),
+    intermediate_field="intermediate_size",
+    renormalize_field=None,
+    routing=HfRouting.SOFTMAX,
+    correction_bias=None,
+    shared_prefixes=(),
+    dense_rule=DenseRule.NONE,
 )
 
 LAYOUTS: dict[HfCheckpointFamily, CheckpointLayout] = {
-    HfCheckpointFamily.MIXTRAL: CheckpointLayout(
-        block="model.layers.{l}.block_sparse_moe",
-        projections=("w1", "w3", "w2"),
-        num_experts_fields=("num_local_experts",),
-        intermediate_field="intermediate_size",
-        renormalize_field=None,
-        routing_method=RoutingMethod.SOFTMAX_TOPK,
-        correction_bias=False,
-        shared_prefixes=(),
-    ),
-    HfCheckpointFamily.QWEN3_MOE: CheckpointLayout(
-        block=_MLP_BLOCK,
-        projections=_PROJ,
-        num_experts_fields=("num_experts", "num_local_experts"),
-        intermediate_field="moe_intermediate_size",
-        renormalize_field="norm_topk_prob",
-        routing_method=RoutingMethod.SOFTMAX_TOPK,
-        correction_bias=False,
-        shared_prefixes=(),
-    ),
+    HfCheckpointFamily.MIXTRAL: _MIXTRAL,
+    HfCheckpointFamily.QWEN3_MOE: replace(_QWEN_SHARED, shared_prefixes=()),
     HfCheckpointFamily.QWEN2_MOE: _QWEN_SHARED,
     HfCheckpointFamily.QWEN3_NEXT: _QWEN_SHARED,
     HfCheckpointFamily.DEEPSEEK_V3: _SIGMOID_GROUPED,
     HfCheckpointFamily.GLM4_MOE: _SIGMOID_GROUPED,
+    HfCheckpointFamily.DEEPSEEK_V2: replace(  # greedy softmax routing, no correction bias
+        _SIGMOID_GROUPED, routing=HfRouting.SOFTMAX_GREEDY_SCALED, correction_bias=None
+    ),
+    HfCheckpointFamily.OLMOE: replace(  # Qwen3-MoE's routing; I is `intermediate_size`, every layer MoE
+        _QWEN_SHARED, intermediate_field="intermediate_size", shared_prefixes=(), dense_rule=DenseRule.NONE
+    ),
+    HfCheckpointFamily.MINIMAX_M2: replace(  # Mixtral's names; the correction bias is the block's own
+        _MIXTRAL, routing=HfRouting.SIGMOID_CORRECTED, correction_bias=CORRECTION_BIAS
+    ),
+    HfCheckpointFamily.DOTS1: replace(_SIGMOID_GROUPED, norm_topk_prob_if_missing=False),
+    HfCheckpointFamily.GLM4_MOE_LITE: replace(_SIGMOID_GROUPED, dense_rule=DenseRule.MLP_LAYER_TYPES),
 }
-
-
-_KINDS: dict[type, tuple[str, tuple[type, ...]]] = {
-    int: ("an int", (int,)),
-    float: ("a number", (int, float)),
-    bool: ("true or false", (bool,)),
-}
-
-
-def _field(config: Mapping[str, object], name: str, *, kind: type = int) -> object:
-    """`config[name]`, refused unless it is of `kind` (a bool is not taken for a number)."""
-    value = config.get(name)
-    what, types = _KINDS[kind]
-    if not isinstance(value, types) or (kind is not bool and isinstance(value, bool)):
-        got = f"got {value!r}" if name in config else "but config.json has no such field"
-        raise CheckpointError(f"config.json field {name!r} must be {what}, {got}")
-    return value
 
 
 def num_experts_of(family: HfCheckpointFamily, config: Mapping[str, object]) -> int:
@@ -300,52 +315,13 @@ def spec_from_config_file(file: Path, *, act_dtype: torch.dtype = torch.bfloat16
     return spec_from_checkpoint_config(family, config, stored, act_dtype=act_dtype)
 
 
-def sigmoid_grouped_routing(
-    *, n_group: int, topk_group: int, routed_scaling_factor: float, norm_topk_prob: bool, source: str
-) -> RoutingSpec:
-    """DeepSeek-V3's routing (and GLM-4.5's) as moekit's SIGMOID_GROUPED, from the fields a config or a
-    router holds; one group is no grouping (the spec holds it as None). `source` names what is refused
-    in messages ("a block", "a config")."""
-    if not norm_topk_prob:
-        raise SpecError(
-            f"norm_topk_prob={norm_topk_prob!r}: moekit's SIGMOID_GROUPED routing always renormalizes the "
-            f"top-k weights (DeepSeek-V3's norm_topk_prob=True); {source} that does not is not supported"
-        )
-    return RoutingSpec(
-        RoutingMethod.SIGMOID_GROUPED,
-        n_group=None if n_group == 1 else n_group,
-        topk_group=None if n_group == 1 else topk_group,
-        has_correction_bias=True,
-        routed_scaling_factor=float(routed_scaling_factor),
-    )
-
-
 def _routing(family: HfCheckpointFamily, config: Mapping[str, object]) -> RoutingSpec:
     layout = family.layout
-    if layout.routing_method is RoutingMethod.SOFTMAX_TOPK:
-        field = layout.renormalize_field
-        renormalize = True if field is None else bool(_field(config, field, kind=bool))
-        return RoutingSpec(RoutingMethod.SOFTMAX_TOPK, renormalize=renormalize)
-    scoring, method = config.get("scoring_func", "sigmoid"), config.get("topk_method", "noaux_tc")
-    if scoring != "sigmoid" or method != "noaux_tc":
-        raise SpecError(
-            f"config.json scoring_func={scoring!r}, topk_method={method!r}: moekit's SIGMOID_GROUPED "
-            "routing is DeepSeek-V3's (sigmoid, noaux_tc, renormalized top-k); other routings of this "
-            "family are not supported"
-        )
-    n_group, topk_group = _field(config, "n_group"), _field(config, "topk_group")
-    if n_group == 1 and topk_group != 1:  # RoutingSpec checks 1 <= topk_group <= n_group for n_group > 1
-        raise SpecError(
-            f"topk_group={topk_group} with n_group=1: the model keeps topk_group of its one group, so "
-            "only topk_group=1 is a routing (transformers fails or masks every expert otherwise); set "
-            "topk_group to 1"
-        )
-    return sigmoid_grouped_routing(
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=_field(config, "routed_scaling_factor", kind=float),
-        norm_topk_prob=config.get("norm_topk_prob", True) is True,
-        source="a config",
+    return routing_of_config(
+        layout.routing,
+        config,
+        renormalize_field=layout.renormalize_field,
+        norm_topk_prob_if_missing=layout.norm_topk_prob_if_missing,
     )
 
 
@@ -387,38 +363,11 @@ def spec_from_checkpoint_config(
     )
 
 
-_GROUPED_FAMILIES = (HfCheckpointFamily.DEEPSEEK_V3, HfCheckpointFamily.GLM4_MOE)
-_QWEN_FAMILIES = (HfCheckpointFamily.QWEN2_MOE, HfCheckpointFamily.QWEN3_MOE, HfCheckpointFamily.QWEN3_NEXT)
-
-
 def dense_layer_reason(family: HfCheckpointFamily, config: Mapping[str, object], layer: int) -> str | None:
     """Why config.json makes decoder layer `layer` a dense MLP (transformers builds no experts for it,
-    whatever tensors the files hold), or None. The rules are the families' decoder layers': DeepSeek-V3
-    and GLM-4.5 `layer >= first_k_dense_replace`; Qwen2-MoE, Qwen3-MoE and Qwen3-Next `layer not in
-    mlp_only_layers and (layer + 1) % decoder_sparse_step == 0`. A field config.json lacks is not
-    checked (the checkpoint's keys then decide)."""
-    if family in _GROUPED_FAMILIES and config.get("first_k_dense_replace") is not None:
-        first = _field(config, "first_k_dense_replace")
-        return f"first_k_dense_replace={first}: layers 0..{first - 1} are dense" if layer < first else None
-    if family not in _QWEN_FAMILIES:
-        return None
-    only = config.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in only):
-        raise CheckpointError(
-            f"config.json field 'mlp_only_layers' must be a list of layer ints, not {only!r}"
-        )
-    if layer in only:
-        return f"mlp_only_layers={only} lists it"
-    if config.get("decoder_sparse_step") is None:
-        return None
-    step = _field(config, "decoder_sparse_step")
-    if step < 1:
-        raise CheckpointError(
-            f"config.json decoder_sparse_step={step} must be >= 1 (1: every layer has experts)"
-        )
-    if (layer + 1) % step:
-        return f"decoder_sparse_step={step}: only layers l with (l + 1) % {step} == 0 have experts"
-    return None
+    whatever tensors the files hold), or None; the family's rule is its layout's `dense_rule`
+    (`hf_rules.dense_reason` states each)."""
+    return dense_reason(family.layout.dense_rule, config, layer)
 
 
 def first_moe_layer(family: HfCheckpointFamily, config: Mapping[str, object]) -> int:

@@ -1,5 +1,6 @@
 """One MoE layer of a Hugging Face checkpoint that stores each expert's projections as their own tensors
-(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5; bf16/fp16/fp32, or FP8: 128x128
+(Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash, OLMoE, MiniMax-M2,
+dots.llm1; bf16/fp16/fp32, or FP8: 128x128
 `.weight_scale_inv` blocks (quant_method "fp8"), or llm-compressor's `.weight_scale` per channel, per
 tensor or per 128x128 block (quant_method "compressed-tensors")).
 
@@ -9,7 +10,8 @@ Data flow:
   -> `files.resolve` (key -> file, headers only)
   -> `hf_config.expert_quantization`: how quantization_config stores this layer's experts (None: float)
   -> the layer's keys: E experts x (gate, up, down) [+ their scales], the router
-     `gate.weight` [+ `gate.e_score_correction_bias`]; a layer without experts, experts beyond the
+     `gate.weight` [+ the correction bias: `gate.e_score_correction_bias`, MiniMax-M2's
+     `e_score_correction_bias` on the block]; a layer without experts, experts beyond the
      config's E, or other tensors in the block (not the shared experts) are refused
   -> header pass: the experts stored as quantization_config says (F8_E4M3 under FP8, else a float), the
      router float; every key present, in one file, of the right dtype and of the shape config.json gives
@@ -39,7 +41,6 @@ import torch
 from moekit.checkpoint.files import FLOAT_DTYPES, Files, check_sources, open_file, read_headers, resolve
 from moekit.checkpoint.hf_config import (
     CONFIG_FILE,
-    CORRECTION_BIAS,
     HfCheckpointFamily,
     dense_layer_reason,
     expert_quantization,
@@ -73,7 +74,7 @@ class HfCheckpointLayer:
     spec: MoESpec
     weights: ExpertWeights
     router_weight: torch.Tensor  # [E, H]
-    correction_bias: torch.Tensor | None  # [E] fp32, DeepSeek-V3 only
+    correction_bias: torch.Tensor | None  # [E] fp32: the SIGMOID_GROUPED families only
     shared_expert_keys: tuple[str, ...] = ()
     share: RankShare | None = None
 
@@ -99,9 +100,10 @@ class HfCheckpointLayer:
             raise SpecError(f"a correction_bias was given, but {spec.routing.method.name} routing has none")
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 router logits `[T, E]` = x @ router_weight^T. DeepSeek-V3's and GLM-4.5's HF routers compute
-        them in fp32 too; Mixtral's and Qwen's in the activations' dtype, so a bf16 HF model may pick
-        another expert for a token whose top scores nearly tie."""
+        """fp32 router logits `[T, E]` = x @ router_weight^T. DeepSeek-V2/V3's, GLM-4.5/4.7-Flash's and
+        dots1's HF routers compute them in fp32 too; Mixtral's, Qwen's, OLMoE's and MiniMax-M2's in the
+        model's dtype, so a bf16 HF model may pick another expert for a token whose top scores nearly
+        tie."""
         return torch.nn.functional.linear(x.float(), self.router_weight.float())
 
 
@@ -196,8 +198,8 @@ def _layer_keys(
         suffix = quant.scale_suffix
         experts.update({f"{r}_scale": t.removesuffix(".weight") + suffix for r, t in list(experts.items())})
     router = {"router_weight": f"{prefix}.gate.weight"}
-    if family.layout.correction_bias:
-        router["correction_bias"] = f"{prefix}.gate.{CORRECTION_BIAS}"
+    if family.layout.correction_bias is not None:  # the router's (DeepSeek-V3) or the block's (MiniMax-M2)
+        router["correction_bias"] = f"{prefix}.{family.layout.correction_bias}"
     return experts, router
 
 

@@ -1,5 +1,5 @@
-"""Hugging Face transformers: convert GPT-OSS, Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V3, GLM-4.5 MoE
-blocks, and patch models with them.
+"""Hugging Face transformers: convert GPT-OSS, Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2/V3,
+GLM-4.5, GLM-4.7-Flash, dots1 and MiniMax-M2 MoE blocks, and patch models with them.
 
 Data flow: `families` describes each supported family once (block class, router name, config fields,
 experts layout, grouped-routing constants, correction bias, shared experts) -> `convert` turns a block

@@ -19,8 +19,9 @@ Data flow:
     unpatched block would load them), converted again and a new `FusedMoE` built from them and from the
     router's correction bias in the state dict, if it holds one (planned, checked: a non-finite bias is
     refused); only then does it replace the old one, so a refused load leaves the block as it was. The
-    router and shared experts load as HF modules. A correction bias changed in place on the router
-    module after patching is not seen by moekit's copy: load it through `load_state_dict`, or patch again.
+    router and shared experts load as HF modules (MiniMax-M2's block-held correction bias as this
+    block's buffer). A correction bias changed in place on the router module after patching is not seen
+    by moekit's copy: load it through `load_state_dict`, or patch again.
   casts: a module above patched blocks (the model, its decoder, its layer list) gets a `_CastGuard`: before
     `.half()` / `.to(dtype)` / `.to(device)` changes any tensor, every moekit layer under it is asked
     (`FusedMoE.check_conversion`) and moved; a refused cast (an act-dtype change, a device moekit cannot
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.integrations.transformers.convert import from_hf_experts, hf_expert_tensors
+from moekit.integrations.transformers.convert import correction_bias_of, from_hf_experts, hf_expert_tensors
 from moekit.integrations.transformers.families import Family
 from moekit.layer import FusedMoE
 from moekit.spec import MoESpec
@@ -126,6 +127,8 @@ class MoekitMoEBlock(torch.nn.Module):
         self.moe = moe
         self.spec = moe.spec if spec is None else spec  # the whole layer's (a parallel `moe` holds a share)
         self.add_module(family.router_name, getattr(original, family.router_name))
+        if family.hf.bias_on_block:  # MiniMax-M2's buffer, under its name: saved and loaded as the block's
+            self.register_buffer(family.hf.correction_bias, getattr(original, family.hf.correction_bias))
         shared = family.hf.shared
         for name in () if shared is None else (shared.mlp, shared.gate):
             if name is not None:  # the original's own modules, under its names: one set of tensors
@@ -145,7 +148,11 @@ class MoekitMoEBlock(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor):  # noqa: ANN201 - the HF block's return type
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
-        router_logits, router_scores, _ = getattr(self, self.family.router_name)(flat)
+        router = getattr(self, self.family.router_name)
+        if self.family.hf.bias_on_block:  # MiniMax-M2's router takes the block's correction bias
+            router_logits, router_scores, _ = router(flat, getattr(self, self.family.hf.correction_bias))
+        else:
+            router_logits, router_scores, _ = router(flat)
         # The layer's output is whole here (a tensor-parallel layer all-reduced it inside), so the shared
         # experts, which every rank runs whole on its own tokens, are added once. Shapes and order of the
         # additions are the HF blocks' own.
@@ -153,7 +160,7 @@ class MoekitMoEBlock(torch.nn.Module):
         shared = self.family.hf.shared
         if shared is None:
             out = routed.reshape(shape)
-        elif shared.gate is None:  # DeepSeek-V3, GLM-4.5: routed + shared_experts(x)
+        elif shared.gate is None:  # DeepSeek-V2/V3, GLM-4.5/4.7-Flash, dots1: routed + shared_experts(x)
             out = routed.reshape(shape) + getattr(self, shared.mlp)(hidden_states)
         else:  # Qwen2-MoE, Qwen3-Next: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             mlp, gate = getattr(self, shared.mlp)(flat), getattr(self, shared.gate)(flat)
@@ -161,9 +168,9 @@ class MoekitMoEBlock(torch.nn.Module):
         return (out, router_scores) if self.family.hf.returns_router_scores else out
 
     def correction_bias_key(self, prefix: str = "") -> str | None:
-        """The state_dict key of the router's correction bias (None for a family without one)."""
+        """The state_dict key of the correction bias (None for a family without one)."""
         name = self.family.hf.correction_bias
-        return None if name is None else f"{prefix}{self.family.router_name}.{name}"
+        return None if name is None else f"{prefix}{name}"
 
     def release_original(self) -> bool:
         """Empty the original experts' parameters if moekit's weights rebuild them bit-exactly."""
@@ -198,6 +205,10 @@ class MoekitMoEBlock(torch.nn.Module):
             rebuilt = hf_expert_tensors(self.family, self.moe.weights)
             self._fill_released({rp.name: rebuilt[rp.name] for rp in self._released})
             self._released = ()
+        if self.family.hf.bias_on_block:  # this block's buffer, as loaded or moved since patching
+            setattr(
+                self.original, self.family.hf.correction_bias, getattr(self, self.family.hf.correction_bias)
+            )
         return self.original
 
     def _fill_released(self, values: dict[str, torch.Tensor]) -> None:
@@ -266,8 +277,8 @@ class MoekitMoEBlock(torch.nn.Module):
                 self.original.experts, self.family, gate_layout=self.moe.weights.gate_layout
             )
             router = getattr(self, self.family.router_name)
-            if correction_bias is not None:  # the router buffer's dtype, as the router will load it
-                buffer = getattr(router, self.family.hf.correction_bias)
+            if correction_bias is not None:  # the buffer's dtype, as the router (or this block) will load it
+                buffer = correction_bias_of(self, self.family.hf)
                 correction_bias = correction_bias.detach().to(dtype=buffer.dtype, copy=True)
             moe = FusedMoE(
                 spec=self.spec,

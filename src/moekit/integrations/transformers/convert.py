@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.checkpoint.hf_config import HF_ACTIVATIONS, sigmoid_grouped_routing
+from moekit.checkpoint.hf_config import HF_ACTIVATIONS
+from moekit.checkpoint.hf_rules import (
+    SIGMOID_CORRECTED_ROUTING,
+    HfRouting,
+    greedy_softmax_routing,
+    sigmoid_grouped_routing,
+)
 from moekit.errors import DTypeError, FormatError, ShapeError, SpecError
 from moekit.formats.mxfp4 import DEFAULT_SCALE_RULE, Mxfp4ScaleRule
 from moekit.integrations.transformers.families import Family, HfFamily
@@ -35,7 +41,6 @@ from moekit.spec import (
     Fp8Scale,
     GateLayout,
     MoESpec,
-    RoutingMethod,
     RoutingSpec,
     WeightFormat,
 )
@@ -60,12 +65,18 @@ def _activation(config: object, hf: HfFamily) -> ActivationSpec:
 
 
 def _routing(config: object, hf: HfFamily) -> RoutingSpec:
-    if hf.routing_method is not RoutingMethod.SIGMOID_GROUPED:
+    if hf.hf_routing is None or hf.hf_routing is HfRouting.SOFTMAX:
         renormalize = True if hf.renormalize_field is None else bool(getattr(config, hf.renormalize_field))
         return RoutingSpec(hf.routing_method, renormalize=renormalize)
+    if hf.hf_routing is HfRouting.SIGMOID_CORRECTED:  # MiniMax-M2: the router holds no constants
+        return SIGMOID_CORRECTED_ROUTING
     missing = [field for _, field in hf.router_fields if getattr(config, field, None) is None]
     if missing:
-        raise SpecError(f"the {config.model_type} config has no {missing}: its grouped routing is unknown")
+        raise SpecError(f"the {config.model_type} config has no {missing}: its routing is unknown")
+    if hf.hf_routing is HfRouting.SOFTMAX_GREEDY_SCALED:  # DeepSeek-V2
+        return greedy_softmax_routing(
+            topk_method=config.topk_method, routed_scaling_factor=config.routed_scaling_factor
+        )
     return sigmoid_grouped_routing(
         n_group=int(config.n_group),
         topk_group=int(config.topk_group),
@@ -322,6 +333,14 @@ class HfMoeLayer:
         return fused_moe_reference(x, self.weights, self.route(x), spec=self.spec)
 
 
+def correction_bias_of(block: torch.nn.Module, hf: HfFamily) -> torch.Tensor | None:
+    """The block's `[E]` correction bias (its router's buffer, or MiniMax-M2's own), or None."""
+    if hf.correction_bias is None:
+        return None
+    owner, _, name = hf.correction_bias.rpartition(".")
+    return getattr(block.get_submodule(owner) if owner else block, name)
+
+
 def from_hf_moe_block(
     block: torch.nn.Module,
     *,
@@ -359,7 +378,7 @@ def from_hf_moe_block(
         act_dtype=experts_dtype if act_dtype is None else act_dtype,
     )
     check_config_matches_block(config, spec, block, family, weights)
-    correction = None if family.hf.correction_bias is None else getattr(router, family.hf.correction_bias)
+    correction = correction_bias_of(block, family.hf)
     return HfMoeLayer(
         spec=spec,
         weights=weights,

@@ -29,6 +29,17 @@ The facts below were read from the installed transformers 5.24 source (`models/*
 - `Qwen2MoeSparseMoeBlock`: router `gate` as Qwen3-MoE's (`top_k`, `norm_topk_prob`), experts as Qwen3-MoE's,
   plus `shared_expert` (an MLP) and `shared_expert_gate` (`Linear(H, 1)`, no bias): output = routed +
   sigmoid(shared_expert_gate(x)) * shared_expert(x).
+- `Glm4MoeMoE`, `Dots1MoE`, `Glm4MoeLiteMoE` (GLM-4.7-Flash): DeepSeek-V3's router and block, code for
+  code; GLM-4.7-Flash's dense layers are those `mlp_layer_types` does not call "sparse".
+- `DeepseekV2Moe`: router `gate` (`DeepseekV2TopkRouter`: fp32 `weight [E, H]`, attributes `top_k`,
+  `topk_method`, `num_group`, `topk_group`, `routed_scaling_factor`; softmax over E, top-k, no
+  renormalization, times the factor for `topk_method` "greedy"), experts and `shared_experts` as
+  DeepSeek-V3's.
+- `OlmoeSparseMoeBlock`: Qwen3-MoE's router (`top_k`, `norm_topk_prob`) and experts; no shared experts.
+- `MiniMaxM2SparseMoeBlock`: router `gate` (`MiniMaxM2TopKRouter`: `weight [E, H]` in the model's dtype,
+  attribute `top_k`), experts as Mixtral's, and the block's own buffer `e_score_correction_bias [E]`,
+  which the block passes to the router's forward (sigmoid scores, choice by the biased scores, weights
+  the unbiased ones renormalized: SIGMOID_GROUPED without groups).
 Every family's router forward returns `(router_logits, router_scores, router_indices)`. moekit computes
 the routed experts; a block's shared experts stay HF modules, run by `block.MoekitMoEBlock`.
 """
@@ -41,7 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.checkpoint.hf_config import CORRECTION_BIAS, LAYOUTS, HfCheckpointFamily
+from moekit.checkpoint.hf_config import LAYOUTS, HfCheckpointFamily
+from moekit.checkpoint.hf_rules import HfRouting
 from moekit.errors import SpecError
 from moekit.spec import GateLayout, RoutingMethod
 
@@ -90,18 +102,26 @@ class HfFamily:
     gate_layout: GateLayout  # order of the gate and up rows in `gate_up_proj`
     has_bias: bool  # experts hold `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`
     legacy_expert_names: tuple[str, str, str] | None  # 4.x per-expert Linear names (gate, up, down)
-    # SIGMOID_GROUPED: (router attribute, config field) of the routing constants the router holds
+    # (router attribute, config field) of the routing constants the router holds beyond top-k
     router_fields: tuple[tuple[str, str], ...] = ()
-    correction_bias: str | None = None  # the router's `[E]` correction-bias buffer
+    # the `[E]` correction-bias buffer, relative to the block: `gate.e_score_correction_bias` (the router's,
+    # DeepSeek-V3) or `e_score_correction_bias` (the block's, MiniMax-M2: its router's forward takes it)
+    correction_bias: str | None = None
     shared: SharedExperts | None = None
+    hf_routing: HfRouting | None = None  # how config fields give the routing (None: GPT-OSS's TOPK_SOFTMAX)
+
+    @property
+    def bias_on_block(self) -> bool:
+        """The correction bias is a buffer of the block, passed to the router's forward (MiniMax-M2)."""
+        return self.correction_bias is not None and "." not in self.correction_bias
 
 
 class Family(enum.Enum):
     """The HF model families whose MoE blocks moekit replaces (values are HF `model_type`s).
 
-    What moekit knows of each lives in its `HfFamily` row (`family.hf`). DeepSeek-V3 and Qwen2-MoE
-    blocks (and Qwen3-Next's, GLM-4.5's) add shared experts to the routed ones: moekit runs the routed
-    experts, the blocks' own modules the shared ones."""
+    What moekit knows of each lives in its `HfFamily` row (`family.hf`). DeepSeek-V2/V3 and Qwen2-MoE
+    blocks (and Qwen3-Next's, GLM-4.5's, GLM-4.7-Flash's, dots1's) add shared experts to the routed ones:
+    moekit runs the routed experts, the blocks' own modules the shared ones."""
 
     GPT_OSS = "gpt_oss"
     MIXTRAL = "mixtral"
@@ -110,6 +130,11 @@ class Family(enum.Enum):
     QWEN3_NEXT = "qwen3_next"
     DEEPSEEK_V3 = "deepseek_v3"
     GLM4_MOE = "glm4_moe"
+    DEEPSEEK_V2 = "deepseek_v2"
+    OLMOE = "olmoe"
+    MINIMAX_M2 = "minimax_m2"
+    DOTS1 = "dots1"
+    GLM4_MOE_LITE = "glm4_moe_lite"
 
     @property
     def hf(self) -> HfFamily:
@@ -128,14 +153,13 @@ class Family(enum.Enum):
         raise SpecError(f"unsupported HF model_type {model_type!r}; supported: {[f.value for f in cls]}")
 
 
-# The per-expert names, size fields, routing methods, renormalize flags and shared-expert modules of
-# Mixtral, Qwen2/3-MoE and DeepSeek-V3 are the checkpoint layouts' (`moekit.checkpoint.hf_config.LAYOUTS`):
+# The per-expert names, size fields, routings, renormalize flags, correction-bias places and shared-expert
+# modules of every family but GPT-OSS are the checkpoint layouts' (`moekit.checkpoint.hf_config.LAYOUTS`):
 # one statement of those facts for both readers.
 def _from_layout(family: HfCheckpointFamily, block_module: str, block_class: str) -> HfFamily:
     """A routed-expert family laid out as Mixtral's (`[out, in]`, CONCAT, no biases, `ACT2FN`, router
     `gate`), its facts from the checkpoint layout."""
     layout = LAYOUTS[family]
-    grouped = layout.routing_method is RoutingMethod.SIGMOID_GROUPED
     return HfFamily(
         block_module=block_module,
         block_class=block_class,
@@ -150,19 +174,27 @@ def _from_layout(family: HfCheckpointFamily, block_module: str, block_class: str
         gate_layout=GateLayout.CONCAT,
         has_bias=False,
         legacy_expert_names=layout.projections,
-        router_fields=_GROUPED_ROUTER_FIELDS if grouped else (),
-        correction_bias=CORRECTION_BIAS if layout.correction_bias else None,
+        router_fields=_ROUTER_FIELDS.get(layout.routing, ()),
+        correction_bias=layout.correction_bias,
         shared=SharedExperts.of_layout(family),
+        hf_routing=layout.routing,
     )
 
 
-# `DeepseekV3TopkRouter`'s attributes and the config fields they are read from.
-_GROUPED_ROUTER_FIELDS = (
-    ("num_group", "n_group"),
-    ("topk_group", "topk_group"),
-    ("routed_scaling_factor", "routed_scaling_factor"),
-    ("norm_topk_prob", "norm_topk_prob"),
-)
+# The routers' routing attributes and the config fields they are read from: `DeepseekV3TopkRouter`'s
+# (and GLM-4.5's, dots1's, GLM-4.7-Flash's), `DeepseekV2TopkRouter`'s. `MiniMaxM2TopKRouter` holds none.
+_ROUTER_FIELDS = {
+    HfRouting.SIGMOID_GROUPED: (
+        ("num_group", "n_group"),
+        ("topk_group", "topk_group"),
+        ("routed_scaling_factor", "routed_scaling_factor"),
+        ("norm_topk_prob", "norm_topk_prob"),
+    ),
+    HfRouting.SOFTMAX_GREEDY_SCALED: (
+        ("topk_method", "topk_method"),
+        ("routed_scaling_factor", "routed_scaling_factor"),
+    ),
+}
 
 FAMILIES: dict[Family, HfFamily] = {
     Family.GPT_OSS: HfFamily(
@@ -212,6 +244,27 @@ FAMILIES: dict[Family, HfFamily] = {
     ),
     Family.GLM4_MOE: _from_layout(  # DeepSeek-V3's block and router (`Glm4MoeTopkRouter`)
         HfCheckpointFamily.GLM4_MOE, "transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeMoE"
+    ),
+    Family.DEEPSEEK_V2: _from_layout(
+        HfCheckpointFamily.DEEPSEEK_V2,
+        "transformers.models.deepseek_v2.modeling_deepseek_v2",
+        "DeepseekV2Moe",
+    ),
+    Family.OLMOE: _from_layout(
+        HfCheckpointFamily.OLMOE, "transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock"
+    ),
+    Family.MINIMAX_M2: _from_layout(
+        HfCheckpointFamily.MINIMAX_M2,
+        "transformers.models.minimax_m2.modeling_minimax_m2",
+        "MiniMaxM2SparseMoeBlock",
+    ),
+    Family.DOTS1: _from_layout(  # DeepSeek-V3's block and router (`Dots1TopkRouter`)
+        HfCheckpointFamily.DOTS1, "transformers.models.dots1.modeling_dots1", "Dots1MoE"
+    ),
+    Family.GLM4_MOE_LITE: _from_layout(  # DeepSeek-V3's block and router (`Glm4MoeLiteTopkRouter`)
+        HfCheckpointFamily.GLM4_MOE_LITE,
+        "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite",
+        "Glm4MoeLiteMoE",
     ),
 }
 

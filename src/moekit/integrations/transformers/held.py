@@ -40,8 +40,8 @@ def hidden_act_of(act_fn: object) -> str:
 
 
 def _router_field(value: object) -> object:
-    """A router attribute as the config holds it (a flag stays a bool, a count an int)."""
-    if isinstance(value, bool | int):
+    """A router attribute as the config holds it (a flag stays a bool, a count an int, a name a str)."""
+    if isinstance(value, bool | int | str):
         return value
     return float(value)
 

@@ -1,5 +1,5 @@
-"""Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V3,
-GLM-4.5 models for moekit layers.
+"""Hugging Face transformers: swap the MoE blocks of GPT-OSS, Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE,
+DeepSeek-V2/V3, GLM-4.5, GLM-4.7-Flash, dots1 and MiniMax-M2 models for moekit layers.
 
 Data flow (which classes are blocks, where their router sits and what they return: `families.FAMILIES`):
   patch_model(model): every module whose class is a supported block (`family_of`) -> `hf_layer_of`
@@ -87,7 +87,7 @@ def _config_of_module(module: torch.nn.Module, family: Family, *, config: object
         fields[hf.renormalize_field] = held[hf.renormalize_field]
     missing = [f"{attribute} ({field})" for attribute, field in hf.router_fields if field not in held]
     if missing:
-        raise SpecError(f"{type(router).__name__} has no {missing}: the block's grouped routing is unknown")
+        raise SpecError(f"{type(router).__name__} has no {missing}: the block's routing is unknown")
     fields |= {field: held[field] for _, field in hf.router_fields}
     return SimpleNamespace(**fields)
 
