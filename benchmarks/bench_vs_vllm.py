@@ -35,7 +35,6 @@ from types import SimpleNamespace
 import torch
 
 VLLM_PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-120b")
-CHANNEL_SUFFIX = "+fp8-channel"
 
 
 def _load_peer(path: Path):
@@ -70,8 +69,8 @@ class SideBySide:
 
 def _shapes(peer, label: str, tiny: bool) -> tuple[str, dict]:
     """(vLLM preset name, its shape dict) for `label` ("name" or "name@ExKxHxI", either with
-    CHANNEL_SUFFIX)."""
-    name, _, shape = label.removesuffix(CHANNEL_SUFFIX).partition("@")
+    "+fp8-channel")."""
+    name, _, shape = label.partition("+")[0].partition("@")
     if name not in VLLM_PRESETS:
         sys.exit(f"unknown preset {name!r}: the vLLM side has {', '.join(VLLM_PRESETS)}")
     dims = dict(peer.PRESETS[name])
@@ -84,17 +83,12 @@ def _shapes(peer, label: str, tiny: bool) -> tuple[str, dict]:
 
 
 def _moekit_spec(name: str, dims: dict, act_dtype: torch.dtype, per_channel: bool):
-    from moekit.presets import preset, reshaped
-    from moekit.spec import ActivationQuant, Fp8Scale, WeightFormat
+    from moekit.presets import fp8_channel, preset, reshaped
+    from moekit.spec import WeightFormat
 
     spec = reshaped(preset(name), f"{dims['E']}x{dims['K']}x{dims['H']}x{dims['I']}")
     if per_channel:
-        spec = replace(
-            spec,
-            weight_format=WeightFormat.FP8_E4M3,
-            fp8_scale=Fp8Scale.PER_CHANNEL,
-            act_quant=ActivationQuant.FP8_PER_TOKEN,
-        )
+        spec = fp8_channel(spec)
     if spec.weight_format is WeightFormat.MXFP4:  # vLLM's gpt-oss-120b preset is its BF16 path
         spec = replace(spec, weight_format=WeightFormat.BF16)
     if act_dtype != spec.act_dtype:  # --dry-run: fp32 (the interpreter's bf16 arithmetic is broken)
@@ -110,15 +104,17 @@ def _run_preset(peer, label: str, tokens, args, device, ceilings) -> list[SideBy
     from moekit.kernels.base import DeviceInfo
     from moekit.ops import fused_moe, prepare_weights
     from moekit.planning.plan import plan
+    from moekit.presets import FP8_CHANNEL_SUFFIX
     from moekit.reference import fused_moe_reference, relative_l2_error, tolerance
     from moekit.routing import RoutingResult
     from moekit.weights import ExpertWeights
 
     name, dims = _shapes(peer, label, args.dry_run)
     act_dtype = torch.float32 if args.dry_run else torch.bfloat16
-    per_channel = label.endswith(CHANNEL_SUFFIX)
-    if per_channel and dims["bias"]:
-        sys.exit(f"{label}: the per-channel FP8 comparison has no biases; pick a preset without them")
+    quant = label.partition("+")[2]
+    if quant and quant != FP8_CHANNEL_SUFFIX:
+        sys.exit(f"{label}: the only suffix the vLLM comparison takes is +{FP8_CHANNEL_SUFFIX}")
+    per_channel = quant == FP8_CHANNEL_SUFFIX
     spec = _moekit_spec(name, dims, act_dtype, per_channel)
     if per_channel:
         from vllm_channel import channel_experts, channel_weights

@@ -130,9 +130,30 @@ def reshaped(spec: MoESpec, shape: str) -> MoESpec:
     )
 
 
+# The suffix that serves a preset as llm-compressor's "FP8-dynamic" checkpoints are served: FP8 weights
+# scaled per output row, FP8 activations scaled per token (vLLM's per-channel W8A8 path).
+FP8_CHANNEL_SUFFIX = "fp8-channel"
+
+
+def fp8_channel(spec: MoESpec) -> MoESpec:
+    """`spec` with per-channel FP8 weights and per-token FP8 activations (the "+fp8-channel" suffix)."""
+    if spec.has_bias:
+        raise SpecError(
+            "the +fp8-channel suffix serves presets without expert biases (FP8-dynamic checkpoints have "
+            "none); pick a preset whose has_bias is False"
+        )
+    return replace(
+        spec,
+        weight_format=WeightFormat.FP8_E4M3,
+        fp8_scale=Fp8Scale.PER_CHANNEL,
+        act_quant=ActivationQuant.FP8_PER_TOKEN,
+    )
+
+
 def preset_at(label: str) -> MoESpec:
     """A preset by name, "name@ExKxHxI" (that preset's math at another shape, `reshaped`), and either with
-    "+QUANT" (an `ActivationQuant` value, e.g. "gpt-oss-120b+fp8_per_1x128_group" for W4A8)."""
+    "+QUANT" (an `ActivationQuant` value, e.g. "gpt-oss-120b+fp8_per_1x128_group" for W4A8) or
+    "+fp8-channel" (`fp8_channel`: per-channel FP8 weights and per-token FP8 activations)."""
     check_type(
         "preset_at(label)",
         label,
@@ -143,8 +164,10 @@ def preset_at(label: str) -> MoESpec:
     label, plus, quant = label.partition("+")
     name, at, shape = label.partition("@")
     spec = reshaped(preset(name), shape) if at else preset(name)
+    if plus and quant == FP8_CHANNEL_SUFFIX:
+        return fp8_channel(spec)
     if plus:
-        known = [q.value for q in ActivationQuant]
+        known = [q.value for q in ActivationQuant] + [FP8_CHANNEL_SUFFIX]
         if quant not in known:
             raise SpecError(f"unknown activation quantization {quant!r} after '+'; choose one of {known}")
         spec = replace(spec, act_quant=ActivationQuant(quant))

@@ -63,6 +63,23 @@ def test_preset_at_names_another_shape():
     assert preset_at("deepseek-v3@60x6x2048x1408").routing.n_group is None
 
 
+def test_preset_at_serves_a_preset_as_fp8_dynamic_checkpoints_are_served():
+    from moekit.spec import ActivationQuant, Fp8Scale, WeightFormat
+
+    spec = preset_at("qwen3-30b-a3b@64x6x2048x1408+fp8-channel")
+    assert (spec.E, spec.K, spec.H, spec.I) == (64, 6, 2048, 1408)
+    assert spec.weight_format is WeightFormat.FP8_E4M3 and spec.fp8_scale is Fp8Scale.PER_CHANNEL
+    assert spec.act_quant is ActivationQuant.FP8_PER_TOKEN
+    assert (
+        spec.routing == preset("qwen3-30b-a3b").routing
+        and spec.activation == preset("qwen3-30b-a3b").activation
+    )
+    with pytest.raises(SpecError, match="without expert biases"):
+        preset_at("gpt-oss-20b+fp8-channel")
+    with pytest.raises(SpecError, match="fp8-channel"):
+        preset_at("qwen3-30b-a3b+fp8_channel")  # the list of choices names the suffix
+
+
 @pytest.mark.parametrize(
     "bad", ["gpt-oss-120b@1x2x3", "gpt-oss-120b@0x2x64x64", "gpt-oss-120b@ax2x64x64", "nope@8x2x64x64"]
 )
