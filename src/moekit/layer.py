@@ -204,9 +204,8 @@ class FusedMoE(torch.nn.Module):
         parallel: Parallel | None = None,
     ) -> FusedMoE:
         """Layer `layer` of a per-expert Hugging Face checkpoint (`moekit.checkpoint.load_hf_moe_layer`:
-        Mixtral, Qwen, OLMoE, DeepSeek-V2/V3, GLM-4.5/4.7-Flash, dots1, MiniMax-M2; float or FP8 block-128),
-        the routed experts only; with
-        `parallel`, only this rank's share is read."""
+        Mixtral, Qwen, OLMoE, DeepSeek-V2/V3, GLM-4.5/4.7-Flash, dots1, MiniMax-M2; float, FP8 block-128, or
+        compressed-tensors FP8), the routed experts only; with `parallel`, only this rank's share is read."""
         from moekit.checkpoint.fused import hf_checkpoint_layer
 
         return hf_checkpoint_layer(
