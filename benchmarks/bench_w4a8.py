@@ -72,17 +72,21 @@ def _measure(spec, config, weights, *, layer, x, logits, routing, exact, flush) 
     }
 
 
-def _with_other_decode_order(measure_default):  # noqa: ANN001, ANN202 - a zero-argument measurement
-    """`measure_default()` with `wgmma_w4a8.DECODE_UNDER_MMA` flipped (restored after), labelled."""
+def _with_other_decode_order(measure_default, spec, num_tokens: int):  # noqa: ANN001, ANN202
+    """`measure_default()` (a zero-argument measurement) with the other decode order than
+    `wgmma_w4a8.decode_under_mma` gives at this T (its threshold moved, restored after), labelled."""
+    import math
+
     from moekit.kernels.triton import wgmma_w4a8
 
-    shipped = wgmma_w4a8.DECODE_UNDER_MMA
-    wgmma_w4a8.DECODE_UNDER_MMA = not shipped
+    shipped_threshold = wgmma_w4a8.DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT
+    other = not wgmma_w4a8.decode_under_mma(spec, num_tokens)
+    wgmma_w4a8.DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT = 0 if other else math.inf
     try:
         result = measure_default()
     finally:
-        wgmma_w4a8.DECODE_UNDER_MMA = shipped
-    return dict(result, decode_under_mma=not shipped)
+        wgmma_w4a8.DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT = shipped_threshold
+    return dict(result, decode_under_mma=other)
 
 
 def main() -> int:
@@ -99,8 +103,8 @@ def main() -> int:
         "--decode-order",
         choices=["shipped", "both"],
         default="shipped",
-        help="both: W4A8 also timed with the other decode order of wgmma_w4a8.DECODE_UNDER_MMA "
-        "(row key w4a8_other_decode_order), the A/B the knob exists for",
+        help="both: W4A8 also timed with the other decode order than wgmma_w4a8.decode_under_mma gives at "
+        "each T (row key w4a8_other_decode_order), the A/B the threshold is chosen by",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -146,7 +150,7 @@ def main() -> int:
                 row["w4a8_candidates"] = candidates
             if args.decode_order == "both":
                 row["w4a8_other_decode_order"] = _with_other_decode_order(
-                    functools.partial(measure, w4a8, configs[0], prepared[w4a8])
+                    functools.partial(measure, w4a8, configs[0], prepared[w4a8]), w4a8, t
                 )
             a, b = row["w4a16"], row["w4a8"]
             if "us" not in a or "us" not in b:

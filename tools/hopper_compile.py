@@ -430,7 +430,7 @@ def compile_wgmma_w4a8_for_hopper(
 ):
     """The WGMMA_W4A8 engine's GEMM (`_details.wgmma_w4a8._w4a8_gemm`) as `wgmma_w4a8_moe` launches it for
     GEMM 1 (gated, GPT-OSS's SwiGLU with its limit, gate/up interleaved) or 2 of a layer of `hidden` x
-    `inter` (`decode_under_mma`: the host's DECODE_UNDER_MMA)."""
+    `inter` (`decode_under_mma`: what the host's `wgmma_w4a8.decode_under_mma` gives)."""
     from triton.experimental.gluon import language as gl
 
     from moekit.formats import mxfp4_w4a8

@@ -10,6 +10,7 @@ weights (the weights the kernels compute with) and on the checkpoint ones. Also:
 capture and replay, weights with flushed groups, the planner's choice on this device, the workspace.
 """
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -71,8 +72,8 @@ DEEPEST = max(OTHERS, key=lambda c: c.num_stages)
 CONFIGS = {"default": DEFAULT, f"stages{DEEPEST.num_stages}-group8": replace(DEEPEST, group_m=8)}
 
 
-# (NARROW_BLOCKS, PERSISTENT, DECODE_UNDER_MMA): the shipped setting, every block on a 128-row wgmma, a
-# program a tile, the next pair's decode after the pair's wait
+# (NARROW_BLOCKS, PERSISTENT, decode under the wgmmas at every T): the shipped setting with the decode under
+# the wgmmas, every block on a 128-row wgmma, a program a tile, the next pair's decode after the pair's wait
 KERNEL_SETS = {
     "narrow-persistent": (True, True, True),
     "full-width": (False, True, True),
@@ -89,7 +90,9 @@ def narrow(request, monkeypatch):
     narrow_blocks, persistent, decode_under_mma = KERNEL_SETS[request.param]
     monkeypatch.setattr(wgmma_w4a8_host, "NARROW_BLOCKS", narrow_blocks)
     monkeypatch.setattr(wgmma_w4a8_host, "PERSISTENT", persistent)
-    monkeypatch.setattr(wgmma_w4a8_host, "DECODE_UNDER_MMA", decode_under_mma)
+    # the decode order is chosen by tokens an expert: a threshold of 0 puts it under the wgmmas at every T
+    under_from = 0 if decode_under_mma else math.inf
+    monkeypatch.setattr(wgmma_w4a8_host, "DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT", under_from)
     return request.param
 
 

@@ -33,7 +33,7 @@ from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
 
 
-def _tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
+def tokens_per_expert(spec: MoESpec, num_tokens: int) -> float:
     """(token, expert) pairs per expert. An expert-parallel rank's T counts every token it runs (gathered
     from, or sent by, all ranks), whose K picks spread over all E experts, E_local of them its own: each
     of its experts sees T * K / E pairs, as in the whole layer at that T (not T * K / E_local)."""
@@ -148,7 +148,7 @@ def _decode_split_k(spec: MoESpec, num_tokens: int, sms: int) -> int:
 def _gemm2_programs(spec: MoESpec, num_tokens: int, config: TritonMoEConfig) -> int:
     """About how many programs GEMM2 launches with `config`: an M-block per block_m pairs of each hit
     expert, times its N-tiles of H."""
-    per_expert = _tokens_per_expert(spec, num_tokens)
+    per_expert = tokens_per_expert(spec, num_tokens)
     blocks = _experts_hit(spec, num_tokens) * math.ceil(per_expert / config.block_m)
     return blocks * -(-spec.H // config.block_n_gemm2)
 
@@ -241,7 +241,7 @@ def default_config(
     Chosen from sweeps on an H200 (whole layer, graph replay, L2 flushed); the tuned rows of
     `moekit/planning/tables/h200.json` refine it per model and T.
     """
-    per_expert = _tokens_per_expert(spec, num_tokens)
+    per_expert = tokens_per_expert(spec, num_tokens)
     if spec.act_dtype == torch.float32 and spec.act_quant is ActivationQuant.NONE:
         # fp32 dots run on FMA units (exact-comparison path): small tiles keep registers in check.
         return TritonMoEConfig(block_m=16 if per_expert <= 16 else 32, block_n=32, block_k=32, num_stages=2)
@@ -319,7 +319,7 @@ def tuning_space(
     (benchmarks/sweep_configs.py): decode streams weights (16-row M tiles, deeper pipelines, both
     orientations for formats without MXFP4's register-side upcast), prefill grows the M tile.
     Configs that cannot serve the spec are dropped."""
-    per_expert = _tokens_per_expert(spec, num_tokens)
+    per_expert = tokens_per_expert(spec, num_tokens)
     mxfp4 = spec.weight_format is WeightFormat.MXFP4
     if mxfp4 and spec.act_quant is not ActivationQuant.NONE:
         if hopper and wgmma_w4a8_reason(spec) is None:

@@ -43,9 +43,21 @@ NARROW_BLOCKS = True
 # tile is loaded under its last one's epilogue; else a program a tile.
 PERSISTENT = True
 # The next pair of K-steps' decode under the pair's wgmmas, where ptxas serializes every wgmma instruction
-# of the kernel (C7513) - the measured engine; or after the pair's wait, the pair's wgmmas pipelined (no
-# serialization when compiled for sm_90, not yet timed on a GPU).
-DECODE_UNDER_MMA = True
+# of the kernel (C7513), or after the pair's wait, the pair's wgmmas pipelined: under them from this many
+# tokens an expert (`decode_under_mma`). On an H100 (whole layer, graph replay, L2 flushed, FP8 per token,
+# one timing each) after the wait ran 4 - 7 % faster at 1 - 32 tokens an expert (gpt-oss-120b T = 1, 64,
+# 1024; gpt-oss-20b T = 1, 64) and 3 % at 128 (gpt-oss-20b T = 1024), level at 128 (gpt-oss-120b T = 4096),
+# and 0.3 - 1 % slower at 512 (gpt-oss-120b T = 16384, gpt-oss-20b T = 4096) and 3.5 % at 2048 (gpt-oss-20b
+# T = 16384).
+DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT = 512
+
+
+def decode_under_mma(spec: MoESpec, num_tokens: int) -> bool:
+    """Whether the K-loop decodes the next pair of steps under the pair's wgmmas (see the constant above):
+    by the (token, expert) pairs each expert sees."""
+    from moekit.kernels.triton.tuning import tokens_per_expert  # tuning imports this module
+
+    return tokens_per_expert(spec, num_tokens) >= DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT
 
 
 @functools.cache
@@ -153,7 +165,7 @@ def wgmma_w4a8_moe(
         MATH_REGISTERS=MATH_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS,
         NARROW=NARROW_BLOCKS,
-        DECODE_UNDER_MMA=DECODE_UNDER_MMA,
+        DECODE_UNDER_MMA=decode_under_mma(spec, routing.ids.shape[0]),
         num_warps=4,
     )
     h = torch.empty(rows, spec.I, dtype=torch.float32, device=x.device)
