@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layer_shapes import reshaped_specs
-from moekit.kernels.triton.tuning import default_config, tuning_space
+from moekit.kernels.triton.tuning import FP8_LONG_K_MIN_I, default_config, tuning_space
 from moekit.presets import preset, reshaped
 from moekit.spec import ActivationQuant, Fp8Scale
 
@@ -29,6 +29,9 @@ def test_fp8_prefill_default_follows_tokens_per_expert_and_scale_layout(spec, to
     prefill = per_expert > 32
     if prefill and spec.scales_per_128_of_k:  # promoted every K-step: 128 x 64 on 8 warps, tail blocks
         assert (config.block_m, config.block_n, config.num_warps, config.tail_block_m) == (128, 64, 8, 64)
+    elif prefill and spec.I >= FP8_LONG_K_MIN_I:  # per-channel W8A8, GEMM2's K-loop long: 128 x 64 on 8 warps
+        assert (config.block_m, config.block_n, config.block_k, config.num_warps) == (128, 64, 128, 8)
+        assert config.num_stages == 4 and config.tail_block_m is None
     elif 8 < per_expert <= 16 and spec.scales_per_128_of_k:  # one 64-row block an expert, two warpgroups
         assert (config.block_m, config.block_k, config.num_warps, config.num_stages) == (64, 128, 8, 4)
     else:

@@ -71,6 +71,16 @@ WGMMA_FP8_TALL = replace(
     WGMMA_FP8_DEFAULT, gemm1_block_m=_TALL_ROWS, num_stages=WGMMA_FP8_GEMM1_STAGES[_TALL_ROWS][-1]
 )
 
+# Per-channel and per-tensor W8A8 prefill with long K-loops (GEMM2's K is I): 128 x 64 tiles on 8 warps, four
+# stages, GEMM2 on 128 rows. On an H100 (whole layer, graph replay, L2 flushed, FP8 per token) 12 % ahead
+# of 64 x 64 on 4 warps for Mixtral (I 14336) at 256 tokens an expert (T = 1024) and 14 % at 1024
+# (T = 4096); for Qwen3-30B (I 768: six K-steps in GEMM2) 5 % behind at 256 (T = 4096) and 1.5 % ahead at
+# 1024 (T = 16384). Block-128 scales take it at every I (with the tail: the rule in `default_config`).
+FP8_LONG_K_MIN_I = 1536
+FP8_LONG_K_PREFILL_TILES = TritonMoEConfig(
+    block_m=128, block_n=64, block_k=128, group_m=8, num_warps=8, num_stages=4, gemm2_block_n=128
+)
+
 # The tl.dot tiles of 16-bit float prefill (beyond 48 tokens an expert), and the same GEMM1 behind the
 # WGMMA_BF16 engine's persistent GEMM2, 256 columns a tile, which Hopper takes from 128 tokens an expert.
 # On an H200 (layer without routing, graph replay, L2 flushed, two interleaved rounds) its GEMM2 kernel ran
@@ -271,8 +281,11 @@ def default_config(
             return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=1, num_warps=8, num_stages=4)
         if per_expert <= 16:
             return TritonMoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
-        if per_expert <= 32 or not spec.scales_per_128_of_k:
+        long_k_w8a8 = spec.act_quant is not ActivationQuant.NONE and spec.I >= FP8_LONG_K_MIN_I
+        if per_expert <= 32 or not (spec.scales_per_128_of_k or long_k_w8a8):
             return TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+        if not spec.scales_per_128_of_k:
+            return FP8_LONG_K_PREFILL_TILES
         if hopper and per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT and wgmma_fp8_reason(spec) is None:
             return WGMMA_FP8_TALL if per_expert >= WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT else WGMMA_FP8_DEFAULT
         # Prefill with per-128 scales: 128 x 64 tiles on 8 warps, four stages, GEMM2 on 128 rows, each
@@ -431,13 +444,25 @@ def tuning_space(
         # Larger tiles for prefill: GEMM1 holds gate and up accumulators plus each K-step's product to
         # promote. Compiled for sm_90 offline (tools/sass_report.py --model deepseek --format w8a8), none
         # of these spills since a K-step's weight scales are one or two numbers (W_SCALE_BLOCKS): 128 x 64
-        # (GEMM2 on 128 rows), 64 x 128 and 128 x 128 (255 registers) on 8 warps.
+        # (GEMM2 on 128 rows), 64 x 128 and 128 x 128 (255 registers) on 8 warps, at 3 or 4 stages; the
+        # deeper rings (128 x 64 at 5, 64 x 128 at 4) are for long K-loops, where they may pay.
         grid += [
             TritonMoEConfig(
                 block_m=m, block_n=n, block_k=128, group_m=8, num_warps=8, num_stages=st, gemm2_block_n=128
             )
-            for m, n, st in ((128, 64, 3), (128, 64, 4), (64, 128, 3), (128, 128, 3))
+            for m, n, st in (
+                (128, 64, 3),
+                (128, 64, 4),
+                (128, 64, 5),
+                (64, 128, 3),
+                (64, 128, 4),
+                (128, 128, 3),
+            )
         ]
+        # and the short-K-loop tile, 64 x 64 on 4 warps (the default where GEMM2's K-loop is short)
+        grid.append(
+            TritonMoEConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+        )
     if hopper and mxfp4 and _wgmma_words_may_pay(spec, per_expert):
         # The WGMMA_WORDS engine at both pair tiles and depths, wherever it may pay (tuned rows choose).
         grid += [
