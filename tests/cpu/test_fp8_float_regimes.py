@@ -32,7 +32,7 @@ def test_fp8_prefill_default_follows_tokens_per_expert_and_scale_layout(spec, to
     elif prefill and spec.I >= FP8_LONG_K_MIN_I:  # per-channel W8A8, GEMM2's K-loop long: 128 x 64 on 8 warps
         assert (config.block_m, config.block_n, config.block_k, config.num_warps) == (128, 64, 128, 8)
         assert config.num_stages == 4 and config.tail_block_m is None
-    elif 8 < per_expert <= 16 and spec.scales_per_128_of_k:  # one 64-row block an expert, two warpgroups
+    elif 8 < per_expert <= 16:  # block scales or W8A8: one 64-row block an expert, two warpgroups
         assert (config.block_m, config.block_k, config.num_warps, config.num_stages) == (64, 128, 8, 4)
     else:
         assert config.num_warps == 4 and config.tail_block_m is None
