@@ -370,6 +370,19 @@ def test_dequantize_gpt_oss_expert_is_fast():
 # ---------------------------------------------------------------------------------------------------------
 # MXFP4_MMA_WORDS: the load-time arrangement the Triton kernel decodes into MMA registers
 # ---------------------------------------------------------------------------------------------------------
+def test_mma_words_pack_a_slice_of_experts_at_a_time_as_all_at_once(monkeypatch):
+    from moekit.formats import mxfp4_words
+
+    gen = torch.Generator().manual_seed(8)
+    blocks = torch.randint(0, 256, (2, 5, 32, 3, 16), generator=gen, dtype=torch.uint8)  # two lead dims
+    whole = mxfp4_words._pack_mma_words(blocks)
+    # slices of 3 experts of the 10 (the last slice short), and of one: the same words in the same places
+    for experts in (3, 1):
+        monkeypatch.setattr(mxfp4_words, "PACK_CHUNK_BYTES", experts * 32 * 3 * 16)
+        assert torch.equal(mxfp4_words.pack_mma_words(blocks), whole)
+    assert torch.equal(mxfp4_words.pack_mma_words(blocks[0, 0]), whole[0, 0])  # no lead dimension
+
+
 def test_mma_words_round_trip_and_element_positions():
     from moekit.formats.mxfp4_words import BIT_POSITIONS, pack_mma_words, unpack_mma_words
 

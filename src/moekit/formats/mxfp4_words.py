@@ -126,9 +126,33 @@ def num_runs(num_groups: int) -> int:
     return -(-2 * num_groups // CHUNKS_PER_RUN)
 
 
+# Input bytes packed at a time: the packing's int64 intermediates take about 22x its input, so a layer's
+# experts are packed a slice at a time (an E 256 / H 7168 / I 2048 layer's 5.6 GB of codes would otherwise
+# need about 120 GB on the device at once).
+PACK_CHUNK_BYTES = 32 << 20
+
+
 def pack_mma_words(blocks: Tensor) -> Tensor:
-    """Checkpoint blocks uint8 [..., N, G, 16] -> int32 words [..., N/16, S, 8, 4, 8] (see module doc)."""
+    """Checkpoint blocks uint8 [..., N, G, 16] -> int32 words [..., N/16, S, 8, 4, 8] (see module doc),
+    `PACK_CHUNK_BYTES` of blocks at a time along the leading (expert) dimensions."""
     _check_blocks(blocks)
+    *lead, n, g, _ = blocks.shape
+    if not lead:
+        return _pack_mma_words(blocks)
+    flat = blocks.reshape(-1, n, g, 16)
+    per_chunk = max(1, PACK_CHUNK_BYTES // (n * g * 16))
+    first = _pack_mma_words(flat[:per_chunk])
+    if per_chunk >= flat.shape[0]:
+        return first.reshape(*lead, *first.shape[1:])
+    words = torch.empty((flat.shape[0], *first.shape[1:]), dtype=first.dtype, device=first.device)
+    words[:per_chunk] = first
+    for start in range(per_chunk, flat.shape[0], per_chunk):
+        words[start : start + per_chunk] = _pack_mma_words(flat[start : start + per_chunk])
+    return words.reshape(*lead, *words.shape[1:])
+
+
+def _pack_mma_words(blocks: Tensor) -> Tensor:
+    """`pack_mma_words` of all of `blocks` at once."""
     *lead, n, g, _ = blocks.shape
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).reshape(*lead, n, 2 * g, 16)  # [.., N, C, 16]
     # [.., rb, row_half, g8, C, col_half, q, odd]
