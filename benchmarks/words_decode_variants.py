@@ -42,7 +42,8 @@ def main() -> int:
     from moekit.kernels.base import DeviceInfo
     from moekit.kernels.triton import words_decode
     from moekit.kernels.triton.config import MatmulEngine
-    from moekit.kernels.triton.tuning import WORDS_DECODE_DEFAULT, tuning_space
+    from moekit.kernels.triton.tuning import WORDS_DECODE_DEFAULT
+    from moekit.kernels.triton.tuning_space import tuning_space
     from moekit.planning.plan import plan
     from moekit.planning.tuned import row_to_json, triton_version, write_rows
     from moekit.presets import preset_at

@@ -279,6 +279,13 @@ class MoESpec:
             )
         self.routing.check_experts(self.num_experts, self.top_k)
 
+    def tokens_per_expert(self, num_tokens: int) -> float:
+        """(token, expert) pairs each expert sees at `num_tokens` (at least one token): T * K / E, the regime
+        the kernels' tiles follow. An expert-parallel rank's T counts every token it runs (gathered from, or
+        sent by, all ranks), whose K picks spread over all E experts: each of its experts sees T * K / E
+        pairs, as in the whole layer at that T (not T * K / E_local)."""
+        return max(num_tokens, 1) * self.top_k / self.num_experts
+
     # Short names used throughout the code base.
     @property
     def E(self) -> int:  # noqa: N802

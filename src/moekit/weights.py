@@ -31,6 +31,7 @@ from moekit.errors import (
 )
 from moekit.formats import (
     MXFP4_BLOCK,
+    check_fp8_codes,
     check_fp8_scales,
     check_mxfp4_scales,
     dequantize_fp8_weight,
@@ -270,13 +271,17 @@ class ExpertWeights:
             self.check_scales()
 
     def check_scales(self) -> None:
-        """Raise FormatError for a scale no checkpoint may hold: an MXFP4 0xFF byte (E8M0 NaN), an FP8
-        scale that is not finite or not > 0. Reads every scale (a sync): a load-time step."""
+        """Raise FormatError for a value no checkpoint may hold: an MXFP4 0xFF byte (E8M0 NaN), an FP8
+        scale that is not finite or not > 0, an FP8 NaN code. Reads every scale, and every FP8 code (a
+        sync): a load-time step."""
         if self.stores_floats or self.packing is WeightPacking.MXFP4_W4A8:  # W4A8: checked when packed
             return
         check = check_mxfp4_scales if self.format is WeightFormat.MXFP4 else check_fp8_scales
         check(self.w13_scale, name="w13_scale")
         check(self.w2_scale, name="w2_scale")
+        if self.format is WeightFormat.FP8_E4M3:  # E2M1 has no NaN code
+            check_fp8_codes(self.w13, name="w13")
+            check_fp8_codes(self.w2, name="w2")
 
     def expected_shapes(
         self, *, num_experts: int, hidden: int, intermediate: int

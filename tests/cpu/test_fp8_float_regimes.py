@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layer_shapes import reshaped_specs
-from moekit.kernels.triton.tuning import FP8_LONG_K_MIN_I, default_config, tuning_space
+from moekit.kernels.triton.tuning import FP8_LONG_K_MIN_I, default_config
+from moekit.kernels.triton.tuning_space import tuning_space
 from moekit.presets import preset, reshaped
 from moekit.spec import ActivationQuant, Fp8Scale
 

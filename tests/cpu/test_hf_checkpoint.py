@@ -276,6 +276,16 @@ def test_fp8_checkpoint_refusals_name_the_tensor_and_read_nothing(tmp_path, read
     load_hf_moe_layer(tmp_path, layer=3, share=RankShare(ParallelMode.EXPERT, 0, 2))  # experts 0-2: clean
     with pytest.raises(CheckpointError, match=r"not finite and > 0, first in '.*experts\.4\.down_proj"):
         load_hf_moe_layer(tmp_path, layer=3, share=RankShare(ParallelMode.EXPERT, 1, 2))
+    code_key = key.removesuffix("_scale_inv")  # the weight itself: one NaN code (E4M3 0xFF)
+    bad = dict(shard_b)
+    bad[code_key] = bad[code_key].clone()
+    bad[code_key].view(torch.uint8)[5, 7] = 0xFF
+    save_file(bad, str(tmp_path / "b.safetensors"))
+    load_hf_moe_layer(tmp_path, layer=3, share=RankShare(ParallelMode.EXPERT, 0, 2))
+    with pytest.raises(
+        CheckpointError, match=rf"code\(s\) read from this layer are NaN .*first in '{code_key}'"
+    ):
+        load_hf_moe_layer(tmp_path, layer=3)
     extra = "model.layers.3.mlp.experts.0.up_proj.input_scale"  # another FP8 scheme's activation scale
     save_file({**shard_b, extra: torch.ones(1)}, str(tmp_path / "b.safetensors"))
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

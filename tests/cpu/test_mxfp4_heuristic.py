@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from layer_shapes import reshaped_specs
 from moekit.errors import SpecError
-from moekit.kernels.triton.tuning import default_config, tuning_space
+from moekit.kernels.triton.tuning import default_config
+from moekit.kernels.triton.tuning_space import tuning_space
 from moekit.presets import preset, preset_at, reshaped
 
 GPT_OSS = preset("gpt-oss-120b")

@@ -312,6 +312,30 @@ def test_fp8_scales_no_checkpoint_may_hold_are_refused_at_load(bad, fp8_scale):
         FusedMoE(spec=spec, weights=poisoned, router_weight=None)
 
 
+@pytest.mark.parametrize("scan_bytes", [None, 1], ids=["whole", "an-expert-a-slice"])
+@pytest.mark.parametrize("nan_byte", [0x7F, 0xFF])
+def test_fp8_nan_codes_no_checkpoint_may_hold_are_refused_at_load(nan_byte, scan_bytes, monkeypatch):
+    from moekit.formats import fp8
+
+    if scan_bytes is not None:
+        monkeypatch.setattr(fp8, "_SCAN_CHUNK_BYTES", scan_bytes)
+    spec = replace(SMALL_OSS, weight_format=WeightFormat.FP8_E4M3, fp8_scale=Fp8Scale.PER_CHANNEL)
+    weights = random_layer(spec).weights
+    w13 = weights.w13.clone()
+    w13.view(torch.uint8)[1, 2, 3] = nan_byte
+    poisoned = replace(weights, w13=w13)
+    poisoned.validate(spec)  # opt-in, as for the scales
+    fragment = (
+        f"w13: 1 of {w13.numel()} FP8 weight codes are NaN (E4M3 0x7F / 0xFF), first at index (1, 2, 3)"
+    )
+    with pytest.raises(FormatError, match=re.escape(fragment)):
+        poisoned.validate(spec, check_nan_scales=True)
+    with pytest.raises(FormatError, match=re.escape(fragment)):
+        FusedMoE(spec=spec, weights=poisoned, router_weight=None)
+    w13.view(torch.uint8)[1, 2, 3] = 0x7E  # 448, the largest finite code: accepted
+    FusedMoE(spec=spec, weights=replace(weights, w13=w13), router_weight=None)
+
+
 def test_reference_is_fast_enough_at_gpt_oss_20b_size():
     # Issue 2: usable at real sizes on a CPU for small T (seconds, not minutes).
     spec = preset("gpt-oss-20b")

@@ -12,7 +12,8 @@ from moekit.app.cli_spec import SIMULATED_DEVICES
 from moekit.errors import SpecError
 from moekit.kernels.registry import default_registry
 from moekit.kernels.triton.config import MatmulEngine, triton_supports, words_reason
-from moekit.kernels.triton.tuning import default_config, tuning_space
+from moekit.kernels.triton.tuning import default_config
+from moekit.kernels.triton.tuning_space import tuning_space
 from moekit.ops import fused_moe, prepare_weights
 from moekit.planning.plan import plan
 from moekit.presets import preset_at

@@ -18,7 +18,7 @@ from moekit import DeviceError, SpecError, TunedTableError, preset  # noqa: E402
 from moekit.kernels.base import config_from_dict  # noqa: E402
 from moekit.kernels.triton.config import MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
-from moekit.kernels.triton.tuning import tuning_space  # noqa: E402
+from moekit.kernels.triton.tuning_space import tuning_space  # noqa: E402
 from moekit.kernels.triton.wgmma_bf16 import (  # noqa: E402
     ALIGNMENT_ROWS,
     GEMM2_BLOCK_NS,

@@ -33,8 +33,8 @@ from moekit.kernels.triton.tuning import (  # noqa: E402
     WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT,
     WGMMA_MIN_TOKENS_PER_EXPERT,
     default_config,
-    tuning_space,
 )
+from moekit.kernels.triton.tuning_space import tuning_space  # noqa: E402
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
 

@@ -40,8 +40,8 @@ from moekit.kernels.triton.tuning import (  # noqa: E402
     WGMMA_WORDS_MIN_TOKENS_PER_EXPERT,
     WGMMA_WORDS_WIDE_FROM,
     default_config,
-    tuning_space,
 )
+from moekit.kernels.triton.tuning_space import tuning_space  # noqa: E402
 from moekit.kernels.triton.wgmma_words import (  # noqa: E402
     HALF_WIDE_MIN_SHARE,
     half_full_share,

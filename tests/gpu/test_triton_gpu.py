@@ -40,7 +40,8 @@ from moekit.formats import fp8_weight_scale_shape, mxfp4_groups, quantize_fp8_ac
 from moekit.kernels.triton.config import TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.quantize import quantize_rows  # noqa: E402
-from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
+from moekit.kernels.triton.tuning import default_config  # noqa: E402
+from moekit.kernels.triton.tuning_space import tuning_space  # noqa: E402
 from moekit.reference import relative_l2_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -36,7 +36,7 @@ from moekit.kernels.triton import wgmma_w4a8 as wgmma_w4a8_host  # noqa: E402
 from moekit.kernels.triton.config import MatmulEngine  # noqa: E402
 from moekit.kernels.triton.kernel import TritonFusedKernel  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
-from moekit.kernels.triton.tuning import _wgmma_w4a8  # noqa: E402
+from moekit.kernels.triton.tuning import wgmma_w4a8_configs  # noqa: E402
 from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_reason  # noqa: E402
 from moekit.presets import preset_at  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
@@ -67,7 +67,7 @@ SPECS = {
         "gpt-oss-120b@32x4x832x1536", has_bias=False, activation=ActivationSpec(Activation.SILU)
     ),
 }
-DEFAULT, *OTHERS = _wgmma_w4a8()
+DEFAULT, *OTHERS = wgmma_w4a8_configs()
 DEEPEST = max(OTHERS, key=lambda c: c.num_stages)
 CONFIGS = {"default": DEFAULT, f"stages{DEEPEST.num_stages}-group8": replace(DEEPEST, group_m=8)}
 

@@ -66,7 +66,8 @@ from moekit.kernels.triton.block_choice import expected_repeats, takes_one_block
 from moekit.kernels.triton.config import TritonMoEConfig, triton_supports  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.quantize import quantize_rows  # noqa: E402
-from moekit.kernels.triton.tuning import default_config, tuning_space  # noqa: E402
+from moekit.kernels.triton.tuning import default_config  # noqa: E402
+from moekit.kernels.triton.tuning_space import tuning_space  # noqa: E402
 from moekit.presets import preset_at  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 from moekit.weights import WeightPacking  # noqa: E402

@@ -50,7 +50,7 @@ from moekit.checkpoint.hf_config import (
     stored_format,
 )
 from moekit.checkpoint.hf_quant import ExpertQuantization
-from moekit.checkpoint.hf_stacked import check_scales, per_row, read_stacked, stacked_fields
+from moekit.checkpoint.hf_stacked import check_codes, check_scales, per_row, read_stacked, stacked_fields
 from moekit.checks import check_router_tensor
 from moekit.errors import ArgumentError, CheckpointError, SpecError, check_bool, check_type
 from moekit.kernels.base import DeviceInfo, parse_device
@@ -367,6 +367,8 @@ def load_hf_moe_layer(
             handle = stack.enter_context(open_file(files.key_to_file[key], device=dev))
             router[role] = handle.get_tensor(key)
     if quant is not None:
+        for name in ("w13", "w2"):
+            check_codes(fields[name], tensors[name], experts, _within(cuts.get(name)))
         for name in ("w13_scale", "w2_scale"):
             check_scales(fields[name], tensors[name], experts, _within(cuts.get(name)))
             tensors[name] = per_row(tensors[name], quant)

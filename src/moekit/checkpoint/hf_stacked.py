@@ -3,8 +3,8 @@
 Data flow: role -> key template (`{e}` for the expert) and one expert's stored shapes -> `stacked_fields`
 -> one `Stacked` per field (w13 = gate rows then up rows, CONCAT; w2 = down; their FP8 scales alike) ->
 `read_stacked` (the experts a rank owns, cut along rows or columns as its `Cut` says, piece by piece into
-one preallocated tensor) -> `check_scales` (finite, > 0; the offending key named) -> `per_row` turns
-[E, rows, 1] channel scales into ExpertWeights' [E, rows].
+one preallocated tensor) -> `check_codes` (no NaN FP8 code) and `check_scales` (finite, > 0), each naming
+the offending key -> `per_row` turns [E, rows, 1] channel scales into ExpertWeights' [E, rows].
 A per-tensor scale (`StoredScale.TENSOR`) is one value a projection: `Stacked.broadcast` repeats it over
 the projection's rows, so it is read as per-channel scales that hold the same numbers.
 Used by `hf_loader.load_hf_moe_layer`.
@@ -20,8 +20,8 @@ import torch
 
 from moekit.checkpoint.files import Files, open_file
 from moekit.checkpoint.hf_quant import ExpertQuantization, StoredScale
-from moekit.errors import CheckpointError, FormatError
-from moekit.formats import check_fp8_scales
+from moekit.errors import CheckpointError
+from moekit.formats import find_fp8_nan_codes
 from moekit.parallel import Cut
 
 
@@ -116,23 +116,39 @@ def read_stacked(
 
 def check_scales(field: Stacked, scales: torch.Tensor, experts: list[int], cut: Cut | None) -> None:
     """The [E, rows, cols] scales read for `field` are finite and > 0, or the first bad one's key is named."""
-    try:
-        check_fp8_scales(scales, name="scales")
-    except FormatError:
-        bad = ~(torch.isfinite(scales) & (scales > 0))
-        slot, row, _ = (int(i) for i in bad.nonzero()[0])
-        if cut is not None and cut.dim == 1:  # the row in the stored tensor, not in the share
-            for start, length in cut.segments:
-                if row < length:
-                    row += start
-                    break
-                row -= length
-        key = field.key_at(experts[slot], row)
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
         raise CheckpointError(
             f"{int(bad.sum())} FP8 weight scale(s) read from this layer are not finite and > 0, first in "
-            f"{key!r}: {scales[bad][0].item()!r}; the checkpoint is "
-            "damaged, and those blocks would decode to NaN or inf: restore the file"
-        ) from None
+            f"{_key_of(field, first, experts, cut)!r}: {scales[first].item()!r}; the checkpoint is damaged, "
+            "and those blocks would decode to NaN or inf: restore the file"
+        )
+
+
+def check_codes(field: Stacked, codes: torch.Tensor, experts: list[int], cut: Cut | None) -> None:
+    """The [E, rows, cols] FP8 codes read for `field` hold no NaN (E4M3 0x7F / 0xFF), or the first bad
+    one's key is named."""
+    count, first = find_fp8_nan_codes(codes)
+    if count:
+        raise CheckpointError(
+            f"{count} FP8 weight code(s) read from this layer are NaN (E4M3 0x7F / 0xFF), first in "
+            f"{_key_of(field, first, experts, cut)!r}; the checkpoint is damaged, and every token routed "
+            "through them would come out NaN: restore the file"
+        )
+
+
+def _key_of(field: Stacked, index: tuple[int, ...], experts: list[int], cut: Cut | None) -> str:
+    """The checkpoint key that holds element `index` (slot, row, col) of what was read for `field` (the
+    row of a row cut mapped back to the stored tensor's)."""
+    slot, row, _ = index
+    if cut is not None and cut.dim == 1:  # the row in the stored tensor, not in the share
+        for start, length in cut.segments:
+            if row < length:
+                row += start
+                break
+            row -= length
+    return field.key_at(experts[slot], row)
 
 
 def per_row(scales: torch.Tensor, quant: ExpertQuantization) -> torch.Tensor:

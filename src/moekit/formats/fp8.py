@@ -10,7 +10,8 @@ Data flow (activations, dynamic, before a W8A8 GEMM):
 Scales multiply to dequantize (DeepSeek-V3's `weight_scale_inv` convention): value = data * scale,
 scale = amax / 448 per group. Every dimension of a weight before the last two is a leading dim
 (experts, usually [E]); blocks of 128x128 and 1x128 groups may be ragged at the edges.
-`dequantize_fp8_weight` does not look at scale values (a host sync); loaders call `check_fp8_scales` once.
+`dequantize_fp8_weight` does not look at scale values or codes (a host sync); loaders call `check_fp8_scales`
+and `check_fp8_codes` once.
 """
 
 from __future__ import annotations
@@ -178,6 +179,56 @@ def dequantize_fp8_weight(
     n, k = weight.data.shape[-2:]
     full = _expand_weight_scale(weight.scale, n=n, k=k, granularity=granularity)
     return (weight.data.to(torch.float32) * full).to(dtype)
+
+
+# float8_e4m3fn has no infinities; S.1111.111 (0x7F, 0xFF) is its NaN, which no quantizer writes.
+_E4M3_NAN_BITS = 0x7F
+
+
+# Bytes scanned at a time: the scan's masks are a byte an element, so a layer's codes (11 GB for
+# DeepSeek-V3's) are read a slice of experts at a time.
+_SCAN_CHUNK_BYTES = 256 << 20
+
+
+def _leading_slices(data: Tensor):
+    """(start index along dim 0, slice) pairs covering `data`, each about `_SCAN_CHUNK_BYTES`; a tensor
+    without a leading dimension, or one entry of which is already that large, comes whole or an entry at a
+    time."""
+    if data.dim() < 3:
+        yield 0, data
+        return
+    per = max(1, _SCAN_CHUNK_BYTES // max(1, data[0].numel()))
+    for start in range(0, data.shape[0], per):
+        yield start, data[start : start + per]
+
+
+def find_fp8_nan_codes(codes: Tensor) -> tuple[int, tuple[int, ...] | None]:
+    """(how many, index of the first) of the NaN codes (E4M3 0x7F / 0xFF) in float8_e4m3fn `codes`, read a
+    slice at a time; it synchronizes with the device."""
+    if not isinstance(codes, Tensor) or codes.dtype != torch.float8_e4m3fn:
+        got = codes.dtype if isinstance(codes, Tensor) else type(codes).__name__
+        raise DTypeError(f"FP8 weight codes must be a float8_e4m3fn tensor, got {got}")
+    count, first = 0, None
+    for part_start, part in _leading_slices(codes.view(torch.uint8)):
+        bad = (part & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
+        part_count = int(bad.sum())
+        if part_count and first is None:
+            index = [int(i) for i in bad.nonzero()[0]]
+            first = (index[0] + part_start, *index[1:])
+        count += part_count
+    return count, first
+
+
+def check_fp8_codes(codes: Tensor, *, name: str) -> None:
+    """Raise FormatError if any code of `codes` is NaN (`find_fp8_nan_codes`), naming `name`, the count and
+    the first index: a weight no quantizer writes, which would turn every token routed through it into
+    NaN. Call once at load time."""
+    count, first = find_fp8_nan_codes(codes)
+    if count:
+        raise FormatError(
+            f"{name}: {count} of {codes.numel()} FP8 weight codes are NaN (E4M3 0x7F / 0xFF), first at index "
+            f"{first} of shape {list(codes.shape)}; the checkpoint is corrupt. Re-export the weight."
+        )
 
 
 def check_fp8_scales(scales: Tensor, *, name: str) -> None:

@@ -27,7 +27,8 @@ from moekit.kernels.triton.config import (
     words_reason,
 )
 from moekit.kernels.triton.launch import share_counts, triton_fused_moe, workspace_bytes
-from moekit.kernels.triton.tuning import default_config, tuning_space
+from moekit.kernels.triton.tuning import default_config
+from moekit.kernels.triton.tuning_space import tuning_space
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_workspace_bytes
 from moekit.kernels.triton.wgmma_w4a8 import pack_weights, wgmma_w4a8_reason, wgmma_w4a8_workspace_bytes
 from moekit.kernels.triton.wgmma_words import wgmma_words_workspace_bytes
@@ -83,7 +84,7 @@ class TritonFusedKernel(Kernel):
         )
 
     def tuning_space(self, spec: MoESpec, problem: Problem) -> tuple[TritonMoEConfig, ...]:
-        """`tuning.tuning_space`: the default plus a short list per regime of tokens per expert."""
+        """`tuning_space.tuning_space`: the default plus a short list per regime of tokens per expert."""
         sms = problem.device.multiprocessors
         return tuning_space(spec, problem.num_tokens, sms, hopper=_hopper(problem))
 

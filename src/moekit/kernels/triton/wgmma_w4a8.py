@@ -55,9 +55,7 @@ DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT = 512
 def decode_under_mma(spec: MoESpec, num_tokens: int) -> bool:
     """Whether the K-loop decodes the next pair of steps under the pair's wgmmas (see the constant above):
     by the (token, expert) pairs each expert sees."""
-    from moekit.kernels.triton.tuning import tokens_per_expert  # tuning imports this module
-
-    return tokens_per_expert(spec, num_tokens) >= DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT
+    return spec.tokens_per_expert(num_tokens) >= DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT
 
 
 @functools.cache
