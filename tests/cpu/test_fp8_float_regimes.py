@@ -72,3 +72,13 @@ def test_only_float_8_warp_tiles_try_gemm2_on_256_rows():
         assert all(c.num_warps == 8 for c in space if c.block_n_gemm2 == 256)
     for t in (256, 4096, 16384):
         assert all(c.block_n_gemm2 <= 128 for c in tuning_space(DEEPSEEK, t))
+
+
+def test_w8a8_dots_are_promoted_at_least_every_128_of_k():
+    """Per-channel W8A8 has no scale group along K, but its K-steps are still promoted into fp32 (the
+    wgmma's FP8 sums are reduced-precision): a 256-wide K-step is refused, as for block scales and W4A8."""
+    for tokens in (1, 4096):
+        config = default_config(PER_CHANNEL, tokens)
+        assert config.block_k <= 128
+        assert "at most 128" in replace(config, block_k=256).reason_unusable(PER_CHANNEL)
+        assert all(c.block_k <= 128 for c in tuning_space(PER_CHANNEL, tokens))

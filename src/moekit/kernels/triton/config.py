@@ -378,6 +378,11 @@ class TritonMoEConfig(KernelConfig):
             return f"128-wide FP8 scale groups need block_k <= 128, got {self.block_k}"
         if spec.act_quant is not ActivationQuant.NONE and self.block_k < 32:
             return f"FP8 x FP8 dots need block_k >= 32, got {self.block_k}"
+        if spec.act_quant is not ActivationQuant.NONE and self.block_k > 128:
+            return (
+                "FP8 x FP8 dots are promoted into fp32 every K-step (Hopper's FP8 sums are reduced-precision;"
+                f" DeepSeek-V3 promotes every 128), so block_k must be at most 128, got {self.block_k}"
+            )
         if spec.weight_format is WeightFormat.MXFP4 and self.num_warps > 4 and words_reason(spec) is None:
             # 8-warp tiles on the word path: on an H200, without the K-step wgmma wait
             # (`_details.matmul._wait_for_mma`) they gave rel L2 3e-3 on most runs and 1e32 or inf on
