@@ -15,8 +15,11 @@ from moekit.spec import ActivationQuant, Fp8Scale
 
 DEEPSEEK = preset("deepseek-v3")
 PER_CHANNEL = replace(DEEPSEEK, fp8_scale=Fp8Scale.PER_CHANNEL, act_quant=ActivationQuant.FP8_PER_TOKEN)
+W8A16_PER_CHANNEL = replace(PER_CHANNEL, act_quant=ActivationQuant.NONE)  # bf16 dots: no W8A8 tile rule
 FP8_SHAPES = reshaped_specs(
-    bases=[DEEPSEEK, PER_CHANNEL], experts=[8, 16, 64, 128, 256], dims=[768, 1024, 1536, 2048, 4096, 7168]
+    bases=[DEEPSEEK, PER_CHANNEL, W8A16_PER_CHANNEL],
+    experts=[8, 16, 64, 128, 256],
+    dims=[768, 1024, 1536, 2048, 4096, 7168],
 )
 
 
@@ -28,12 +31,13 @@ def test_fp8_prefill_default_follows_tokens_per_expert_and_scale_layout(spec, to
     assert config in tuning_space(spec, tokens)
     per_expert = tokens * spec.K / spec.E
     prefill = per_expert > 32
+    w8a8 = spec.act_quant is not ActivationQuant.NONE
     if prefill and spec.scales_per_128_of_k:  # promoted every K-step: 128 x 64 on 8 warps, tail blocks
         assert (config.block_m, config.block_n, config.num_warps, config.tail_block_m) == (128, 64, 8, 64)
-    elif prefill and spec.I >= FP8_LONG_K_MIN_I:  # per-channel W8A8, GEMM2's K-loop long: 128 x 64 on 8 warps
+    elif prefill and w8a8 and spec.I >= FP8_LONG_K_MIN_I:  # per-channel, GEMM2's K-loop long: 8 warps
         assert (config.block_m, config.block_n, config.block_k, config.num_warps) == (128, 64, 128, 8)
         assert config.num_stages == 4 and config.tail_block_m is None
-    elif 8 < per_expert <= 16:  # block scales or W8A8: one 64-row block an expert, two warpgroups
+    elif 8 < per_expert <= 16 and (spec.scales_per_128_of_k or w8a8):  # one 64-row block an expert
         assert (config.block_m, config.block_k, config.num_warps, config.num_stages) == (64, 128, 8, 4)
     else:
         assert config.num_warps == 4 and config.tail_block_m is None
