@@ -151,15 +151,28 @@ def compile_for_hopper(
 
 
 def compile_wgmma_fp8_for_hopper(
-    gemm: int, *, stages: int | None = None, hidden=7168, inter=2048, gemm1_rows: int = 64
+    gemm: int,
+    *,
+    stages: int | None = None,
+    hidden=7168,
+    inter=2048,
+    gemm1_rows: int = 64,
+    per_channel: bool = False,
 ):
     """The WGMMA_FP8 engine's Gluon GEMM (`gemm` 1 on 64-row blocks, or on 128 with `gemm1_rows`=128;
     2 on 128) compiled for sm_90 at a layer's H and I, with the launcher's register budgets, at ring
-    depth `stages` (None: the deepest GEMM1's config takes, GEMM2's fixed depth)."""
+    depth `stages` (None: the deepest GEMM1's config takes, GEMM2's fixed depth); `per_channel`: the
+    per-channel form (GEMM1 on 128 rows only)."""
     from triton.experimental.gluon import language as gl
 
     from moekit.kernels.triton import wgmma_fp8 as host
-    from moekit.kernels.triton._details import codes, wgmma_fp8_gemm1, wgmma_fp8_gemm1_tall, wgmma_fp8_gemm2
+    from moekit.kernels.triton._details import (
+        codes,
+        wgmma_fp8_channel,
+        wgmma_fp8_gemm1,
+        wgmma_fp8_gemm1_tall,
+        wgmma_fp8_gemm2,
+    )
     from moekit.kernels.triton.config import WGMMA_FP8_GEMM1_STAGES
 
     def descriptor(block: list[int]) -> str:
@@ -179,7 +192,22 @@ def compile_wgmma_fp8_for_hopper(
     )
     blocks = dict(block_expert_ptr="*i32", num_blocks_ptr="*i32")  # every kernel's block list
     paired = dict(blocks, block_start_ptr="*i32", expert_end_ptr="*i64")  # `paired_blocks`' 128-row blocks
-    if gemm == 1:
+    if gemm == 1 and per_channel:
+        if gemm1_rows != host.CHANNEL_GEMM1_ROWS:
+            raise ValueError(
+                f"the per-channel GEMM1 runs on {host.CHANNEL_GEMM1_ROWS} rows, got {gemm1_rows}"
+            )
+        fn = wgmma_fp8_channel._fp8_channel_gemm1
+        pointers = dict(
+            x_desc=descriptor([gemm1_rows, host.TILE_K]),
+            w_desc=descriptor([host.CHANNEL_GEMM1_COLUMNS, host.TILE_K]),
+            x_scale_ptr="*fp32",
+            w_scale_ptr="*fp32",
+            h_ptr="*fp32",
+            **paired,
+        )
+        constants.update(ACTIVATION=codes.ACT_SILU.value, ALPHA=0.0, HAS_LIMIT=False, LIMIT=0.0)
+    elif gemm == 1:
         tall = gemm1_rows == 2 * host.GEMM1_ROWS
         fn = wgmma_fp8_gemm1_tall._fp8_gemm1_tall if tall else wgmma_fp8_gemm1._fp8_gemm1
         pointers = dict(
@@ -204,6 +232,7 @@ def compile_wgmma_fp8_for_hopper(
             y_ptr="*bf16",
             **paired,
         )
+        constants.update(PER_CHANNEL=per_channel)
     return compile_gluon_for_hopper(fn, pointers=pointers, constants=constants, warps=4)
 
 

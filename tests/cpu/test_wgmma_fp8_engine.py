@@ -19,6 +19,8 @@ from moekit import (  # noqa: E402
     ActivationQuant,
     ActivationSpec,
     DeviceError,
+    Fp8Scale,
+    GateLayout,
     RouterWeightPlacement,
     SpecError,
     TunedTableError,
@@ -28,6 +30,7 @@ from moekit.kernels.base import config_from_dict  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import (  # noqa: E402
+    WGMMA_FP8_CHANNEL_MIN_TOKENS_PER_EXPERT,
     WGMMA_FP8_DEFAULT,
     WGMMA_FP8_TALL,
     WGMMA_FP8_TALL_MIN_TOKENS_PER_EXPERT,
@@ -36,6 +39,7 @@ from moekit.kernels.triton.tuning import (  # noqa: E402
 )
 from moekit.kernels.triton.tuning_space import tuning_space  # noqa: E402
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason  # noqa: E402
+from moekit.presets import fp8_channel  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
 
 DEEPSEEK = preset("deepseek-v3")
@@ -45,9 +49,13 @@ def test_takes_block_128_w8a8_and_refuses_other_math_with_the_reason():
     assert wgmma_fp8_reason(DEEPSEEK) is None
     assert WGMMA_FP8_DEFAULT.reason_unusable(DEEPSEEK) is None
     refusals = {
-        "block-128": preset("qwen3-30b-a3b"),
+        "W8A8 path": preset("qwen3-30b-a3b"),
+        "got PER_CHANNEL weight scales with act_quant=NONE": replace(
+            fp8_channel(preset("qwen3-30b-a3b")), act_quant=ActivationQuant.NONE
+        ),
+        "plain SiLU": replace(DEEPSEEK, activation=ActivationSpec(Activation.SILU, limit=7.0)),
         "bf16 activations": replace(DEEPSEEK, act_dtype=torch.float16),
-        "SiLU": replace(DEEPSEEK, activation=ActivationSpec(Activation.GELU)),
+        "SiLU(gate) * up": replace(DEEPSEEK, activation=ActivationSpec(Activation.GELU)),
         "router weight": replace(DEEPSEEK, top_k=1, router_weight_placement=RouterWeightPlacement.INPUT),
         "I must be a multiple of 256": replace(DEEPSEEK, intermediate_size=1920),
         "H must be a multiple of 256": replace(DEEPSEEK, hidden_size=7296),
@@ -157,11 +165,11 @@ def test_off_sm90_the_launch_refuses_before_any_kernel():
 _COMPILE = """
 import json, hopper_compile as c, sass_report as r
 out = {}
-for gemm, rows in ((1, 64), (1, 128), (2, 128)):
-    kernel = c.compile_wgmma_fp8_for_hopper(gemm, gemm1_rows=rows)
+for gemm, rows, channel in ((1, 64, 0), (1, 128, 0), (2, 128, 0), (1, 128, 1), (2, 128, 1)):
+    kernel = c.compile_wgmma_fp8_for_hopper(gemm, gemm1_rows=rows, per_channel=bool(channel))
     instructions = r.all_instructions(kernel)
     loops = r.mma_loops(instructions)
-    out[f"{gemm}/{rows}"] = {
+    out[f"{gemm}/{rows}" + ("/channel" if channel else "")] = {
         **r.kernel_facts(kernel, instructions),
         "k_loop_spills": r.k_loop_spills(instructions),
         "k_loop_lengths": [len(loop) for loop in loops],
@@ -218,3 +226,59 @@ def test_workspace_counts_the_sorted_rows():
         + pairs * DEEPSEEK.H * 2
         + 64 * pairs
     )
+
+
+MIXTRAL_CHANNEL = fp8_channel(preset("mixtral-8x7b"))
+
+
+@pytest.mark.parametrize("scale", [Fp8Scale.PER_CHANNEL, Fp8Scale.PER_TENSOR])
+def test_takes_per_channel_w8a8_on_128_row_gemm1_blocks_only(scale):
+    spec = replace(MIXTRAL_CHANNEL, fp8_scale=scale)
+    assert wgmma_fp8_reason(spec) is None
+    assert WGMMA_FP8_TALL.reason_unusable(spec) is None
+    assert replace(WGMMA_FP8_TALL, num_stages=2, group_m=1).reason_unusable(spec) is None
+    reason = WGMMA_FP8_DEFAULT.reason_unusable(spec)  # GEMM1 on the 64-row blocks: block-128 only
+    assert reason is not None and "gemm1_block_m must be 128, got None" in reason
+    # Every gated activation, clamped or not, goes through its GEMM1 epilogue.
+    clamped = replace(spec, activation=ActivationSpec(Activation.SWIGLU_OAI, alpha=1.702, limit=7.0))
+    assert wgmma_fp8_reason(clamped) is None
+    refusals = {
+        "concatenated gate/up rows": replace(spec, gate_layout=GateLayout.INTERLEAVED),
+        "multiple of 256": replace(spec, intermediate_size=14336 + 128),
+        "bf16 activations": replace(spec, act_dtype=torch.float16),
+    }
+    for words, bad in refusals.items():
+        reason = WGMMA_FP8_TALL.reason_unusable(bad)
+        assert reason is not None and words in reason, (words, reason)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    spec=reshaped_specs([MIXTRAL_CHANNEL], experts=[8, 64, 128], dims=[256, 768, 1536, 4096, 14336]),
+    tokens=st.integers(1, 40000),
+    hopper=st.booleans(),
+)
+def test_default_takes_the_per_channel_form_on_hopper_by_tokens_an_expert(spec, tokens, hopper):
+    config = default_config(spec, tokens, 132, hopper=hopper)
+    assert config.reason_unusable(spec) is None
+    per_expert = tokens * spec.K / spec.E
+    wanted = (
+        hopper and per_expert >= WGMMA_FP8_CHANNEL_MIN_TOKENS_PER_EXPERT and wgmma_fp8_reason(spec) is None
+    )
+    assert (config == WGMMA_FP8_TALL) == wanted
+    engine = [c for c in tuning_space(spec, tokens, 132, hopper=hopper) if c.engine is MatmulEngine.WGMMA_FP8]
+    assert all(c.gemm1_block_m == 128 for c in engine)
+    if wanted:
+        assert WGMMA_FP8_TALL in engine
+
+
+def test_per_channel_workspace_counts_h_in_fp32():
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    kernel = TritonFusedKernel()
+    spec = MIXTRAL_CHANNEL
+    block_like = replace(spec, fp8_scale=Fp8Scale.BLOCK_128, act_quant=ActivationQuant.FP8_PER_GROUP_128)
+    extra = kernel.workspace_bytes(spec, 4096, WGMMA_FP8_TALL) - kernel.workspace_bytes(
+        block_like, 4096, WGMMA_FP8_TALL
+    )
+    assert extra >= 4 * 4096 * spec.K * spec.I

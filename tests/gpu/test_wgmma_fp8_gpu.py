@@ -1,4 +1,5 @@
-"""The WGMMA_FP8 engine (Gluon block-128 W8A8 GEMMs) on an sm_90 GPU, against the reference.
+"""The WGMMA_FP8 engine (Gluon W8A8 GEMMs: block-128, and per-channel / per-tensor weights with per-token
+activations) on an sm_90 GPU, against the reference.
 
 Data flow per case: a block-128 W8A8 spec (DeepSeek-V3's math at reduced and full shapes) -> random FP8
 weights and scales drawn on the GPU -> routing (softmax top-k, or DeepSeek's grouped route, or ids
@@ -27,11 +28,12 @@ from test_triton_gpu import (  # noqa: E402
     skewed_inputs,
 )
 
-from moekit import MoESpec, fused_moe_reference, preset  # noqa: E402
+from moekit import Activation, ActivationSpec, Fp8Scale, MoESpec, fused_moe_reference, preset  # noqa: E402
 from moekit.kernels.triton.config import WGMMA_FP8_TILES, MatmulEngine, TritonMoEConfig  # noqa: E402
 from moekit.kernels.triton.launch import triton_fused_moe  # noqa: E402
 from moekit.kernels.triton.tuning import WGMMA_FP8_DEFAULT, WGMMA_FP8_TALL, default_config  # noqa: E402
 from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason  # noqa: E402
+from moekit.presets import fp8_channel  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 
 pytestmark = [
@@ -194,4 +196,107 @@ def test_workspace_prediction_holds():
         lambda: triton_fused_moe(x, weights, routing, spec=spec, config=WGMMA_FP8_DEFAULT, out=out)
     )
     predicted = TritonFusedKernel().workspace_bytes(spec, t, WGMMA_FP8_DEFAULT)
+    assert 0.5 * predicted <= peak <= 1.1 * predicted, (peak, predicted)
+
+
+# The per-channel form: FP8-dynamic checkpoints' math at reduced shapes (GEMM1 on 128-row blocks only).
+CHANNEL_SPECS = {
+    # Mixtral's: 8 experts, top-2, per-channel weights (7 K-step pairs in GEMM2, 28 N-tiles of 64 in GEMM1)
+    "mixtral-channel": replace(fp8_channel(preset("mixtral-8x7b")), hidden_size=1024, intermediate_size=1792),
+    # Qwen3-30B's 128 experts top-8 cut to 32, one scale a weight matrix (compressed-tensors "tensor")
+    "qwen3-tensor": replace(
+        fp8_channel(preset("qwen3-30b-a3b")),
+        fp8_scale=Fp8Scale.PER_TENSOR,
+        num_experts=32,
+        hidden_size=768,
+        intermediate_size=512,
+    ),
+    # GPT-OSS's clamped SwiGLU on concatenated gate/up rows: the epilogue's other activations
+    "swiglu-limit-channel": replace(
+        fp8_channel(preset("qwen3-30b-a3b")),
+        num_experts=16,
+        hidden_size=512,
+        intermediate_size=768,
+        activation=ActivationSpec(Activation.SWIGLU_OAI, alpha=1.702, limit=7.0),
+    ),
+}
+CHANNEL_CONFIGS = {
+    "tall": WGMMA_FP8_TALL,
+    "stages3-group1": replace(WGMMA_FP8_TALL, num_stages=3, group_m=1),
+    "stages2": replace(WGMMA_FP8_TALL, num_stages=2),
+}
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 333, 1024, 4096])
+@pytest.mark.parametrize("config", list(CHANNEL_CONFIGS))
+@pytest.mark.parametrize("name", list(CHANNEL_SPECS))
+def test_per_channel_form_matches_reference(name, config, t):
+    spec = CHANNEL_SPECS[name]
+    assert wgmma_fp8_reason(spec) is None
+    x, routing = _inputs(spec, t, seed=t)
+    weights = _gpu_weights(spec, seed=len(name))
+    got = _run(spec, weights, x, routing, CHANNEL_CONFIGS[config])
+    expected = fused_moe_reference(x, weights, routing, spec=spec)
+    _assert_close(got, expected, spec, f"{name} {config} T={t}")
+    dot = _run(spec, weights, x, routing, default_config(spec, t))
+    assert relative_l2_error(got, dot) <= tolerance(spec)
+    # The ring depth and the tile order change no sum: the same output bit for bit.
+    assert torch.equal(got, _run(spec, weights, x, routing, WGMMA_FP8_TALL))
+
+
+@pytest.mark.parametrize("t", [200, 3000])
+def test_per_channel_form_with_skewed_routing_and_an_expert_map(t):
+    # Every token on the same 2 of 8 experts (long runs of blocks and odd tails), and a rank owning 4 of
+    # the 8 in scrambled order (pairs routed elsewhere contribute zero).
+    base = CHANNEL_SPECS["mixtral-channel"]
+    weights = _gpu_weights(base, seed=3)
+    x, routing = skewed_inputs(base, t, [6, 1], seed=t)
+    got = _run(base, weights, x, routing, WGMMA_FP8_TALL)
+    _assert_close(got, fused_moe_reference(x, weights, routing, spec=base), base, f"skewed T={t}")
+    spec = replace(base, num_local_experts=4)
+    expert_map = scrambled_expert_map(base.E, 4, seed=5)
+    local = _gpu_weights(spec, seed=9)
+    x, routing = _inputs(base, t, seed=t)
+    got = _run(spec, local, x, routing, WGMMA_FP8_TALL, expert_map=expert_map)
+    expected = fused_moe_reference(x, local, routing, spec=spec, expert_map=expert_map)
+    _assert_close(got, expected, spec, f"expert map T={t}")
+
+
+def test_per_channel_form_under_cuda_graph_replay():
+    spec = CHANNEL_SPECS["mixtral-channel"]
+    weights = _gpu_weights(spec, seed=2)
+
+    def inputs(seed):
+        return _inputs(spec, 777, seed=seed)
+
+    for seed, static_out, x, routing in graph_replays(
+        spec, weights, WGMMA_FP8_TALL, inputs(1), inputs, (11, 12)
+    ):
+        _assert_close(static_out, fused_moe_reference(x, weights, routing, spec=spec), spec, f"seed {seed}")
+
+
+def test_full_mixtral_per_channel_shape_matches_reference():
+    spec = fp8_channel(preset("mixtral-8x7b"))
+    weights = _gpu_weights(spec, seed=4)
+    x, routing = _inputs(spec, 2048, seed=4)
+    _assert_close(
+        _run(spec, weights, x, routing, WGMMA_FP8_TALL),
+        fused_moe_reference(x, weights, routing, spec=spec),
+        spec,
+        "mixtral per-channel T=2048",
+    )
+
+
+def test_per_channel_workspace_prediction_holds():
+    from moekit.kernels.triton.kernel import TritonFusedKernel
+
+    spec = CHANNEL_SPECS["qwen3-tensor"]
+    weights = _gpu_weights(spec, seed=6)
+    t = 3000
+    x, routing = _inputs(spec, t, seed=6)
+    out = torch.empty(t, spec.H, dtype=spec.act_dtype, device=DEVICE)
+    _, peak = peak_bytes(
+        lambda: triton_fused_moe(x, weights, routing, spec=spec, config=WGMMA_FP8_TALL, out=out)
+    )
+    predicted = TritonFusedKernel().workspace_bytes(spec, t, WGMMA_FP8_TALL)
     assert 0.5 * predicted <= peak <= 1.1 * predicted, (peak, predicted)

@@ -21,7 +21,7 @@ from moekit.kernels.base import Capabilities, DeviceInfo, DeviceKind, KernelConf
 from moekit.kernels.triton.wgmma_bf16 import ALIGNMENT_ROWS as WGMMA_BF16_ALIGNMENT_ROWS
 from moekit.kernels.triton.wgmma_bf16 import GEMM2_BLOCK_NS as WGMMA_BF16_GEMM2_BLOCK_NS
 from moekit.kernels.triton.wgmma_bf16 import wgmma_bf16_reason
-from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
+from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_config_reason, wgmma_fp8_reason
 from moekit.kernels.triton.wgmma_w4a8 import BLOCK_M as W4A8_BLOCK_M
 from moekit.kernels.triton.wgmma_w4a8 import STAGES as W4A8_STAGES
 from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_reason
@@ -105,10 +105,11 @@ class MatmulEngine(enum.Enum):
     """How a config's GEMMs are written."""
 
     TL_DOT = "Triton tl.dot kernels (every spec)"
-    # Block-128 W8A8 only (`wgmma_fp8.wgmma_fp8_reason`): Gluon wgmma with each K-step's scaling overlapped
-    # with the next step's MMA, a TMA producer warp, GEMM1 on 64- or 128-row blocks (gemm1_block_m), a
-    # persistent GEMM2 on 128-row blocks.
-    WGMMA_FP8 = "Gluon wgmma kernels with overlapped FP8 promotion (block-128 W8A8, sm_90)"
+    # W8A8 with block-128 scales, or per-channel / per-tensor weights and per-token activations
+    # (`wgmma_fp8.wgmma_fp8_reason`): Gluon wgmma with each K-step's promotion overlapped with the next
+    # step's MMA, a TMA producer warp, GEMM1 on 64- or 128-row blocks (gemm1_block_m; per-channel on 128
+    # only), a persistent GEMM2 on 128-row blocks.
+    WGMMA_FP8 = "Gluon wgmma kernels with overlapped FP8 promotion (W8A8, sm_90)"
     # MXFP4 W4A16 with word-packed weights only (`wgmma_words.wgmma_words_reason`): Gluon wgmma, the weights
     # in register A decoded one K-step ahead under the MMA, 8 warps, 128 weight rows against block_m pairs.
     WGMMA_WORDS = "Gluon wgmma kernels with the MXFP4 decode under the MMA (W4A16 word path, sm_90)"
@@ -350,7 +351,7 @@ class TritonMoEConfig(KernelConfig):
     def reason_unusable(self, spec: MoESpec) -> str | None:
         """None if this config can compute `spec`, else why not."""
         if self.engine is MatmulEngine.WGMMA_FP8:
-            reason = wgmma_fp8_reason(spec)
+            reason = wgmma_fp8_reason(spec) or wgmma_fp8_config_reason(spec, self.gemm1_block_m)
             return None if reason is None else f"the WGMMA_FP8 engine cannot compute this spec: {reason}"
         if self.engine is MatmulEngine.WGMMA_BF16:
             reason = wgmma_bf16_reason(spec)

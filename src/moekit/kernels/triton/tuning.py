@@ -62,6 +62,10 @@ WGMMA_FP8_TALL = replace(
     WGMMA_FP8_DEFAULT, gemm1_block_m=_TALL_ROWS, num_stages=WGMMA_FP8_GEMM1_STAGES[_TALL_ROWS][-1]
 )
 
+# Per-channel and per-tensor W8A8 (per-token activations) from this many tokens an expert takes the
+# WGMMA_FP8 engine's per-channel form on Hopper.
+WGMMA_FP8_CHANNEL_MIN_TOKENS_PER_EXPERT = 64
+
 # Per-channel and per-tensor W8A8 prefill with long K-loops (GEMM2's K is I): 128 x 64 tiles on 8 warps, four
 # stages, GEMM2 on 128 rows. On an H100 (whole layer, graph replay, L2 flushed, FP8 per token) 12 % ahead
 # of 64 x 64 on 4 warps for Mixtral (I 14336) at 256 tokens an expert (T = 1024) and 14 % at 1024
@@ -265,6 +269,14 @@ def default_config(
                 block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3, swap_ab=True
             )
         w8a8 = spec.act_quant is not ActivationQuant.NONE
+        if (
+            hopper
+            and w8a8
+            and not spec.scales_per_128_of_k
+            and per_expert >= WGMMA_FP8_CHANNEL_MIN_TOKENS_PER_EXPERT
+            and wgmma_fp8_reason(spec) is None
+        ):
+            return WGMMA_FP8_TALL  # the per-channel form runs GEMM1 on the 128-row blocks only
         if per_expert <= 16 and (spec.scales_per_128_of_k or w8a8):
             # 64-row tiles on two warpgroups, four stages, though most of each block is padding: on an
             # H200 (whole layer) 7 - 17 % ahead of 16 x 64 on 4 warps at 12 - 16 tokens an expert, for

@@ -11,7 +11,8 @@ Data flow (rows are the alignment's sorted order: each expert's pairs padded to 
   x_sorted fp8 [R, H] + scales [R, H/128] (`quant._quant_fp8_groups_sorted`)
   -> `wgmma_fp8_gemm1._fp8_gemm1` -> h fp8 [R, I] + scales [R, I/128] (activation and quantization in
      its epilogue) -> `wgmma_fp8_gemm2._fp8_gemm2` -> y[pair] * router weight.
-This module holds what both share: the promoted K-loop of one math warpgroup and the TMA producer.
+This module holds what both share: the promoted K-loop of one math warpgroup (and its unscaled twin for
+per-channel W8A8, `wgmma_fp8_channel`) and the TMA producer.
 The K-loop (`_promoted_kloop`) runs windows of two K-steps (K a multiple of 256): ptxas serializes
 every wgmma of a loop when an accumulator stays in flight across the loop's back-edge while other code
 reads accumulators, so nothing is in flight across it.
@@ -87,6 +88,31 @@ def _promoted_kloop(
         done = warpgroup_mma_wait(num_outstanding=0, deps=(second,))
         mbarrier.arrive(empty.index((T0 + k + 1) % NUM_STAGES), count=1)
     return acc + done * done_scale[:, None]
+
+
+@gluon.jit
+def _summed_kloop(
+    ring, T0, KT: gl.constexpr, A_ROW0: gl.constexpr, BN: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """sum over K-steps k of A_k @ B_k^T in fp32, the unscaled twin of `_promoted_kloop` for per-token
+    activation and per-channel (or per-tensor) weight scales: those are constant along K, so the caller
+    multiplies the sum once; each 128-deep step's product is still added into the fp32 accumulator on
+    its own (Hopper's FP8 wgmma sums are reduced-precision), step k + 1's wgmma in flight meanwhile."""
+    empty = ring[3]
+    layout: gl.constexpr = _mma_layout(BN)
+    acc = gl.zeros([ROWS_PER_WARPGROUP, BN], gl.float32, layout)
+    done = gl.zeros([ROWS_PER_WARPGROUP, BN], gl.float32, layout)  # step k - 1's product, retired
+    for i in range(0, KT // 2):
+        k = 2 * i
+        first = _issue_mma(T0 + k, ring, A_ROW0, BN, NUM_STAGES)
+        acc = acc + done
+        second = _issue_mma(T0 + k + 1, ring, A_ROW0, BN, NUM_STAGES)
+        product = warpgroup_mma_wait(num_outstanding=1, deps=(first,))
+        mbarrier.arrive(empty.index((T0 + k) % NUM_STAGES), count=1)
+        acc = acc + product
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(second,))
+        mbarrier.arrive(empty.index((T0 + k + 1) % NUM_STAGES), count=1)
+    return acc + done
 
 
 @gluon.jit

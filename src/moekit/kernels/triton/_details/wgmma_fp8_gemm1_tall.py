@@ -140,15 +140,25 @@ def _tall_math(
 
 
 @gluon.jit
-def _tall_loader(descriptors, ring, row_a, gate_row, up_row, KT: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The producer partition (one warp): ring step t = pass * KT + k holds x's rows row_a on at K-step k,
-    and the pass's 64 gate rows and 64 up rows (from gate_row, up_row) as the halves of one weight stage
+def _tall_loader(
+    descriptors,
+    ring,
+    row_a,
+    gate_row,
+    up_row,
+    KT: gl.constexpr,
+    PASSES: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """The producer partition (one warp): ring step t = pass * KT + k (PASSES passes over K) holds x's rows
+    row_a on at K-step k, and the pass's 64 gate rows and 64 up rows (from gate_row + 64 * pass,
+    up_row + 64 * pass) as the halves of one weight stage
     (`wgmma_fp8._load_step`'s wait and expect; the halves are views of one stage, so the copies are
     written here: a view of the whole ring sliced along the rows does not compile)."""
     x_desc, w_desc = descriptors
     a_smem, b_smem, ready, empty = ring
     nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
-    for t in range(2 * KT):
+    for t in range(PASSES * KT):
         s = t % NUM_STAGES
         k = t % KT
         n = (t // KT) * HALF
@@ -242,7 +252,10 @@ def _fp8_gemm1_tall(
                     NUM_STAGES,
                 ),
             ),
-            (_tall_loader, ((x_desc, w_desc), ring, row0, gate_row, gate_row + INTER_SIZE, KT, NUM_STAGES)),
+            (
+                _tall_loader,
+                ((x_desc, w_desc), ring, row0, gate_row, gate_row + INTER_SIZE, KT, 2, NUM_STAGES),
+            ),
         ],
         [4, 1],
         [MATH_REGISTERS, LOAD_REGISTERS],

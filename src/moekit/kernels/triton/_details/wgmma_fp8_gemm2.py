@@ -1,5 +1,9 @@
 """GEMM2 of the WGMMA_FP8 engine (Gluon, sm_90): y[pair] = (h @ w2[e]^T) * router weight.
 
+Block-128 scales promote each K-step's product with its scales (`wgmma_fp8._promoted_kloop`); per-token h
+scales with per-channel (or per-tensor) weight scales (PER_CHANNEL) sum the steps' products unscaled
+(`wgmma_fp8._summed_kloop`) and multiply rows and columns once in the epilogue.
+
 A tile = 128 sorted rows (`align.paired_blocks`) x 128 columns of y, one math warpgroup per 64 rows
 sharing the weight stage; the epilogue stores 16-byte runs of each row at its pair's row of y, the
 order `reduce._moe_sum_k` reads. An expert's odd last 64-row block is the first half of its last block:
@@ -20,6 +24,7 @@ from moekit.kernels.triton._details.wgmma_fp8 import (
     _promoted_kloop,
     _release_stages,
     _ring,
+    _summed_kloop,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,23 +41,33 @@ def _gemm2_tile(
     ROW0: gl.constexpr,
     BN: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    PER_CHANNEL: gl.constexpr,
 ):
     """One math warpgroup, one tile on the ring's steps t0 on: rows [ROW0, ROW0 + 64) of the block, stored
     at their pairs' rows of y times the router weight (`y_out`: sorted pair ids, router weights, y, the
     pair count, N-tile, y's row stride, the block expert's end row), or nothing if those rows are past
-    the expert's end."""
+    the expert's end. `scales`: h's scales and row stride, the tile's weight scales and their K-step
+    stride (block-128) or column stride (PER_CHANNEL; 0 per tensor)."""
     sorted_pairs_ptr, route_w_ptr, y_ptr, num_pairs, pid_n, stride_ym, rows_end = y_out
     if row0 + ROW0 >= rows_end:
         _release_stages(ring, t0, KT, NUM_STAGES)
     else:
-        acc = _promoted_kloop(ring, scales, row0, t0, KT, ROW0, BN, NUM_STAGES)
+        if PER_CHANNEL:
+            acc = _summed_kloop(ring, t0, KT, ROW0, BN, NUM_STAGES)
+        else:
+            acc = _promoted_kloop(ring, scales, row0, t0, KT, ROW0, BN, NUM_STAGES)
         store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16 bytes a thread
-        pairs = gl.load(
-            sorted_pairs_ptr + row0 + ROW0 + gl.arange(0, ROWS_PER_WARPGROUP, gl.SliceLayout(1, store_layout))
-        )
+        sorted_rows = row0 + ROW0 + gl.arange(0, ROWS_PER_WARPGROUP, gl.SliceLayout(1, store_layout))
+        pairs = gl.load(sorted_pairs_ptr + sorted_rows)
         live = pairs < num_pairs  # padding rows hold num_pairs
         route_w = gl.load(route_w_ptr + pairs, mask=live, other=0.0)
-        out = gl.convert_layout(acc, store_layout) * route_w[:, None]
+        out = gl.convert_layout(acc, store_layout)
+        if PER_CHANNEL:
+            h_scale_ptr, stride_hsm, w_scale_ptr, stride_wsc = scales
+            row_scale = gl.load(h_scale_ptr + sorted_rows.to(gl.int64) * stride_hsm)
+            col_scale = gl.load(w_scale_ptr + gl.arange(0, BN, gl.SliceLayout(0, store_layout)) * stride_wsc)
+            out = out * row_scale[:, None] * col_scale[None, :]
+        out = out * route_w[:, None]
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
         gl.store(
             y_ptr + pairs.to(gl.int64)[:, None] * stride_ym + cols[None, :],
@@ -73,6 +88,7 @@ def _persistent_math(
     BN: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    PER_CHANNEL: gl.constexpr,
 ):
     """One math warpgroup of a persistent program: `_gemm2_tile` of each of the program's tiles in turn,
     the ring's steps counted on across tiles (`tiles`: first tile, stride, count, N-tiles)."""
@@ -93,7 +109,7 @@ def _persistent_math(
             stride_wsk,
         )
         y_out = (sorted_pairs_ptr, route_w_ptr, y_ptr, num_pairs, pid_n, stride_ym, rows_end)
-        _gemm2_tile(ring, scales, row0, t0, y_out, KT, ROW0, BN, NUM_STAGES)
+        _gemm2_tile(ring, scales, row0, t0, y_out, KT, ROW0, BN, NUM_STAGES, PER_CHANNEL)
         t0 += KT
 
 
@@ -101,8 +117,8 @@ def _persistent_math(
 def _fp8_gemm2(
     h_desc,  # fp8 [R, I] sorted rows, block [128, 128]
     w_desc,  # fp8 [E_local * H, I], block [128, 128]
-    h_scale_ptr,  # fp32 [R, I/128]
-    w_scale_ptr,  # fp32 [E_local, H/128, I/128] (any strides)
+    h_scale_ptr,  # fp32 [R, I/128], or [R, 1] (PER_CHANNEL: per token)
+    w_scale_ptr,  # fp32 [E_local, H/128, I/128] (any strides), or [E_local, H] / [E_local] (PER_CHANNEL)
     sorted_pairs_ptr,  # int32 [R]: pair id of each sorted row, num_pairs for padding
     route_w_ptr,  # fp32 [T*K]
     y_ptr,  # out [T*K, H] act dtype
@@ -113,8 +129,8 @@ def _fp8_gemm2(
     num_pairs,
     stride_hsm,
     stride_wse,
-    stride_wsn,
-    stride_wsk,
+    stride_wsn,  # from one N-tile's weight scales to the next
+    stride_wsk,  # block-128: from one K-step's weight scales to the next; PER_CHANNEL: from one column's
     stride_ym,
     HIDDEN: gl.constexpr,
     INTER_SIZE: gl.constexpr,
@@ -122,6 +138,7 @@ def _fp8_gemm2(
     NUM_STAGES: gl.constexpr,
     MATH_REGISTERS: gl.constexpr,
     LOAD_REGISTERS: gl.constexpr,
+    PER_CHANNEL: gl.constexpr,
 ):
     """y = (h @ w2[e]^T) * router weight, one program an SM walking the valid tiles (128-row block x 128
     columns of y) with the grid as stride."""
@@ -139,10 +156,25 @@ def _fp8_gemm2(
     y_base = (sorted_pairs_ptr, route_w_ptr, y_ptr, num_pairs, stride_ym)
     gl.warp_specialize(
         [
-            (_persistent_math, (ring, scales_base, blocks, y_base, tiles, KT, 0, BN, GROUP_M, NUM_STAGES)),
             (
                 _persistent_math,
-                (ring, scales_base, blocks, y_base, tiles, KT, ROWS_PER_WARPGROUP, BN, GROUP_M, NUM_STAGES),
+                (ring, scales_base, blocks, y_base, tiles, KT, 0, BN, GROUP_M, NUM_STAGES, PER_CHANNEL),
+            ),
+            (
+                _persistent_math,
+                (
+                    ring,
+                    scales_base,
+                    blocks,
+                    y_base,
+                    tiles,
+                    KT,
+                    ROWS_PER_WARPGROUP,
+                    BN,
+                    GROUP_M,
+                    NUM_STAGES,
+                    PER_CHANNEL,
+                ),
             ),
             (_persistent_loader, ((h_desc, w_desc), ring, blocks, tiles, HIDDEN, KT, GROUP_M, NUM_STAGES)),
         ],
