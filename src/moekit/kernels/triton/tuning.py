@@ -63,7 +63,10 @@ WGMMA_FP8_TALL = replace(
 )
 
 # Per-channel and per-tensor W8A8 (per-token activations) from this many tokens an expert takes the
-# WGMMA_FP8 engine's per-channel form on Hopper.
+# WGMMA_FP8 engine's per-channel form on Hopper. On an H100 (whole layer, graph replay, L2 flushed), against
+# the tl.dot tiles the rules below choose, for Mixtral (E 8, K 2, H 4096, I 14336): level at 64 (T = 256:
+# 600 against 604 µs; 581 for the tl.dot tile at 5 stages), 12 - 17 % faster at 256 - 4096 (T = 1024 /
+# 4096 / 16384: 1088 / 3566 / 14082 against 1243 / 4313 / 16620 µs).
 WGMMA_FP8_CHANNEL_MIN_TOKENS_PER_EXPERT = 64
 
 # Per-channel and per-tensor W8A8 prefill with long K-loops (GEMM2's K is I): 128 x 64 tiles on 8 warps, four
