@@ -56,9 +56,6 @@ CHANNEL_GEMM1_COLUMNS = 64  # h columns a per-channel GEMM1 tile: 64 gate and 64
 # The per-channel GEMM1 one program an SM walking the tiles (its ring running on from one tile into the
 # next), else a program a tile.
 CHANNEL_GEMM1_PERSISTENT = True
-# The per-channel GEMM1 keeps each row's max |h| (atomic max), so the per-token quantization reads h once
-# instead of twice.
-CHANNEL_ROW_AMAX = True
 # setmaxnreg budgets: the math warpgroups hold the accumulator, the retired and the in-flight
 # product (3 x 64 fp32 a thread); the one-warp TMA producer needs few.
 MATH_REGISTERS = 232
@@ -162,7 +159,7 @@ def wgmma_fp8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
     pairs = num_tokens * spec.K
     rows = GEMM1_ROWS * max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=GEMM1_ROWS)
     sorted_rows = rows * (spec.H + spec.I) * (1 + 4 / TILE_K)  # codes + fp32 scales per 128
-    h_fp32 = 4 * rows * (spec.I + 1) if per_channel(spec) else 0
+    h_fp32 = 4 * rows * spec.I if per_channel(spec) else 0
     y = pairs * spec.H * torch.empty((), dtype=spec.act_dtype).element_size()
     return int(sorted_rows) + h_fp32 + y + 16 * pairs + 4 * rows
 
@@ -251,7 +248,6 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
     FP8 codes [R, I] and per-token scales [R, 1] (the rows of pairs only: GEMM2 computes padding rows
     from whatever they hold and never stores them)."""
     h = torch.empty(xq.shape[0], spec.I, dtype=torch.float32, device=xq.device)
-    row_amax = torch.zeros(xq.shape[0], dtype=torch.float32, device=xq.device) if CHANNEL_ROW_AMAX else None
     scales = weights.w13_scale  # fp32 [E_local, 2I] or [E_local]
     act = spec.activation
     # At most this many tiles; the valid ones are counted on the device.
@@ -263,7 +259,6 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
         x_scale_ptr=xs,  # fp32 [R, 1]
         w_scale_ptr=scales,
         h_ptr=h,  # fp32 [R, I]
-        row_amax_ptr=row_amax,  # fp32 [R] or None
         block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
         block_start_ptr=blocks.block_start,  # int32 [max_blocks]
         num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
@@ -280,7 +275,7 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
         LIMIT=float(act.limit) if act.limit is not None else 0.0,
         **tuning,
     )
-    return quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned, row_amax=row_amax)
+    return quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned)
 
 
 def _gemm1(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tall: bool, tuning: dict) -> None:

@@ -11,8 +11,7 @@ columns 0-63 and up in 64-127. An expert's odd last 64-row block is the first ha
 the second warpgroup then only hands the ring's stages back.
 
 h is written unquantized in fp32 (the reference quantizes h from fp32): its per-token scale needs the
-whole row of I, which no tile holds, so `quantize.quantize_rows` quantizes it between the GEMMs. Each
-tile folds its rows' max |h| into a per-row maximum (an atomic max), so that pass reads h once.
+whole row of I, which no program holds, so `quantize.quantize_rows` quantizes it between the GEMMs.
 """
 
 from moekit.kernels.triton._details.gemm import _grouped_pid
@@ -61,9 +60,9 @@ def _channel_math(
     rows [ROW0, ROW0 + 64) of the tile's block, act(gate, up) of its 64 columns stored in fp32, or only
     the ring's stages handed back if those rows are past the expert's end. `scales`: x's per-token scales
     and row stride, the weight scales, their expert and per-row strides (0 per tensor); `h_out`: h and
-    its row stride, and each row's max |h| (fp32 [R], zeros before the launch; None: not kept)."""
+    its row stride."""
     x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc = scales
-    h_ptr, stride_hm, row_amax_ptr = h_out
+    h_ptr, stride_hm = h_out
     BN: gl.constexpr = 2 * HALF
     layout: gl.constexpr = _mma_layout(BN)
     store_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 16 bytes a thread
@@ -87,11 +86,6 @@ def _channel_math(
             cols = pid_n * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, store_layout))
             at = h_ptr + first * stride_hm + (rows * stride_hm)[:, None] + cols[None, :]
             gl.store(at, gl.convert_layout(h, store_layout))
-            if row_amax_ptr is not None:
-                # |h| >= 0: the float maximum is the integer one, which every tile of the row folds in.
-                amax = gl.max(gl.abs(h), axis=1)
-                at_rows = first + gl.arange(0, ROWS_PER_WARPGROUP, layout=amax.type.layout)
-                gl.atomic_max(row_amax_ptr + at_rows, amax, sem="relaxed")
         t0 += KT
 
 
@@ -124,7 +118,6 @@ def _fp8_channel_gemm1(
     x_scale_ptr,  # fp32 [R, 1]: per token
     w_scale_ptr,  # fp32 [E_local, 2I] per channel, or [E_local] per tensor (stride_wsc 0)
     h_ptr,  # out fp32 [R, I]
-    row_amax_ptr,  # out fp32 [R]: each row's max |h| (zeros before the launch), or None
     block_expert_ptr,  # int32 [max_blocks]
     block_start_ptr,  # int32 [max_blocks]
     num_blocks_ptr,  # int32 [1]
@@ -156,7 +149,7 @@ def _fp8_channel_gemm1(
     a_smem, weight_stages, ready, empty = _ring(x_desc, w_desc, 1, 2, NUM_STAGES, 2)
     ring = (a_smem, weight_stages[0], ready, empty)
     scales = (x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc)
-    h_out = (h_ptr, stride_hm, row_amax_ptr)
+    h_out = (h_ptr, stride_hm)
     epilogue = (INTER_SIZE, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, GROUP_M, NUM_STAGES)
     gl.warp_specialize(
         [
