@@ -25,7 +25,7 @@ from moekit.kernels.triton.config import (
     TritonMoEConfig,
 )
 from moekit.kernels.triton.wgmma_bf16 import gluon_gemm1_reason, wgmma_bf16_reason
-from moekit.kernels.triton.wgmma_fp8 import wgmma_fp8_reason
+from moekit.kernels.triton.wgmma_fp8 import per_channel, wgmma_fp8_reason
 from moekit.kernels.triton.wgmma_w4a8 import wgmma_w4a8_reason
 from moekit.kernels.triton.wgmma_words import wgmma_words_reason
 from moekit.spec import ActivationQuant, MoESpec, WeightFormat
@@ -272,13 +272,8 @@ def default_config(
                 block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3, swap_ab=True
             )
         w8a8 = spec.act_quant is not ActivationQuant.NONE
-        if (
-            hopper
-            and w8a8
-            and not spec.scales_per_128_of_k
-            and per_expert >= WGMMA_FP8_CHANNEL_MIN_TOKENS_PER_EXPERT
-            and wgmma_fp8_reason(spec) is None
-        ):
+        channel_engine = hopper and per_channel(spec) and wgmma_fp8_reason(spec) is None
+        if channel_engine and per_expert >= WGMMA_FP8_CHANNEL_MIN_TOKENS_PER_EXPERT:
             return WGMMA_FP8_TALL  # the per-channel form runs GEMM1 on the 128-row blocks only
         if per_expert <= 16 and (spec.scales_per_128_of_k or w8a8):
             # 64-row tiles on two warpgroups, four stages, though most of each block is padding: on an

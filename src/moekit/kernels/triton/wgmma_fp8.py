@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import triton
-from moekit.kernels.triton._details.codes import ACT_SILU, ACTIVATION_CODE
+from moekit.kernels.triton._details.codes import ACT_SILU, activation_constexprs
 from moekit.kernels.triton._details.quant import _quant_fp8_groups_sorted
 from moekit.kernels.triton.align import (
     AlignedRouting,
@@ -246,7 +246,6 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
     from whatever they hold and never stores them)."""
     h = torch.empty(xq.shape[0], spec.I, dtype=torch.float32, device=xq.device)
     scales = weights.w13_scale  # fp32 [E_local, 2I] or [E_local]
-    act = spec.activation
     _gluon_hopper().channel_gemm1[(blocks.max_blocks * (spec.I // CHANNEL_GEMM1_COLUMNS),)](
         x_desc=fp8_rows(xq, CHANNEL_GEMM1_ROWS),  # fp8 [R, H]
         w_desc=fp8_rows(weights.w13.reshape(-1, spec.H), CHANNEL_GEMM1_COLUMNS),  # fp8 [E_local * 2I, H]
@@ -260,14 +259,11 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
         num_pid_m=blocks.max_blocks,
         stride_xsm=xs.stride(0),
         stride_wse=scales.stride(0),
-        stride_wsc=scales.stride(1) if scales.dim() == 2 else 0,
+        stride_wsc=_column_stride(scales),
         stride_hm=h.stride(0),
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
-        ACTIVATION=ACTIVATION_CODE[act.kind],
-        ALPHA=float(act.alpha) if act.alpha is not None else 0.0,
-        HAS_LIMIT=act.limit is not None,
-        LIMIT=float(act.limit) if act.limit is not None else 0.0,
+        **activation_constexprs(spec.activation),
         **tuning,
     )
     return quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned)
@@ -320,8 +316,13 @@ def _gemm1(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tall: 
 def channel_scale_strides(scales: torch.Tensor, *, tile: int) -> dict:
     """GEMM2's stride arguments of per-channel weight scales [E_local, N] or per-tensor ones [E_local]
     (any strides), read `tile` columns an N-tile: the N-tile's step and the column's (in stride_wsk)."""
-    column = scales.stride(1) if scales.dim() == 2 else 0
+    column = _column_stride(scales)
     return dict(stride_wse=scales.stride(0), stride_wsn=tile * column, stride_wsk=column)
+
+
+def _column_stride(scales: torch.Tensor) -> int:
+    """From one output row's weight scale to the next: per-channel [E_local, N]'s, 0 per tensor [E_local]."""
+    return scales.stride(1) if scales.dim() == 2 else 0
 
 
 def block_scale_strides(scales: torch.Tensor) -> dict:

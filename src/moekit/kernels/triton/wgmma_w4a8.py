@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from moekit.formats import mxfp4_w4a8
-from moekit.kernels.triton._details.codes import ACTIVATION_CODE
+from moekit.kernels.triton._details.codes import activation_constexprs
 from moekit.kernels.triton.align import align_routing, max_blocks_bound
 from moekit.kernels.triton.quantize import quantize_rows
 from moekit.kernels.triton.sum_k import sum_top_k
@@ -145,7 +145,6 @@ def wgmma_w4a8_moe(
     # TMA reads [BLOCK_M, 128] tiles of the FP8 rows: columns past H or I read as zeros
     xq, xs = sorted_fp8_rows(x if x.stride(1) == 1 else x.contiguous(), aligned, spec=spec)
     rows = xq.shape[0]
-    act = spec.activation
     common = dict(
         route_w_ptr=routing.weights.contiguous().view(-1),  # fp32 [T*K]
         sorted_pairs_ptr=aligned.sorted_pair_ids,  # int32 [max_blocks * BLOCK_M]
@@ -156,10 +155,7 @@ def wgmma_w4a8_moe(
         NS=num_stages,
         GROUP_M=group_m,
         INTERLEAVED=spec.gate_layout is GateLayout.INTERLEAVED,
-        ACTIVATION=ACTIVATION_CODE[act.kind],
-        ALPHA=float(act.alpha) if act.alpha is not None else 0.0,
-        HAS_LIMIT=act.limit is not None,
-        LIMIT=float(act.limit) if act.limit is not None else 0.0,
+        **activation_constexprs(spec.activation),
         MATH_REGISTERS=MATH_REGISTERS,
         LOAD_REGISTERS=LOAD_REGISTERS,
         NARROW=NARROW_BLOCKS,

@@ -21,7 +21,7 @@ import math
 import torch
 
 from moekit.formats.mxfp4_words import layer_rows_reason
-from moekit.kernels.triton._details.codes import ACTIVATION_CODE
+from moekit.kernels.triton._details.codes import activation_constexprs
 from moekit.kernels.triton.align import align_routing, max_blocks_bound
 from moekit.kernels.triton.sum_k import sum_top_k
 from moekit.routing import RoutingResult
@@ -155,7 +155,6 @@ def wgmma_words_moe(
     x = x if x.stride(1) == 1 else x.contiguous()
     h = torch.empty(aligned.num_pairs, spec.I, dtype=spec.act_dtype, device=x.device)
     y = torch.empty(aligned.num_pairs, spec.H, dtype=spec.act_dtype, device=x.device)
-    act = spec.activation
     half_wide = runs_half_wide(spec, x.shape[0], block_m, x.stride(0))
     tiles = dict(
         BLOCK_M=block_m, STAGES=num_stages, GROUP_M=group_m, HALF_WIDE=half_wide, num_warps=NUM_WARPS
@@ -181,10 +180,7 @@ def wgmma_words_moe(
         INTER_SIZE=spec.I,
         INTERLEAVED=spec.gate_layout is GateLayout.INTERLEAVED,
         TOP_K=spec.K,
-        ACTIVATION=ACTIVATION_CODE[act.kind],
-        ALPHA=float(act.alpha) if act.alpha is not None else 0.0,
-        HAS_LIMIT=act.limit is not None,
-        LIMIT=float(act.limit) if act.limit is not None else 0.0,
+        **activation_constexprs(spec.activation),
         **blocks,
         **tiles,
     )

@@ -6,7 +6,7 @@ time, so a compiled kernel holds the code of one format, scale granularity and a
 """
 
 import triton.language as tl
-from moekit.spec import Activation
+from moekit.spec import Activation, ActivationSpec
 
 # Weight storage (W_FORMAT).
 WFMT_FLOAT = tl.constexpr(0)  # bf16 / fp16 / fp32 [E, N, K]
@@ -34,3 +34,14 @@ ACTIVATION_CODE = {
     Activation.GELU_TANH: ACT_GELU_TANH.value,
     Activation.SWIGLU_OAI: ACT_SWIGLU_OAI.value,
 }
+
+
+def activation_constexprs(act: ActivationSpec) -> dict:
+    """The Gluon GEMM1s' activation arguments of `act` (`_details.activation._gated_activation`'s):
+    ACTIVATION, ALPHA (0 where unused), HAS_LIMIT and LIMIT (0 without a clamp)."""
+    return dict(
+        ACTIVATION=ACTIVATION_CODE[act.kind],
+        ALPHA=float(act.alpha) if act.alpha is not None else 0.0,
+        HAS_LIMIT=act.limit is not None,
+        LIMIT=float(act.limit) if act.limit is not None else 0.0,
+    )
