@@ -204,6 +204,7 @@ def compile_wgmma_fp8_for_hopper(
             x_scale_ptr="*fp32",
             w_scale_ptr="*fp32",
             h_ptr="*fp32",
+            row_amax_ptr="*fp32",
             **paired,
         )
         constants.update(ACTIVATION=codes.ACT_SILU.value, ALPHA=0.0, HAS_LIMIT=False, LIMIT=0.0)

@@ -618,6 +618,16 @@ def test_per_token_quantization_of_pair_rows_only(t, k, e):
     assert torch.equal(data[live].view(torch.uint8), expected.data.view(torch.uint8))
     with pytest.raises(ValueError, match="per-token"):
         quantize_rows(src, quant=ActivationQuant.FP8_PER_GROUP_128, pair_rows_of=aligned)
+    # With each row's max |value| known (the per-channel WGMMA_FP8 GEMM1 keeps it), one pass: the same
+    # codes and scales, and the padding rows' maxima (NaN here) never read.
+    row_amax = src.abs().amax(dim=1)
+    one_pass, one_scale = quantize_rows(
+        src, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned, row_amax=row_amax
+    )
+    assert torch.equal(one_pass[live].view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(one_scale[live], expected.scale)
+    with pytest.raises(ValueError, match="row_mult"):
+        quantize_rows(src, quant=ActivationQuant.FP8_PER_TOKEN, row_mult=row_amax, row_amax=row_amax)
 
 
 # ---------------------------------------------------------------------------------------------------------

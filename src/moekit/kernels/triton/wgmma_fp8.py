@@ -52,7 +52,13 @@ TILE_K = 128  # one scale group a K-step
 TILE_N = 128  # one weight scale block (and one h scale group) a tile
 GEMM1_ROWS = 64  # one M-block of GEMM1: the gate and the up warpgroup each hold 64 x 128
 CHANNEL_GEMM1_ROWS = 2 * GEMM1_ROWS  # the per-channel GEMM1's block: GEMM2's paired 128-row blocks
-CHANNEL_GEMM1_COLUMNS = 64  # h columns a per-channel GEMM1 program: 64 gate and 64 up weight rows
+CHANNEL_GEMM1_COLUMNS = 64  # h columns a per-channel GEMM1 tile: 64 gate and 64 up weight rows
+# The per-channel GEMM1 one program an SM walking the tiles (its ring running on from one tile into the
+# next), else a program a tile.
+CHANNEL_GEMM1_PERSISTENT = True
+# The per-channel GEMM1 keeps each row's max |h| (atomic max), so the per-token quantization reads h once
+# instead of twice.
+CHANNEL_ROW_AMAX = True
 # setmaxnreg budgets: the math warpgroups hold the accumulator, the retired and the in-flight
 # product (3 x 64 fp32 a thread); the one-warp TMA producer needs few.
 MATH_REGISTERS = 232
@@ -156,7 +162,7 @@ def wgmma_fp8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
     pairs = num_tokens * spec.K
     rows = GEMM1_ROWS * max_blocks_bound(num_pairs=pairs, num_local_experts=spec.E_local, block_m=GEMM1_ROWS)
     sorted_rows = rows * (spec.H + spec.I) * (1 + 4 / TILE_K)  # codes + fp32 scales per 128
-    h_fp32 = 4 * rows * spec.I if per_channel(spec) else 0
+    h_fp32 = 4 * rows * (spec.I + 1) if per_channel(spec) else 0
     y = pairs * spec.H * torch.empty((), dtype=spec.act_dtype).element_size()
     return int(sorted_rows) + h_fp32 + y + 16 * pairs + 4 * rows
 
@@ -241,22 +247,26 @@ def wgmma_fp8_moe(
 
 
 def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: dict):
-    """The per-channel GEMM1 on the paired 128-row blocks, 64 columns of h a program, h in fp32; then h's
+    """The per-channel GEMM1 on the paired 128-row blocks, 64 columns of h a tile, h in fp32; then h's
     FP8 codes [R, I] and per-token scales [R, 1] (the rows of pairs only: GEMM2 computes padding rows
     from whatever they hold and never stores them)."""
     h = torch.empty(xq.shape[0], spec.I, dtype=torch.float32, device=xq.device)
+    row_amax = torch.zeros(xq.shape[0], dtype=torch.float32, device=xq.device) if CHANNEL_ROW_AMAX else None
     scales = weights.w13_scale  # fp32 [E_local, 2I] or [E_local]
-    _gluon_hopper().channel_gemm1[(blocks.max_blocks * (spec.I // CHANNEL_GEMM1_COLUMNS),)](
+    # At most this many tiles; the valid ones are counted on the device.
+    tiles = blocks.max_blocks * (spec.I // CHANNEL_GEMM1_COLUMNS)
+    grid = min(tiles, multiprocessors(xq.device)) if CHANNEL_GEMM1_PERSISTENT else tiles
+    _gluon_hopper().channel_gemm1[(grid,)](
         x_desc=fp8_rows(xq, CHANNEL_GEMM1_ROWS),  # fp8 [R, H]
         w_desc=fp8_rows(weights.w13.reshape(-1, spec.H), CHANNEL_GEMM1_COLUMNS),  # fp8 [E_local * 2I, H]
         x_scale_ptr=xs,  # fp32 [R, 1]
         w_scale_ptr=scales,
         h_ptr=h,  # fp32 [R, I]
+        row_amax_ptr=row_amax,  # fp32 [R] or None
         block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
         block_start_ptr=blocks.block_start,  # int32 [max_blocks]
         num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]
         expert_end_ptr=aligned.expert_offsets,  # int64 [E_local + 1]
-        num_pid_m=blocks.max_blocks,
         stride_xsm=xs.stride(0),
         stride_wse=scales.stride(0),
         stride_wsc=_column_stride(scales),
@@ -266,7 +276,7 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
         **activation_constexprs(spec.activation),
         **tuning,
     )
-    return quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned)
+    return quantize_rows(h, quant=ActivationQuant.FP8_PER_TOKEN, pair_rows_of=aligned, row_amax=row_amax)
 
 
 def _gemm1(xq, xs, weights, aligned, blocks, gemm1_out, *, spec: MoESpec, tall: bool, tuning: dict) -> None:

@@ -45,6 +45,7 @@ def _quant_fp8_rows(
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel first (`_pdl_prologue`)
     sorted_pairs_ptr=None,  # int32 [R] or None: rows holding num_pairs (padding) are left alone
     num_pairs=0,
+    row_amax_ptr=None,  # fp32 [R] or None: each row's max |value|, already known (one pass, not two)
 ):
     """One program per row (per token): scale = max(amax / 448, tiny) (1 if amax == 0), as moekit.formats."""
     _pdl_prologue(PDL)
@@ -56,17 +57,20 @@ def _quant_fp8_rows(
     mult = 1.0
     if HAS_ROW_MULT:
         mult = tl.load(row_mult_ptr + row)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    # Loop bounds are constexpr: sizes H and I are fixed per model, and the Triton interpreter cannot
-    # loop over runtime bounds with numpy 2.
-    for c in range(0, NUM_COLS, BLOCK):
-        cols = c + offs
-        mask = cols < NUM_COLS
-        v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ROW_MULT:
-            v = v * mult
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = _fp8_scale(tl.max(amax, axis=0))
+    if row_amax_ptr is not None:
+        scale = _fp8_scale(tl.load(row_amax_ptr + row))
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        # Loop bounds are constexpr: sizes H and I are fixed per model, and the Triton interpreter cannot
+        # loop over runtime bounds with numpy 2.
+        for c in range(0, NUM_COLS, BLOCK):
+            cols = c + offs
+            mask = cols < NUM_COLS
+            v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_ROW_MULT:
+                v = v * mult
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = _fp8_scale(tl.max(amax, axis=0))
     for c in range(0, NUM_COLS, BLOCK):
         cols = c + offs
         mask = cols < NUM_COLS

@@ -4,14 +4,15 @@ Per-channel (or per-tensor) weight scales and per-token activation scales are co
 K-loop sums each 128-deep step's product unscaled into the fp32 accumulator (`wgmma_fp8._summed_kloop`)
 and the epilogue multiplies once: rows by the token's scale, columns by the weight row's.
 
-A program = 128 sorted rows (`align.paired_blocks`, a math warpgroup per 64) x 64 columns of h. The 64
+A tile = 128 sorted rows (`align.paired_blocks`, a math warpgroup per 64) x 64 columns of h. The 64
 gate rows and the 64 up rows of those columns land as the two halves of one [128, 128] weight stage (the
 producer of `wgmma_fp8_gemm1_tall`, one pass over K), so each warpgroup's wgmma (N = 128) yields gate in
 columns 0-63 and up in 64-127. An expert's odd last 64-row block is the first half of its last block:
 the second warpgroup then only hands the ring's stages back.
 
 h is written unquantized in fp32 (the reference quantizes h from fp32): its per-token scale needs the
-whole row of I, which no program holds, so `quantize.quantize_rows` quantizes it between the GEMMs.
+whole row of I, which no tile holds, so `quantize.quantize_rows` quantizes it between the GEMMs. Each
+tile folds its rows' max |h| into a per-row maximum (an atomic max), so that pass reads h once.
 """
 
 from moekit.kernels.triton._details.gemm import _grouped_pid
@@ -23,49 +24,97 @@ from moekit.kernels.triton._details.wgmma_fp8 import (
     _ring,
     _summed_kloop,
 )
-from moekit.kernels.triton._details.wgmma_fp8_gemm1_tall import HALF, _half_h, _tall_loader
+from moekit.kernels.triton._details.wgmma_fp8_gemm1_tall import HALF, _gate_up_step, _half_h
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
+def _tile(tile, blocks, tiles, INTER_SIZE: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile `tile`'s block row0, expert, the expert's end row, and N-tile (`blocks`: block experts, block
+    starts, expert ends; `tiles`: first, stride, count, valid blocks)."""
+    block_expert_ptr, block_start_ptr, expert_end_ptr = blocks
+    pid_m, pid_n = _grouped_pid(tile, tiles[3], INTER_SIZE // HALF, GROUP_M)
+    expert = gl.load(block_expert_ptr + pid_m)
+    rows_end = gl.load(expert_end_ptr + expert + 1).to(gl.int32)
+    return gl.load(block_start_ptr + pid_m), expert, rows_end, pid_n
+
+
+@gluon.jit
 def _channel_math(
     ring,
-    row0,
+    blocks,
+    tiles,
     scales,
     h_out,
     KT: gl.constexpr,
     ROW0: gl.constexpr,
+    INTER_SIZE: gl.constexpr,
     ACTIVATION: gl.constexpr,
     ALPHA: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     LIMIT: gl.constexpr,
+    GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
 ):
-    """One math warpgroup: rows [ROW0, ROW0 + 64) of the block, act(gate, up) of the program's 64 columns
-    stored in fp32 (`scales`: x's per-token scales and row stride, the expert's weight scales, their
-    per-row stride (0 per tensor), the first gate and up weight rows of the tile within the expert;
-    `h_out`: h, N-tile, h's row stride, the block expert's end row); or only the ring's stages handed
-    back if those rows are past the expert's end."""
-    h_ptr, pid_n, stride_hm, rows_end = h_out
-    if row0 + ROW0 >= rows_end:
-        _release_stages(ring, 0, KT, NUM_STAGES)
-    else:
-        BN: gl.constexpr = 2 * HALF
-        layout: gl.constexpr = _mma_layout(BN)
-        acc = _summed_kloop(ring, 0, KT, ROW0, BN, NUM_STAGES)
-        x_scale_ptr, stride_xsm, w_scale_ptr, stride_wsc, gate_row, up_row = scales
-        rows = gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, layout))
-        row_scale = gl.load(x_scale_ptr + (row0 + ROW0).to(gl.int64) * stride_xsm + rows * stride_xsm)
-        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-        weight_rows = gl.where(cols < HALF, gate_row + cols, up_row + cols - HALF)
-        col_scale = gl.load(w_scale_ptr + weight_rows * stride_wsc)
-        h = _half_h(acc * row_scale[:, None] * col_scale[None, :], ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 16 bytes a thread
-        rows = gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, store_layout))
-        cols = pid_n * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, store_layout))
-        at = h_ptr + (row0 + ROW0).to(gl.int64) * stride_hm + (rows * stride_hm)[:, None] + cols[None, :]
-        gl.store(at, gl.convert_layout(h, store_layout))
+    """One math warpgroup, each of the program's tiles in turn (the ring's steps counted on across tiles):
+    rows [ROW0, ROW0 + 64) of the tile's block, act(gate, up) of its 64 columns stored in fp32, or only
+    the ring's stages handed back if those rows are past the expert's end. `scales`: x's per-token scales
+    and row stride, the weight scales, their expert and per-row strides (0 per tensor); `h_out`: h and
+    its row stride, and each row's max |h| (fp32 [R], zeros before the launch; None: not kept)."""
+    x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc = scales
+    h_ptr, stride_hm, row_amax_ptr = h_out
+    BN: gl.constexpr = 2 * HALF
+    layout: gl.constexpr = _mma_layout(BN)
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 16 bytes a thread
+    t0 = 0
+    for tile in range(tiles[0], tiles[2], tiles[1]):
+        row0, expert, rows_end, pid_n = _tile(tile, blocks, tiles, INTER_SIZE, GROUP_M)
+        if row0 + ROW0 >= rows_end:
+            _release_stages(ring, t0, KT, NUM_STAGES)
+        else:
+            acc = _summed_kloop(ring, t0, KT, ROW0, BN, NUM_STAGES)
+            first = (row0 + ROW0).to(gl.int64)
+            rows = gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, layout))
+            row_scale = gl.load(x_scale_ptr + first * stride_xsm + rows * stride_xsm)
+            cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+            # gate rows n .. n + 63 of the expert's 2I, up rows I + n ..
+            weight_rows = pid_n * HALF + gl.where(cols < HALF, cols, INTER_SIZE + cols - HALF)
+            col_scale = gl.load(w_scale_ptr + expert.to(gl.int64) * stride_wse + weight_rows * stride_wsc)
+            scaled = acc * row_scale[:, None] * col_scale[None, :]
+            h = _half_h(scaled, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
+            rows = gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, store_layout))
+            cols = pid_n * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, store_layout))
+            at = h_ptr + first * stride_hm + (rows * stride_hm)[:, None] + cols[None, :]
+            gl.store(at, gl.convert_layout(h, store_layout))
+            if row_amax_ptr is not None:
+                # |h| >= 0: the float maximum is the integer one, which every tile of the row folds in.
+                amax = gl.max(gl.abs(h), axis=1)
+                at_rows = first + gl.arange(0, ROWS_PER_WARPGROUP, layout=amax.type.layout)
+                gl.atomic_max(row_amax_ptr + at_rows, amax, sem="relaxed")
+        t0 += KT
+
+
+@gluon.jit
+def _channel_loader(
+    descriptors,
+    ring,
+    blocks,
+    tiles,
+    KT: gl.constexpr,
+    INTER_SIZE: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """The producer partition (one warp): each of the program's tiles' K-steps, the ring's steps counted on
+    across tiles, so that the next tile's first stages land while the math warpgroups store the last."""
+    t = 0
+    for tile in range(tiles[0], tiles[2], tiles[1]):
+        row0, expert, _, pid_n = _tile(tile, blocks, tiles, INTER_SIZE, GROUP_M)
+        gate_row = expert * (2 * INTER_SIZE) + pid_n * HALF
+        for k in range(KT):
+            _gate_up_step(descriptors, ring, t, k, row0, gate_row, gate_row + INTER_SIZE, NUM_STAGES)
+            t += 1
 
 
 @gluon.jit
@@ -75,11 +124,11 @@ def _fp8_channel_gemm1(
     x_scale_ptr,  # fp32 [R, 1]: per token
     w_scale_ptr,  # fp32 [E_local, 2I] per channel, or [E_local] per tensor (stride_wsc 0)
     h_ptr,  # out fp32 [R, I]
-    block_expert_ptr,  # int32 [num_pid_m]
-    block_start_ptr,  # int32 [num_pid_m]
+    row_amax_ptr,  # out fp32 [R]: each row's max |h| (zeros before the launch), or None
+    block_expert_ptr,  # int32 [max_blocks]
+    block_start_ptr,  # int32 [max_blocks]
     num_blocks_ptr,  # int32 [1]
     expert_end_ptr,  # int64 [E_local + 1]: each expert's padded rows start (its end: the next entry)
-    num_pid_m,
     stride_xsm,
     stride_wse,
     stride_wsc,
@@ -95,50 +144,25 @@ def _fp8_channel_gemm1(
     MATH_REGISTERS: gl.constexpr,
     LOAD_REGISTERS: gl.constexpr,
 ):
-    """h = act(x @ w13[e]^T) in fp32 of one 128-row block (`paired_blocks`) and 64 columns of h (CONCAT:
-    gate rows n, up rows I + n)."""
+    """h = act(x @ w13[e]^T) in fp32, a tile = one 128-row block (`paired_blocks`) x 64 columns of h
+    (CONCAT: gate rows n, up rows I + n); a program walks the valid tiles with the grid as stride (a
+    program a tile when the grid covers them all, persistent when it is one an SM)."""
     gl.static_assert(w_desc.block_type.shape[0] == HALF)
     gl.static_assert(x_desc.block_type.shape[0] == 2 * ROWS_PER_WARPGROUP)
-    pid_m, pid_n = _grouped_pid(gl.program_id(0), num_pid_m, INTER_SIZE // HALF, GROUP_M)
-    if pid_m >= gl.load(num_blocks_ptr):
-        return
-    row0 = gl.load(block_start_ptr + pid_m)
-    expert = gl.load(block_expert_ptr + pid_m)
-    rows_end = gl.load(expert_end_ptr + expert + 1).to(gl.int32)
     KT: gl.constexpr = HIDDEN // SCALE_GROUP
+    num_valid = gl.load(num_blocks_ptr)
+    tiles = (gl.program_id(0), gl.num_programs(0), num_valid * (INTER_SIZE // HALF), num_valid)
+    blocks = (block_expert_ptr, block_start_ptr, expert_end_ptr)
     a_smem, weight_stages, ready, empty = _ring(x_desc, w_desc, 1, 2, NUM_STAGES, 2)
     ring = (a_smem, weight_stages[0], ready, empty)
-    gate_row = pid_n * HALF  # within the expert's 2I rows
-    expert_scales = w_scale_ptr + expert.to(gl.int64) * stride_wse
-    scales = (x_scale_ptr, stride_xsm, expert_scales, stride_wsc, gate_row, INTER_SIZE + gate_row)
-    h_out = (h_ptr, pid_n, stride_hm, rows_end)
-    first_row = expert * (2 * INTER_SIZE) + gate_row
+    scales = (x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc)
+    h_out = (h_ptr, stride_hm, row_amax_ptr)
+    epilogue = (INTER_SIZE, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, GROUP_M, NUM_STAGES)
     gl.warp_specialize(
         [
-            (
-                _channel_math,
-                (ring, row0, scales, h_out, KT, 0, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, NUM_STAGES),
-            ),
-            (
-                _channel_math,
-                (
-                    ring,
-                    row0,
-                    scales,
-                    h_out,
-                    KT,
-                    ROWS_PER_WARPGROUP,
-                    ACTIVATION,
-                    ALPHA,
-                    HAS_LIMIT,
-                    LIMIT,
-                    NUM_STAGES,
-                ),
-            ),
-            (
-                _tall_loader,
-                ((x_desc, w_desc), ring, row0, first_row, first_row + INTER_SIZE, KT, 1, NUM_STAGES),
-            ),
+            (_channel_math, (ring, blocks, tiles, scales, h_out, KT, 0) + epilogue),
+            (_channel_math, (ring, blocks, tiles, scales, h_out, KT, ROWS_PER_WARPGROUP) + epilogue),
+            (_channel_loader, ((x_desc, w_desc), ring, blocks, tiles, KT, INTER_SIZE, GROUP_M, NUM_STAGES)),
         ],
         [4, 1],
         [MATH_REGISTERS, LOAD_REGISTERS],

@@ -152,24 +152,30 @@ def _tall_loader(
 ):
     """The producer partition (one warp): ring step t = pass * KT + k (PASSES passes over K) holds x's rows
     row_a on at K-step k, and the pass's 64 gate rows and 64 up rows (from gate_row + 64 * pass,
-    up_row + 64 * pass) as the halves of one weight stage
+    up_row + 64 * pass) as the halves of one weight stage."""
+    for t in range(PASSES * KT):
+        n = (t // KT) * HALF
+        _gate_up_step(descriptors, ring, t, t % KT, row_a, gate_row + n, up_row + n, NUM_STAGES)
+
+
+@gluon.jit
+def _gate_up_step(descriptors, ring, t, k, row_a, gate_row, up_row, NUM_STAGES: gl.constexpr):
+    """Ring step t: K-step k of x's rows row_a on, and of 64 gate rows and 64 up rows (from gate_row,
+    up_row) as the halves of one weight stage, once every consumer has handed the stage back
     (`wgmma_fp8._load_step`'s wait and expect; the halves are views of one stage, so the copies are
     written here: a view of the whole ring sliced along the rows does not compile)."""
     x_desc, w_desc = descriptors
     a_smem, b_smem, ready, empty = ring
     nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
-    for t in range(PASSES * KT):
-        s = t % NUM_STAGES
-        k = t % KT
-        n = (t // KT) * HALF
-        # A fresh barrier's phase 1 counts as complete: the first pass over the ring does not wait.
-        mbarrier.wait(empty.index(s), ((t // NUM_STAGES) & 1) ^ 1)
-        bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(x_desc, [row_a, k * SCALE_GROUP], bar, a_smem.index(s))
-        stage = b_smem.index(s)
-        tma.async_copy_global_to_shared(w_desc, [gate_row + n, k * SCALE_GROUP], bar, stage.slice(0, HALF))
-        tma.async_copy_global_to_shared(w_desc, [up_row + n, k * SCALE_GROUP], bar, stage.slice(HALF, HALF))
+    s = t % NUM_STAGES
+    # A fresh barrier's phase 1 counts as complete: the first pass over the ring does not wait.
+    mbarrier.wait(empty.index(s), ((t // NUM_STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(x_desc, [row_a, k * SCALE_GROUP], bar, a_smem.index(s))
+    stage = b_smem.index(s)
+    tma.async_copy_global_to_shared(w_desc, [gate_row, k * SCALE_GROUP], bar, stage.slice(0, HALF))
+    tma.async_copy_global_to_shared(w_desc, [up_row, k * SCALE_GROUP], bar, stage.slice(HALF, HALF))
 
 
 @gluon.jit
