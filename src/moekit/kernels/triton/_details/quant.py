@@ -31,6 +31,32 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
+def _row_values(src_ptr, row, stride_src, cols, mask, mult, HAS_ROW_MULT: tl.constexpr):
+    """Row `row` of `src` at `cols` in fp32 (0 where not `mask`), times the row's multiplier if it has one."""
+    v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROW_MULT:
+        v = v * mult
+    return v
+
+
+@triton.jit
+def _row_amax(
+    src_ptr, row, stride_src, mult, NUM_COLS: tl.constexpr, HAS_ROW_MULT: tl.constexpr, BLOCK: tl.constexpr
+):
+    """max |value| of row `row` of `src` (times its multiplier), BLOCK columns a step."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    # Loop bounds are constexpr: sizes H and I are fixed per model, and the Triton interpreter cannot
+    # loop over runtime bounds with numpy 2.
+    for c in range(0, NUM_COLS, BLOCK):
+        cols = c + offs
+        amax = tl.maximum(
+            amax, tl.abs(_row_values(src_ptr, row, stride_src, cols, cols < NUM_COLS, mult, HAS_ROW_MULT))
+        )
+    return tl.max(amax, axis=0)
+
+
+@triton.jit
 def _quant_fp8_rows(
     src_ptr,  # [R, C] float rows
     row_mult_ptr,  # fp32 [R] multiplier applied before quantizing (router weight, INPUT placement) or None
@@ -58,25 +84,14 @@ def _quant_fp8_rows(
     if HAS_ROW_MULT:
         mult = tl.load(row_mult_ptr + row)
     if row_amax_ptr is not None:
-        scale = _fp8_scale(tl.load(row_amax_ptr + row))
+        amax = tl.load(row_amax_ptr + row)
     else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        # Loop bounds are constexpr: sizes H and I are fixed per model, and the Triton interpreter cannot
-        # loop over runtime bounds with numpy 2.
-        for c in range(0, NUM_COLS, BLOCK):
-            cols = c + offs
-            mask = cols < NUM_COLS
-            v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_ROW_MULT:
-                v = v * mult
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = _fp8_scale(tl.max(amax, axis=0))
+        amax = _row_amax(src_ptr, row, stride_src, mult, NUM_COLS, HAS_ROW_MULT, BLOCK)
+    scale = _fp8_scale(amax)
     for c in range(0, NUM_COLS, BLOCK):
         cols = c + offs
         mask = cols < NUM_COLS
-        v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ROW_MULT:
-            v = v * mult
+        v = _row_values(src_ptr, row, stride_src, cols, mask, mult, HAS_ROW_MULT)
         tl.store(dst_ptr + row * stride_dst + cols, _fp8_codes(v, scale), mask=mask)
     tl.store(scale_ptr + row * stride_scale, scale)
 
@@ -103,9 +118,8 @@ def _quant_fp8_groups(
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = cols < NUM_COLS
-    v = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ROW_MULT:
-        v = v * tl.load(row_mult_ptr + row)
+    mult = tl.load(row_mult_ptr + row) if HAS_ROW_MULT else 1.0
+    v = _row_values(src_ptr, row, stride_src, cols, mask, mult, HAS_ROW_MULT)
     codes, scale = _fp8_group_codes(v)
     tl.store(dst_ptr + row * stride_dst + cols, codes, mask=mask)
     tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * 128 < NUM_COLS)
