@@ -6,7 +6,8 @@ Data flow: a kernel compiled for sm_90 (`hopper_compile.py`: the grouped GEMMs w
 `launch.py` would pass, the Gluon engines' GEMMs) -> `cuobjdump -sass` -> `properties` (local memory,
 wgmma operands, K-loop size against the work of a K-step) and `loop_report` (the K-loop's opcodes: the
 instructions between the loop's backward branch and its target); `ptxas_performance_warnings` (the codes
-of ptxas' "Potential Performance Loss" notes, e.g. C7513: every wgmma of a kernel serialized).
+of ptxas' "Potential Performance Loss" notes, e.g. C7513: every wgmma of a kernel serialized);
+`runtime_constexprs` (constexpr parameters of the kernel's functions that received a run-time value).
 
 Usage: python tools/sass_report.py --gemm 1 --format words --block 16,64,128 --warps 4 --stages 3
        python tools/sass_report.py --gemm 2 --format w8a8 --block 16,64,128 --swap-ab
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import inspect
 import io
 import os
 import re
@@ -187,6 +189,35 @@ def ptxas_performance_warnings(compile_kernel) -> list[str]:
     finally:
         triton.knobs.nvidia.dump_ptxas_log = dump
     return sorted(set(re.findall(r"\((C\d+)\) Potential Performance Loss", log.getvalue())))
+
+
+def runtime_constexprs(compile_kernel) -> list[str]:
+    """"function.PARAM" for every `constexpr` parameter of a jit or Gluon function that received a run-time
+    value while `compile_kernel()` compiled a kernel. Triton accepts one silently and generates code for a
+    value known only when the kernel runs: a tuple of constexprs bound to an unannotated name and passed on
+    turns them into tensors, so a ring index's modulo becomes an integer division and every branch of an
+    activation is compiled. A cached kernel is not compiled again: compile into an empty cache."""
+    from triton.compiler import code_generator
+    from triton.language import core
+
+    found: set[str] = set()
+    call = code_generator.CodeGenerator.call_JitFunction
+
+    def watched(self, fn, args, kwargs, caller_context=None):
+        args = list(args)  # a one-pass iterable where Gluon's warp_specialize calls its partitions
+        bound = inspect.getcallargs(fn.fn, *args, **kwargs)
+        for param in fn.params:
+            value = bound[param.name]
+            if param.is_constexpr and isinstance(value, core.tensor):
+                found.add(f"{fn.fn.__name__}.{param.name}")
+        return call(self, fn, args, kwargs, caller_context)
+
+    code_generator.CodeGenerator.call_JitFunction = watched
+    try:
+        compile_kernel()
+    finally:
+        code_generator.CodeGenerator.call_JitFunction = call
+    return sorted(found)
 
 
 def kernel_facts(kernel, instructions: list[tuple[int, str]] | None = None) -> dict:

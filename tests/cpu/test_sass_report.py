@@ -8,6 +8,7 @@ correctness of the word path rest on, not one compiler version's opcode counts, 
 one fails here before any device time is spent.
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -353,31 +354,62 @@ def test_words_decode_gemm_runs_its_k_loop_without_barrier_spill_or_register_mov
             assert row["registers"] <= 72, row
 
 
+@functools.cache
+def _gluon_compile_notes() -> dict:
+    """Per Gluon GEMM compiled for sm_90 into an empty cache: ptxas' performance notes and the constexpr
+    parameters that received run-time values (one compile serves both)."""
+    return compiled_json(["-c", _GLUON_NOTES])
+
+
 def test_gluon_gemms_compile_without_ptxas_performance_warnings():
     """ptxas' "Potential Performance Loss" notes for the Gluon engines' GEMMs compiled for sm_90: none. A
     C7513 (every wgmma of a kernel waited for before the next) costs no correctness and shows only as
     time; it went unnoticed in the W4A8 GEMM, whose K-loop order with the decode under the wgmmas (taken from
     `wgmma_w4a8.DECODE_UNDER_MMA_FROM_TOKENS_PER_EXPERT`, where it measured faster) still has it and is left
     out here."""
-    warnings = compiled_json(["-c", _PTXAS_WARNINGS])
-    assert warnings == {name: [] for name in warnings} and len(warnings) == 8, warnings
+    notes = _gluon_compile_notes()
+    warnings = {name: note["ptxas"] for name, note in notes.items()}
+    assert warnings == {name: [] for name in notes} and len(notes) == len(_GLUON_GEMMS), warnings
 
 
-_PTXAS_WARNINGS = """
+def test_gluon_gemms_take_every_constexpr_at_compile_time():
+    """No constexpr parameter of a Gluon GEMM's functions receives a run-time value. Triton accepts one
+    silently: the per-channel FP8 GEMM1 passed its epilogue's constexprs on as an unannotated tuple, so
+    each K-step's ring slot took an integer division and all four activations were compiled into a
+    run-time switch."""
+    notes = _gluon_compile_notes()
+    found = {name: note["runtime_constexprs"] for name, note in notes.items()}
+    assert found == {name: [] for name in notes} and len(notes) == len(_GLUON_GEMMS), found
+
+
+_GLUON_GEMMS = {
+    "fp8 gemm1": "hc.compile_wgmma_fp8_for_hopper(1)",
+    "fp8 gemm1 on 128 rows": "hc.compile_wgmma_fp8_for_hopper(1, gemm1_rows=128)",
+    "fp8 per-channel gemm1": "hc.compile_wgmma_fp8_for_hopper(1, gemm1_rows=128, per_channel=True)",
+    "fp8 gemm2": "hc.compile_wgmma_fp8_for_hopper(2)",
+    "fp8 per-channel gemm2": "hc.compile_wgmma_fp8_for_hopper(2, per_channel=True)",
+    "bf16 gemm1": "hc.compile_wgmma_bf16_gemm1_for_hopper()",
+    "bf16 gemm2": "hc.compile_wgmma_bf16_for_hopper(block_n=256)",
+    "words gemm1": "hc.compile_wgmma_words_for_hopper(1)",
+    "words gemm2": "hc.compile_wgmma_words_for_hopper(2)",
+    "w4a8 gemm1, decode after the wait": (
+        "hc.compile_wgmma_w4a8_for_hopper(1, hidden=2880, inter=2880, stages=5, decode_under_mma=False)"
+    ),
+}
+_GLUON_NOTES = (
+    """
 import json, os, tempfile
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cached kernel prints no ptxas log
 import hopper_compile as hc, sass_report
-kernels = {
-    "fp8 gemm1": lambda: hc.compile_wgmma_fp8_for_hopper(1),
-    "fp8 gemm1 on 128 rows": lambda: hc.compile_wgmma_fp8_for_hopper(1, gemm1_rows=128),
-    "fp8 gemm2": lambda: hc.compile_wgmma_fp8_for_hopper(2),
-    "bf16 gemm1": lambda: hc.compile_wgmma_bf16_gemm1_for_hopper(),
-    "bf16 gemm2": lambda: hc.compile_wgmma_bf16_for_hopper(block_n=256),
-    "words gemm1": lambda: hc.compile_wgmma_words_for_hopper(1),
-    "words gemm2": lambda: hc.compile_wgmma_words_for_hopper(2),
-    "w4a8 gemm1, decode after the wait": lambda: hc.compile_wgmma_w4a8_for_hopper(
-        1, hidden=2880, inter=2880, stages=5, decode_under_mma=False
-    ),
+kernels = {"""
+    + "".join(f"\n    {name!r}: lambda: {call}," for name, call in _GLUON_GEMMS.items())
+    + """
 }
-print(json.dumps({name: sass_report.ptxas_performance_warnings(fn) for name, fn in kernels.items()}))
+def notes(compile_kernel):
+    found = {}
+    def watched():
+        found["runtime_constexprs"] = sass_report.runtime_constexprs(compile_kernel)
+    return dict(ptxas=sass_report.ptxas_performance_warnings(watched), **found)
+print(json.dumps({name: notes(fn) for name, fn in kernels.items()}))
 """
+)

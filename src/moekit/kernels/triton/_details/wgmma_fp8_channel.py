@@ -157,7 +157,7 @@ def _fp8_channel_gemm1(
     ring = (a_smem, weight_stages[0], ready, empty)
     scales = (x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc)
     h_out = (h_ptr, stride_hm, row_amax_ptr)
-    epilogue = (INTER_SIZE, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, GROUP_M, NUM_STAGES)
+    epilogue: gl.constexpr = (INTER_SIZE, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, GROUP_M, NUM_STAGES)
     gl.warp_specialize(
         [
             (_channel_math, (ring, blocks, tiles, scales, h_out, KT, 0) + epilogue),
