@@ -192,7 +192,7 @@ def ptxas_performance_warnings(compile_kernel) -> list[str]:
 
 
 def runtime_constexprs(compile_kernel) -> list[str]:
-    """"function.PARAM" for every `constexpr` parameter of a jit or Gluon function that received a run-time
+    """`function.PARAM` for every `constexpr` parameter of a jit or Gluon function that received a run-time
     value while `compile_kernel()` compiled a kernel. Triton accepts one silently and generates code for a
     value known only when the kernel runs: a tuple of constexprs bound to an unannotated name and passed on
     turns them into tensors, so a ring index's modulo becomes an integer division and every branch of an

@@ -157,6 +157,7 @@ def _fp8_channel_gemm1(
     ring = (a_smem, weight_stages[0], ready, empty)
     scales = (x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc)
     h_out = (h_ptr, stride_hm, row_amax_ptr)
+    # Annotated: a tuple bound to an unannotated name hands its constexprs on as run-time values.
     epilogue: gl.constexpr = (INTER_SIZE, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, GROUP_M, NUM_STAGES)
     gl.warp_specialize(
         [
