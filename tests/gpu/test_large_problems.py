@@ -23,7 +23,8 @@ from moekit.presets import cap_experts  # noqa: E402
 from moekit.reference import relative_l2_error, tolerance  # noqa: E402
 from moekit.synthetic import random_batch, random_layer  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+# Each case holds tens of GiB (x, h and y past 2**31 elements): beside parallel workers it can run out.
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu]
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 CASES = {"qwen3-30b-a3b": (None, 140_000), "deepseek-v3": (32, 40_000)}
 

@@ -158,6 +158,7 @@ def test_almost_zero_activation_groups(t):
         _assert_close(_run(spec, weights, x, routing, config), expected, spec, f"tiny groups T={t} {config}")
 
 
+@pytest.mark.whole_gpu  # 256 experts' weights and their fp32 reference: about 28 GiB
 def test_full_deepseek_shape_matches_reference():
     # The real expert count and shapes (256 experts, H 7168, I 2048) at a prefill size.
     spec = preset("deepseek-v3")
