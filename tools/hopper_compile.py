@@ -203,7 +203,7 @@ def compile_wgmma_fp8_for_hopper(
             w_desc=descriptor([host.CHANNEL_GEMM1_COLUMNS, host.TILE_K]),
             x_scale_ptr="*fp32",
             w_scale_ptr="*fp32",
-            h_ptr="*fp32",
+            h_desc=_descriptor_type([host.GEMM1_ROWS, host.CHANNEL_GEMM1_COLUMNS], gl.float32, "fp32"),
             row_amax_ptr="*fp32",
             **paired,
         )

@@ -190,9 +190,11 @@ def test_gluon_kernels_compile_for_sm90_without_spills_and_keep_one_mma_in_fligh
         assert fact["local_bytes"] == 0, (name, fact)
         # The 128-row GEMM1 keeps a few values on the stack (10 local memory instructions in all): stored
         # before its register budget is raised, and reloaded by its second math warpgroup, two a window
-        # of two K-steps (an L1 hit against 8 wgmma). The other kernels have none.
+        # of two K-steps (an L1 hit against 8 wgmma). The per-channel GEMM1 keeps one (stored before the
+        # register budget is raised, reloaded outside the K-loop). The others have none.
         tall = name == "1/128"
-        assert fact["local_memory_ops"] <= (10 if tall else 0), (name, fact)
+        allowed = {"1/128": 10, "1/128/channel": 2}.get(name, 0)
+        assert fact["local_memory_ops"] <= allowed, (name, fact)
         assert max(fact["k_loop_spills"]) <= (2 if tall else 0), (name, fact)
         assert fact["shared"] <= 232448, (name, fact)
         assert 1 in fact["waits"], (name, fact)

@@ -182,6 +182,14 @@ def fp8_rows(tensor: torch.Tensor, rows: int):
     return gluon.tensor_descriptor.from_tensor(tensor, block, layout)
 
 
+def fp32_rows(tensor: torch.Tensor, rows: int, columns: int):
+    """A TMA descriptor of fp32 `tensor` [R, C] written in [rows, columns] tiles."""
+    gluon = _gluon_hopper()
+    block = [rows, columns]
+    layout = gluon.gl.NVMMASharedLayout.get_default_for(block, gluon.gl.float32)
+    return gluon.tensor_descriptor.from_tensor(tensor, block, layout)
+
+
 def wgmma_fp8_moe(
     x: torch.Tensor,
     weights: ExpertWeights,
@@ -262,7 +270,7 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
         w_desc=fp8_rows(weights.w13.reshape(-1, spec.H), CHANNEL_GEMM1_COLUMNS),  # fp8 [E_local * 2I, H]
         x_scale_ptr=xs,  # fp32 [R, 1]
         w_scale_ptr=scales,
-        h_ptr=h,  # fp32 [R, I]
+        h_desc=fp32_rows(h, GEMM1_ROWS, CHANNEL_GEMM1_COLUMNS),  # fp32 [R, I]
         row_amax_ptr=row_amax,  # fp32 [R] or None
         block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
         block_start_ptr=blocks.block_start,  # int32 [max_blocks]
@@ -271,7 +279,6 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
         stride_xsm=xs.stride(0),
         stride_wse=scales.stride(0),
         stride_wsc=_column_stride(scales),
-        stride_hm=h.stride(0),
         HIDDEN=spec.H,
         INTER_SIZE=spec.I,
         **activation_constexprs(spec.activation),

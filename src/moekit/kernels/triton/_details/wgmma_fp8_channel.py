@@ -12,7 +12,10 @@ the second warpgroup then only hands the ring's stages back.
 
 h is written unquantized in fp32 (the reference quantizes h from fp32): its per-token scale needs the
 whole row of I, which no tile holds, so `quantize.quantize_rows` quantizes it between the GEMMs. Each
-tile folds its rows' max |h| into a per-row maximum (an atomic max), so that pass reads h once.
+tile folds its rows' max |h| into a per-row maximum (an atomic max), so that pass reads h once. Each
+warpgroup stages its [64, 64] of h in shared memory and a TMA store writes it out while the warpgroup
+runs the next tile's K-loop: every SM finishes its tiles at about the same time, and stores from
+registers held both warpgroups (so the tensor cores) until their 32 KiB a tile had gone.
 """
 
 from moekit.kernels.triton._details.gemm import _grouped_pid
@@ -27,6 +30,7 @@ from moekit.kernels.triton._details.wgmma_fp8 import (
 from moekit.kernels.triton._details.wgmma_fp8_gemm1_tall import HALF, _gate_up_step, _half_h
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 
 @gluon.jit
@@ -60,13 +64,13 @@ def _channel_math(
     """One math warpgroup, each of the program's tiles in turn (the ring's steps counted on across tiles):
     rows [ROW0, ROW0 + 64) of the tile's block, act(gate, up) of its 64 columns stored in fp32, or only
     the ring's stages handed back if those rows are past the expert's end. `scales`: x's per-token scales
-    and row stride, the weight scales, their expert and per-row strides (0 per tensor); `h_out`: h and
-    its row stride, and each row's max |h| (fp32 [R], zeros before the launch; None: not kept)."""
+    and row stride, the weight scales, their expert and per-row strides (0 per tensor); `h_out`: h's TMA
+    descriptor, this warpgroup's [64, 64] staging buffer, and each row's max |h| (fp32 [R], zeros before
+    the launch; None: not kept)."""
     x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc = scales
-    h_ptr, stride_hm, row_amax_ptr = h_out
+    h_desc, h_stage, row_amax_ptr = h_out
     BN: gl.constexpr = 2 * HALF
     layout: gl.constexpr = _mma_layout(BN)
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 16 bytes a thread
     t0 = 0
     for tile in range(tiles[0], tiles[2], tiles[1]):
         row0, expert, rows_end, pid_n = _tile(tile, blocks, tiles, INTER_SIZE, GROUP_M)
@@ -83,16 +87,17 @@ def _channel_math(
             col_scale = gl.load(w_scale_ptr + expert.to(gl.int64) * stride_wse + weight_rows * stride_wsc)
             scaled = acc * row_scale[:, None] * col_scale[None, :]
             h = _half_h(scaled, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT)
-            rows = gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, store_layout))
-            cols = pid_n * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, store_layout))
-            at = h_ptr + first * stride_hm + (rows * stride_hm)[:, None] + cols[None, :]
-            gl.store(at, gl.convert_layout(h, store_layout))
+            tma.store_wait(0)  # the previous tile's h has left the staging buffer
+            h_stage.store(h)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(h_desc, [row0 + ROW0, pid_n * HALF], h_stage)
             if row_amax_ptr is not None:
                 # |h| >= 0: the float maximum is the integer one, which every tile of the row folds in.
                 amax = gl.max(gl.abs(h), axis=1)
                 at_rows = first + gl.arange(0, ROWS_PER_WARPGROUP, layout=amax.type.layout)
                 gl.atomic_max(row_amax_ptr + at_rows, amax, sem="relaxed")
         t0 += KT
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -123,7 +128,7 @@ def _fp8_channel_gemm1(
     w_desc,  # fp8 [E_local * 2I, H], block [64, 128]
     x_scale_ptr,  # fp32 [R, 1]: per token
     w_scale_ptr,  # fp32 [E_local, 2I] per channel, or [E_local] per tensor (stride_wsc 0)
-    h_ptr,  # out fp32 [R, I]
+    h_desc,  # out fp32 [R, I], block [64, 64]
     row_amax_ptr,  # out fp32 [R]: each row's max |h| (zeros before the launch), or None
     block_expert_ptr,  # int32 [max_blocks]
     block_start_ptr,  # int32 [max_blocks]
@@ -132,7 +137,6 @@ def _fp8_channel_gemm1(
     stride_xsm,
     stride_wse,
     stride_wsc,
-    stride_hm,
     HIDDEN: gl.constexpr,
     INTER_SIZE: gl.constexpr,
     ACTIVATION: gl.constexpr,
@@ -149,6 +153,7 @@ def _fp8_channel_gemm1(
     program a tile when the grid covers them all, persistent when it is one an SM)."""
     gl.static_assert(w_desc.block_type.shape[0] == HALF)
     gl.static_assert(x_desc.block_type.shape[0] == 2 * ROWS_PER_WARPGROUP)
+    gl.static_assert(h_desc.block_type.shape[0] == ROWS_PER_WARPGROUP and h_desc.block_type.shape[1] == HALF)
     KT: gl.constexpr = HIDDEN // SCALE_GROUP
     num_valid = gl.load(num_blocks_ptr)
     tiles = (gl.program_id(0), gl.num_programs(0), num_valid * (INTER_SIZE // HALF), num_valid)
@@ -156,13 +161,15 @@ def _fp8_channel_gemm1(
     a_smem, weight_stages, ready, empty = _ring(x_desc, w_desc, 1, 2, NUM_STAGES, 2)
     ring = (a_smem, weight_stages[0], ready, empty)
     scales = (x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc)
-    h_out = (h_ptr, stride_hm, row_amax_ptr)
+    stages = gl.allocate_shared_memory(gl.float32, [2, ROWS_PER_WARPGROUP, HALF], h_desc.layout)
+    first_out = (h_desc, stages.index(0), row_amax_ptr)  # a staging buffer a math warpgroup
+    second_out = (h_desc, stages.index(1), row_amax_ptr)
     # Annotated: a tuple bound to an unannotated name hands its constexprs on as run-time values.
     epilogue: gl.constexpr = (INTER_SIZE, ACTIVATION, ALPHA, HAS_LIMIT, LIMIT, GROUP_M, NUM_STAGES)
     gl.warp_specialize(
         [
-            (_channel_math, (ring, blocks, tiles, scales, h_out, KT, 0) + epilogue),
-            (_channel_math, (ring, blocks, tiles, scales, h_out, KT, ROWS_PER_WARPGROUP) + epilogue),
+            (_channel_math, (ring, blocks, tiles, scales, first_out, KT, 0) + epilogue),
+            (_channel_math, (ring, blocks, tiles, scales, second_out, KT, ROWS_PER_WARPGROUP) + epilogue),
             (_channel_loader, ((x_desc, w_desc), ring, blocks, tiles, KT, INTER_SIZE, GROUP_M, NUM_STAGES)),
         ],
         [4, 1],
