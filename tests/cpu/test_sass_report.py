@@ -395,6 +395,8 @@ _GLUON_GEMMS = {
     "w4a8 gemm1, decode after the wait": (
         "hc.compile_wgmma_w4a8_for_hopper(1, hidden=2880, inter=2880, stages=5, decode_under_mma=False)"
     ),
+    "words decode gemm1": "hc.compile_words_decode_for_hopper(1)",
+    "words decode gemm2": "hc.compile_words_decode_for_hopper(2)",
 }
 _GLUON_NOTES = (
     """
