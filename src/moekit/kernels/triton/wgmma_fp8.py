@@ -53,13 +53,6 @@ TILE_N = 128  # one weight scale block (and one h scale group) a tile
 GEMM1_ROWS = 64  # one M-block of GEMM1: the gate and the up warpgroup each hold 64 x 128
 CHANNEL_GEMM1_ROWS = 2 * GEMM1_ROWS  # the per-channel GEMM1's block: GEMM2's paired 128-row blocks
 CHANNEL_GEMM1_COLUMNS = 64  # h columns a per-channel GEMM1 tile: 64 gate and 64 up weight rows
-# The per-channel GEMM1 one program an SM walking the tiles (its ring running on from one tile into the
-# next), else a program a tile. Its tiles are short (H / 128 K-steps), so a program a tile left each ring
-# fill and epilogue exposed: persistence measured 4 - 9 % shorter on an H100 (docs/performance.md).
-CHANNEL_GEMM1_PERSISTENT = True
-# The per-channel GEMM1 keeps each row's max |h| (atomic max), so the per-token quantization reads h once
-# instead of twice. That pass then runs at the copy rate; the atomic max costs GEMM1 under 3 %.
-CHANNEL_ROW_AMAX = True
 # setmaxnreg budgets: the math warpgroups hold the accumulator, the retired and the in-flight
 # product (3 x 64 fp32 a thread); the one-warp TMA producer needs few.
 MATH_REGISTERS = 232
@@ -168,25 +161,22 @@ def wgmma_fp8_workspace_bytes(spec: MoESpec, num_tokens: int) -> int:
     return int(sorted_rows) + h_fp32 + y + 16 * pairs + 4 * rows
 
 
-@functools.cache  # asked at every launch of the persistent GEMM2
+@functools.cache  # asked at every launch of the persistent GEMMs
 def multiprocessors(device: torch.device) -> int:
-    """The SM count of `device`: the persistent GEMM2's grid."""
+    """The SM count of `device`: the persistent GEMMs' grid."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_rows(tensor: torch.Tensor, rows: int):
     """A TMA descriptor of fp8 `tensor` [R, C] read in [rows, 128] tiles."""
-    gluon = _gluon_hopper()
-    block = [rows, TILE_K]
-    layout = gluon.gl.NVMMASharedLayout.get_default_for(block, gluon.gl.float8e4nv)
-    return gluon.tensor_descriptor.from_tensor(tensor, block, layout)
+    return tma_tiles(tensor, [rows, TILE_K])
 
 
-def fp32_rows(tensor: torch.Tensor, rows: int, columns: int):
-    """A TMA descriptor of fp32 `tensor` [R, C] written in [rows, columns] tiles."""
+def tma_tiles(tensor: torch.Tensor, block: list[int]):
+    """A TMA descriptor of fp8 or fp32 `tensor` [R, C] in `block` tiles, the default shared layout."""
     gluon = _gluon_hopper()
-    block = [rows, columns]
-    layout = gluon.gl.NVMMASharedLayout.get_default_for(block, gluon.gl.float32)
+    element = {torch.float8_e4m3fn: gluon.gl.float8e4nv, torch.float32: gluon.gl.float32}[tensor.dtype]
+    layout = gluon.gl.NVMMASharedLayout.get_default_for(block, element)
     return gluon.tensor_descriptor.from_tensor(tensor, block, layout)
 
 
@@ -260,18 +250,22 @@ def _channel_gemm1(xq, xs, weights, aligned, blocks, *, spec: MoESpec, tuning: d
     FP8 codes [R, I] and per-token scales [R, 1] (the rows of pairs only: GEMM2 computes padding rows
     from whatever they hold and never stores them)."""
     h = torch.empty(xq.shape[0], spec.I, dtype=torch.float32, device=xq.device)
-    row_amax = torch.zeros(xq.shape[0], dtype=torch.float32, device=xq.device) if CHANNEL_ROW_AMAX else None
+    # Each row's max |h|, kept by GEMM1 (an atomic max), so the per-token quantization reads h once instead
+    # of twice: that pass then runs at the copy rate, and the atomic max costs GEMM1 under 3 %.
+    row_amax = torch.zeros(xq.shape[0], dtype=torch.float32, device=xq.device)
     scales = weights.w13_scale  # fp32 [E_local, 2I] or [E_local]
-    # At most this many tiles; the valid ones are counted on the device.
+    # Persistent, one program an SM walking at most this many tiles (the valid ones counted on the device),
+    # its ring running on from one tile into the next: the tiles are short (H / 128 K-steps), and a program
+    # a tile left each ring fill and epilogue exposed (4 - 9 % longer on an H100, docs/performance.md).
     tiles = blocks.max_blocks * (spec.I // CHANNEL_GEMM1_COLUMNS)
-    grid = min(tiles, multiprocessors(xq.device)) if CHANNEL_GEMM1_PERSISTENT else tiles
+    grid = min(tiles, multiprocessors(xq.device))
     _gluon_hopper().channel_gemm1[(grid,)](
         x_desc=fp8_rows(xq, CHANNEL_GEMM1_ROWS),  # fp8 [R, H]
         w_desc=fp8_rows(weights.w13.reshape(-1, spec.H), CHANNEL_GEMM1_COLUMNS),  # fp8 [E_local * 2I, H]
         x_scale_ptr=xs,  # fp32 [R, 1]
         w_scale_ptr=scales,
-        h_desc=fp32_rows(h, GEMM1_ROWS, CHANNEL_GEMM1_COLUMNS),  # fp32 [R, I]
-        row_amax_ptr=row_amax,  # fp32 [R] or None
+        h_desc=tma_tiles(h, [GEMM1_ROWS, CHANNEL_GEMM1_COLUMNS]),  # fp32 [R, I]
+        row_amax_ptr=row_amax,  # fp32 [R]
         block_expert_ptr=blocks.block_expert,  # int32 [max_blocks]
         block_start_ptr=blocks.block_start,  # int32 [max_blocks]
         num_blocks_ptr=blocks.num_valid_blocks,  # int32 [1]

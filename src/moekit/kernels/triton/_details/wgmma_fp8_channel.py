@@ -67,7 +67,7 @@ def _channel_math(
     the ring's stages handed back if those rows are past the expert's end. `scales`: x's per-token scales
     and row stride, the weight scales, their expert and per-row strides (0 per tensor); `h_out`: h's TMA
     descriptor, this warpgroup's [64, 64] staging buffer, and each row's max |h| (fp32 [R], zeros before
-    the launch; None: not kept)."""
+    the launch)."""
     x_scale_ptr, stride_xsm, w_scale_ptr, stride_wse, stride_wsc = scales
     h_desc, h_stage, row_amax_ptr = h_out
     BN: gl.constexpr = 2 * HALF
@@ -92,11 +92,10 @@ def _channel_math(
             h_stage.store(h)
             fence_async_shared()
             tma.async_copy_shared_to_global(h_desc, [row0 + ROW0, pid_n * HALF], h_stage)
-            if row_amax_ptr is not None:
-                # |h| >= 0: the float maximum is the integer one, which every tile of the row folds in.
-                amax = gl.max(gl.abs(h), axis=1)
-                at_rows = first + gl.arange(0, ROWS_PER_WARPGROUP, layout=amax.type.layout)
-                gl.atomic_max(row_amax_ptr + at_rows, amax, sem="relaxed")
+            # |h| >= 0: the float maximum is the integer one, which every tile of the row folds in.
+            amax = gl.max(gl.abs(h), axis=1)
+            at_rows = first + gl.arange(0, ROWS_PER_WARPGROUP, layout=amax.type.layout)
+            gl.atomic_max(row_amax_ptr + at_rows, amax, sem="relaxed")
         t0 += KT
     tma.store_wait(0)
 
@@ -130,7 +129,7 @@ def _fp8_channel_gemm1(
     x_scale_ptr,  # fp32 [R, 1]: per token
     w_scale_ptr,  # fp32 [E_local, 2I] per channel, or [E_local] per tensor (stride_wsc 0)
     h_desc,  # out fp32 [R, I], block [64, 64]
-    row_amax_ptr,  # out fp32 [R]: each row's max |h| (zeros before the launch), or None
+    row_amax_ptr,  # out fp32 [R]: each row's max |h| (zeros before the launch)
     block_expert_ptr,  # int32 [max_blocks]
     block_start_ptr,  # int32 [max_blocks]
     num_blocks_ptr,  # int32 [1]
